@@ -1,0 +1,1 @@
+"""Ensemble scheduling: pipelines whose steps are other models."""

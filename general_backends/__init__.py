@@ -1,0 +1,1 @@
+"""General-model backends (Python models, ONNX Runtime, FIL, PyTorch, TensorRT) under the batchers."""

@@ -1,0 +1,1 @@
+"""LLM backends: engines with their own continuous batching, adapted to the backend API."""

@@ -1,0 +1,3 @@
+"""tideserve core: model repository, backend API, schedulers, DataPlane, frontends, CLI."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,131 @@
+"""The server process: repository, DataPlane and the HTTP, gRPC and metrics endpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.responses import Response
+from starlette.routing import Route
+
+from .backend import BackendRegistry
+from .dataplane import DataPlane
+from .repository import ControlMode, ModelRepository
+from .stats import Metrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerOptions:
+    """Settings of one server process; the CLI flags map onto these one to one."""
+
+    model_repositories: list[Path]
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    allow_http: bool = True
+    allow_grpc: bool = True
+    allow_metrics: bool = True
+    model_control_mode: ControlMode = ControlMode.NONE
+    load_models: list[str] = field(default_factory=list)
+    repository_poll_secs: float = 15.0
+    exit_timeout_secs: float = 30.0
+    strict_readiness: bool = True
+    http_max_input_size: int = 64 * 1024 * 1024
+    log_verbose: int = 0
+
+
+class _EmbeddedUvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling: the Server decides when to stop."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+class Server:
+    def __init__(self, options: ServerOptions, backends: BackendRegistry | None = None) -> None:
+        self.options = options
+        self.metrics = Metrics()
+        self.backends = backends or BackendRegistry()
+        self.repository = ModelRepository(options.model_repositories, self.backends, self.metrics,
+                                          options.model_control_mode, options.load_models)
+        self.dataplane = DataPlane(self.repository, self.metrics, strict_readiness=options.strict_readiness)
+        self._uvicorns: list[_EmbeddedUvicorn] = []
+        self._serving: list[asyncio.Task] = []     # uvicorn servers
+        self._background: list[asyncio.Task] = []  # repository polling
+        self._grpc = None
+        self._stop = asyncio.Event()
+
+    async def start(self) -> None:
+        opts = self.options
+        await self.repository.start()
+        if opts.model_control_mode is ControlMode.POLL:
+            self._background.append(asyncio.create_task(self.repository.poll_forever(opts.repository_poll_secs)))
+        if opts.allow_http:
+            from .http import create_app
+            await self._start_uvicorn(create_app(self.dataplane, max_input_size=opts.http_max_input_size),
+                                      opts.http_port)
+        if opts.allow_grpc:
+            from .grpc import start_grpc_server
+            self._grpc = await start_grpc_server(self.dataplane, opts.host, opts.grpc_port)
+        if opts.allow_metrics:
+            await self._start_uvicorn(self._metrics_app(), opts.metrics_port)
+        log.info("tideserve ready: HTTP %s:%d, gRPC %s:%d, metrics %s:%d", opts.host, opts.http_port,
+                 opts.host, opts.grpc_port, opts.host, opts.metrics_port)
+
+    def _metrics_app(self) -> Starlette:
+        registry = self.metrics.registry
+
+        async def metrics(_request):
+            return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+        return Starlette(routes=[Route("/metrics", metrics)])
+
+    async def _start_uvicorn(self, app, port: int) -> None:
+        config = uvicorn.Config(app, host=self.options.host, port=port, log_level="warning",
+                                access_log=self.options.log_verbose > 1, lifespan="off",
+                                timeout_graceful_shutdown=1, limit_concurrency=None, backlog=4096)
+        server = _EmbeddedUvicorn(config)
+        task = asyncio.create_task(server.serve())
+        while not server.started:
+            if task.done():
+                task.result()  # re-raises the bind error
+                raise RuntimeError(f"HTTP server on port {port} stopped during start-up")
+            await asyncio.sleep(0.01)
+        self._uvicorns.append(server)
+        self._serving.append(task)
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def stop(self) -> None:
+        """Refuse new requests, drain in-flight ones up to the exit timeout, then shut down."""
+        self.dataplane.accepting = False
+        await self.repository.shutdown(drain_timeout=self.options.exit_timeout_secs)
+        if self._grpc is not None:
+            await self._grpc.stop(grace=1)
+        for task in self._background:
+            task.cancel()
+        for server in self._uvicorns:
+            server.should_exit = True
+        await asyncio.gather(*self._background, *self._serving, return_exceptions=True)
+
+    async def run(self) -> None:
+        """Start, serve until SIGINT / SIGTERM, then stop gracefully."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.request_stop)
+        await self.start()
+        await self._stop.wait()
+        log.info("shutting down: draining in-flight requests (up to %.0fs)", self.options.exit_timeout_secs)
+        await self.stop()

@@ -1,0 +1,184 @@
+"""The backend API: a Backend makes Models; a Model makes one ModelInstance per instance slot.
+
+A backend is a class registered under the entry-point group ``tideserve.backends`` with the name
+that model configs use (``backend: "python"``). Lifecycle hooks may be plain or ``async``;
+plain ones run on worker threads so the event loop never waits on them.
+
+``ModelInstance.execute(requests)`` receives a batch. Each request carries a
+:class:`~server.responses.ResponseSender`; a backend either answers through it (required for
+decoupled models, which send 0..N responses and then FINAL) or returns a list with one
+:class:`~server.types.InferenceResponse` per request, which the scheduler sends as final.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import inspect
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from .errors import Unavailable
+
+if TYPE_CHECKING:
+    from tritonclient.grpc import model_config_pb2
+
+    from .dataplane import DataPlane
+    from .types import InferenceRequest, InferenceResponse
+
+log = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "tideserve.backends"
+
+
+async def call_hook(fn: Callable, *args: Any, executor: ThreadPoolExecutor | None = None) -> Any:
+    """Await ``fn(*args)`` if it is a coroutine function, else run it on a worker thread."""
+    if inspect.iscoroutinefunction(fn):
+        return await fn(*args)
+    return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+
+
+@dataclass
+class ModelContext:
+    """Everything a backend needs to build a model."""
+
+    name: str
+    version: int
+    config: "model_config_pb2.ModelConfig"
+    model_path: Path  # <repository>/<model>
+    dataplane: "DataPlane | None" = None  # for models that call other models (BLS)
+
+    @property
+    def version_path(self) -> Path:
+        return self.model_path / str(self.version)
+
+    @property
+    def decoupled(self) -> bool:
+        return self.config.model_transaction_policy.decoupled
+
+    def parameter(self, key: str, default: str | None = None) -> str | None:
+        """String value of ``parameters { key: ... value: { string_value: ... } }``."""
+        if key in self.config.parameters:
+            return self.config.parameters[key].string_value
+        return default
+
+
+@dataclass
+class InstanceContext:
+    """One slot of an instance group."""
+
+    name: str  # e.g. "add_sub_0_1": <group name>_<slot>
+    kind: str  # KIND_CPU, KIND_GPU, KIND_MODEL, KIND_AUTO
+    device_id: int
+    index: int  # position among all instances of the model
+    group_name: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class ModelInstance:
+    """One execution slot of a model. Override :meth:`execute` (plain or ``async``)."""
+
+    def __init__(self, model: "Model", ctx: InstanceContext) -> None:
+        self.model = model
+        self.ctx = ctx
+
+    def initialize(self) -> None:
+        """Prepare the instance (load weights onto its device, open a session...)."""
+
+    def execute(self, requests: "list[InferenceRequest]") -> "list[InferenceResponse] | None":
+        raise NotImplementedError(f"{type(self).__name__} does not implement execute()")
+
+    def finalize(self) -> None:
+        """Release what :meth:`initialize` acquired."""
+
+
+class Model:
+    """State shared by the instances of one model version."""
+
+    instance_class: type[ModelInstance] = ModelInstance
+
+    def __init__(self, backend: "Backend", ctx: ModelContext) -> None:
+        self.backend = backend
+        self.ctx = ctx
+
+    @property
+    def config(self) -> "model_config_pb2.ModelConfig":
+        return self.ctx.config
+
+    def auto_complete_config(self) -> None:
+        """Fill in what the config leaves out (inputs, outputs, max_batch_size); edit in place."""
+
+    def initialize(self) -> None:
+        """Load what all instances share."""
+
+    def create_instance(self, ctx: InstanceContext) -> ModelInstance:
+        return self.instance_class(self, ctx)
+
+    def finalize(self) -> None:
+        """Release what :meth:`initialize` acquired."""
+
+
+class Backend:
+    """A named family of models. One Backend object per server, made on first use."""
+
+    name: str = ""
+    model_class: type[Model] = Model
+
+    def initialize(self) -> None:
+        """Once, before the first model of this backend loads."""
+
+    def create_model(self, ctx: ModelContext) -> Model:
+        return self.model_class(self, ctx)
+
+    def finalize(self) -> None:
+        """Once, at server shutdown."""
+
+
+class BackendRegistry:
+    """Finds backends by name: explicit registrations first, then package entry points."""
+
+    def __init__(self) -> None:
+        self._classes: dict[str, type[Backend]] = {}
+        self._backends: dict[str, Backend] = {}
+        self._lock = asyncio.Lock()
+
+    def register(self, name: str, backend_class: type[Backend]) -> None:
+        self._classes[name] = backend_class
+
+    def _find_class(self, name: str) -> type[Backend]:
+        if name in self._classes:
+            return self._classes[name]
+        for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            if entry.name == name:
+                try:
+                    backend_class = entry.load()
+                except Exception as exc:  # an optional dependency may be missing
+                    raise Unavailable(f"backend '{name}' failed to import: {type(exc).__name__}: {exc}") from exc
+                self._classes[name] = backend_class
+                return backend_class
+        raise Unavailable(f"unknown backend '{name}': no backend of that name is installed")
+
+    def names(self) -> list[str]:
+        found = {e.name for e in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+        return sorted(found | set(self._classes))
+
+    async def get(self, name: str) -> Backend:
+        async with self._lock:
+            backend = self._backends.get(name)
+            if backend is None:
+                backend = self._find_class(name)()
+                backend.name = backend.name or name
+                await call_hook(backend.initialize)
+                self._backends[name] = backend
+            return backend
+
+    async def finalize(self) -> None:
+        for name, backend in list(self._backends.items()):
+            try:
+                await call_hook(backend.finalize)
+            except Exception:
+                log.exception("backend '%s' failed to finalize", name)
+        self._backends.clear()

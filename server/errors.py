@@ -1,0 +1,100 @@
+"""Errors that carry a protocol-neutral status; frontends map them to HTTP codes / gRPC status."""
+
+from __future__ import annotations
+
+import enum
+
+
+class Status(enum.Enum):
+    """Status of a failed operation, mirroring Triton's TRITONSERVER_Error codes."""
+
+    INVALID_ARG = "INVALID_ARG"
+    NOT_FOUND = "NOT_FOUND"
+    UNAVAILABLE = "UNAVAILABLE"
+    UNSUPPORTED = "UNSUPPORTED"
+    ALREADY_EXISTS = "ALREADY_EXISTS"
+    CANCELLED = "CANCELLED"
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+    INTERNAL = "INTERNAL"
+
+    @property
+    def http_code(self) -> int:
+        return _HTTP_CODES[self]
+
+    @property
+    def grpc_name(self) -> str:
+        """Name of the matching ``grpc.StatusCode`` member."""
+        return _GRPC_NAMES[self]
+
+
+_HTTP_CODES = {
+    Status.INVALID_ARG: 400,
+    Status.NOT_FOUND: 404,
+    Status.UNAVAILABLE: 503,
+    Status.UNSUPPORTED: 501,
+    Status.ALREADY_EXISTS: 409,
+    Status.CANCELLED: 499,
+    Status.DEADLINE_EXCEEDED: 504,
+    Status.INTERNAL: 500,
+}
+
+_GRPC_NAMES = {
+    Status.INVALID_ARG: "INVALID_ARGUMENT",
+    Status.NOT_FOUND: "NOT_FOUND",
+    Status.UNAVAILABLE: "UNAVAILABLE",
+    Status.UNSUPPORTED: "UNIMPLEMENTED",
+    Status.ALREADY_EXISTS: "ALREADY_EXISTS",
+    Status.CANCELLED: "CANCELLED",
+    Status.DEADLINE_EXCEEDED: "DEADLINE_EXCEEDED",
+    Status.INTERNAL: "INTERNAL",
+}
+
+
+class ServerError(Exception):
+    """An error with a status; its message is safe to show to a client."""
+
+    status: Status = Status.INTERNAL
+
+    def __init__(self, message: str, status: Status | None = None):
+        super().__init__(message)
+        self.message = message
+        if status is not None:
+            self.status = status
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class InvalidArgument(ServerError):
+    status = Status.INVALID_ARG
+
+
+class NotFound(ServerError):
+    status = Status.NOT_FOUND
+
+
+class Unavailable(ServerError):
+    status = Status.UNAVAILABLE
+
+
+class Unsupported(ServerError):
+    status = Status.UNSUPPORTED
+
+
+class Cancelled(ServerError):
+    status = Status.CANCELLED
+
+
+class DeadlineExceeded(ServerError):
+    status = Status.DEADLINE_EXCEEDED
+
+
+class InternalError(ServerError):
+    status = Status.INTERNAL
+
+
+def as_server_error(exc: BaseException) -> ServerError:
+    """Wrap any exception raised by a backend as a ServerError with a readable message."""
+    if isinstance(exc, ServerError):
+        return exc
+    return InternalError(f"{type(exc).__name__}: {exc}")

@@ -1,0 +1,291 @@
+"""The model repository: Triton's layout, version policies and model control modes.
+
+Each model loads and unloads on its own: a model that fails is UNAVAILABLE with its reason
+and every other model keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import enum
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tritonclient.grpc import model_config_pb2 as mc
+
+from . import config as config_module
+from .backend import BackendRegistry, ModelContext
+from .errors import InvalidArgument, NotFound, ServerError, Unavailable, Unsupported, as_server_error
+from .runtime import ModelRuntime, ModelState
+from .stats import Metrics
+
+if TYPE_CHECKING:
+    from .dataplane import DataPlane
+
+log = logging.getLogger(__name__)
+
+
+class ControlMode(str, enum.Enum):
+    NONE = "none"
+    POLL = "poll"
+    EXPLICIT = "explicit"
+
+
+@dataclass
+class ModelEntry:
+    """What the repository knows of one model name."""
+
+    name: str
+    versions: dict[int, ModelRuntime] = field(default_factory=dict)
+    state: str = ""  # "" until a load was tried
+    reason: str = ""
+    signature: tuple = ()
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+def check_model_name(name: str) -> None:
+    """Reject names that would leave the repository directory."""
+    if (not name or name in (".", "..") or "/" in name or "\\" in name or "\x00" in name
+            or os.path.isabs(name)):
+        raise InvalidArgument(f"invalid model name '{name}': it must be a plain directory name")
+
+
+def available_versions(model_dir: Path) -> list[int]:
+    versions = []
+    for child in model_dir.iterdir():
+        if child.is_dir() and child.name.isdigit():
+            versions.append(int(child.name))
+    return sorted(versions)
+
+
+def select_versions(policy: mc.ModelVersionPolicy, versions: list[int]) -> list[int]:
+    which = policy.WhichOneof("policy_choice")
+    if which == "all":
+        return list(versions)
+    if which == "specific":
+        wanted = set(policy.specific.versions)
+        return [v for v in versions if v in wanted]
+    count = policy.latest.num_versions if which == "latest" else 1
+    return versions[-count:] if count else []
+
+
+def _signature(model_dir: Path) -> tuple:
+    """Modification state of a model directory two levels deep (what polling watches)."""
+    items = []
+    try:
+        for entry in os.scandir(model_dir):
+            stat = entry.stat()
+            items.append((entry.name, stat.st_mtime_ns, stat.st_size))
+            if entry.is_dir():
+                for sub in os.scandir(entry.path):
+                    sub_stat = sub.stat()
+                    items.append((f"{entry.name}/{sub.name}", sub_stat.st_mtime_ns, sub_stat.st_size))
+    except FileNotFoundError:
+        return ()
+    return tuple(sorted(items))
+
+
+class ModelRepository:
+    def __init__(self, paths: list[Path], backends: BackendRegistry, metrics: Metrics,
+                 control_mode: ControlMode = ControlMode.NONE, startup_models: list[str] | None = None) -> None:
+        self.paths = [Path(p).resolve() for p in paths]
+        for path in self.paths:
+            if not path.is_dir():
+                raise InvalidArgument(f"model repository '{path}' is not a directory")
+        self.backends = backends
+        self.metrics = metrics
+        self.control_mode = control_mode
+        self.startup_models = startup_models or []
+        self.dataplane: DataPlane | None = None
+        self.entries: dict[str, ModelEntry] = {}
+
+    # -- discovery -----------------------------------------------------------------------
+    def model_names(self) -> list[str]:
+        names = set()
+        for path in self.paths:
+            for child in path.iterdir():
+                if child.is_dir() and not child.name.startswith("."):
+                    names.add(child.name)
+        return sorted(names)
+
+    def model_dir(self, name: str) -> Path:
+        check_model_name(name)
+        found = [p / name for p in self.paths if (p / name).is_dir()]
+        if not found:
+            raise NotFound(f"failed to load '{name}', failed to poll from model repository: "
+                           f"no model directory '{name}' in the model repositories")
+        if len(found) > 1:
+            raise InvalidArgument(f"model '{name}' appears in more than one model repository: "
+                                  f"{', '.join(map(str, found))}")
+        resolved = found[0].resolve()
+        if not any(resolved.parent == p for p in self.paths):
+            raise InvalidArgument(f"invalid model name '{name}': it resolves outside the model repository")
+        return found[0]
+
+    # -- start-up and polling ------------------------------------------------------------
+    async def start(self) -> None:
+        if self.control_mode is ControlMode.EXPLICIT:
+            names = self.model_names() if "*" in self.startup_models else self.startup_models
+        else:
+            names = self.model_names()
+        await asyncio.gather(*(self._load_quietly(name) for name in names))
+
+    async def _load_quietly(self, name: str) -> None:
+        try:
+            await self.load(name, _internal=True)
+        except ServerError as exc:
+            log.error("failed to load model '%s': %s", name, exc)
+
+    async def poll(self) -> None:
+        """Load new or changed models, unload removed ones (``--model-control-mode=poll``)."""
+        names = set(self.model_names())
+        for name in names:
+            entry = self.entries.get(name)
+            if entry is None or _signature(self.model_dir(name)) != entry.signature:
+                await self._load_quietly(name)
+        for name in list(self.entries):
+            if name not in names and self.entries[name].versions:
+                await self.unload(name, _internal=True)
+
+    async def poll_forever(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.poll()
+            except Exception:
+                log.exception("repository poll failed")
+
+    # -- load / unload -------------------------------------------------------------------
+    async def load(self, name: str, config_json: str | None = None, *, _internal: bool = False) -> None:
+        """Load (or reload) every version of ``name`` its version policy selects."""
+        if not _internal and self.control_mode is not ControlMode.EXPLICIT:
+            raise Unsupported("explicit model load / unload is not allowed unless the model control mode "
+                              "is 'explicit'")
+        check_model_name(name)
+        entry = self.entries.setdefault(name, ModelEntry(name))
+        async with entry.lock:
+            try:
+                runtimes = await self._load_versions(name, config_json, entry)
+            except BaseException as exc:
+                error = as_server_error(exc) if isinstance(exc, Exception) else Unavailable("load cancelled")
+                if not entry.versions:
+                    entry.state, entry.reason = ModelState.UNAVAILABLE.value, error.message
+                log.error("model '%s' failed to load: %s", name, error.message)
+                raise error from None
+            old = entry.versions
+            entry.versions = runtimes
+            entry.state, entry.reason = ModelState.READY.value, ""
+            for version, runtime in old.items():
+                await self._retire(runtime)
+        log.info("loaded model '%s' version(s) %s", name, sorted(runtimes))
+
+    async def _load_versions(self, name: str, config_json: str | None, entry: ModelEntry) -> dict[int, ModelRuntime]:
+        model_dir = self.model_dir(name)
+        entry.signature = _signature(model_dir)
+        if config_json:
+            config = config_module.parse_json(config_json)
+        else:
+            config = config_module.read_config(model_dir)
+        config = config_module.normalize(config, name, model_dir)
+        backend = await self.backends.get(config.backend)
+        versions = select_versions(config.version_policy, available_versions(model_dir))
+        if not versions:
+            raise Unavailable(f"model '{name}' has no version directory its version policy selects "
+                              f"(found {available_versions(model_dir) or 'none'})")
+        runtimes = {
+            version: ModelRuntime(backend, ModelContext(name, version, copy.deepcopy(config), model_dir,
+                                                        self.dataplane),
+                                  self.metrics.model_stats(name, str(version)))
+            for version in versions}
+        results = await asyncio.gather(*(r.load() for r in runtimes.values()), return_exceptions=True)
+        failures = [(v, e) for v, e in zip(runtimes, results) if isinstance(e, BaseException)]
+        if failures:
+            for version, runtime in runtimes.items():
+                if runtime.state is ModelState.READY:
+                    await runtime.unload()
+            version, exc = failures[0]
+            message = as_server_error(exc).message if isinstance(exc, Exception) else str(exc)
+            raise Unavailable(f"version {version}: {message}")
+        return runtimes
+
+    async def unload(self, name: str, *, _internal: bool = False, drain_timeout: float | None = 30.0) -> None:
+        if not _internal and self.control_mode is not ControlMode.EXPLICIT:
+            raise Unsupported("explicit model load / unload is not allowed unless the model control mode "
+                              "is 'explicit'")
+        check_model_name(name)
+        entry = self.entries.get(name)
+        if entry is None:
+            if name in self.model_names():
+                return
+            raise NotFound(f"failed to unload '{name}': model is not known to the repository")
+        async with entry.lock:
+            old, entry.versions = entry.versions, {}
+            entry.state, entry.reason = ModelState.UNAVAILABLE.value, "unloaded"
+            for runtime in old.values():
+                await self._retire(runtime, drain_timeout)
+        log.info("unloaded model '%s'", name)
+
+    async def _retire(self, runtime: ModelRuntime, drain_timeout: float | None = 30.0) -> None:
+        runtime.state = ModelState.UNLOADING
+        await runtime.drain(drain_timeout)
+        await runtime.unload()
+
+    async def shutdown(self, drain_timeout: float | None) -> None:
+        """Drain in-flight requests (up to ``drain_timeout`` seconds), then unload everything."""
+        runtimes = [r for e in self.entries.values() for r in e.versions.values()]
+        await asyncio.gather(*(r.drain(drain_timeout) for r in runtimes))
+        for entry in self.entries.values():
+            for runtime in entry.versions.values():
+                await runtime.unload()
+            entry.versions = {}
+        await self.backends.finalize()
+
+    # -- lookup --------------------------------------------------------------------------
+    def get(self, name: str, version: str = "") -> ModelRuntime:
+        """The runtime serving ``name`` at ``version`` ("" = highest ready version)."""
+        entry = self.entries.get(name)
+        if entry is None or not entry.versions:
+            if entry is not None and entry.state == ModelState.UNAVAILABLE.value:
+                raise Unavailable(f"model '{name}' is not ready: {entry.reason or 'unavailable'}")
+            raise NotFound(f"unknown model: '{name}'" if entry is None else f"model '{name}' is not loaded")
+        if version:
+            try:
+                number = int(version)
+            except ValueError:
+                raise InvalidArgument(f"invalid model version '{version}': versions are integers") from None
+            runtime = entry.versions.get(number)
+            if runtime is None:
+                raise NotFound(f"unknown version {version} of model '{name}'")
+        else:
+            runtime = entry.versions[max(entry.versions)]
+        if runtime.state is not ModelState.READY:
+            raise Unavailable(f"model '{name}' version {runtime.version} is not ready ({runtime.state.value})")
+        return runtime
+
+    def runtimes(self) -> list[ModelRuntime]:
+        return [r for e in self.entries.values() for r in e.versions.values()]
+
+    def all_ready(self) -> bool:
+        return all(e.state == ModelState.READY.value for e in self.entries.values()
+                   if e.state and e.reason != "unloaded")
+
+    def index(self, ready_only: bool = False) -> list[dict]:
+        rows = []
+        names = set(self.model_names()) | set(self.entries)
+        for name in sorted(names):
+            entry = self.entries.get(name)
+            if entry is not None and entry.versions:
+                for version, runtime in sorted(entry.versions.items()):
+                    rows.append({"name": name, "version": str(version), "state": runtime.state.value,
+                                 "reason": runtime.reason})
+            elif entry is not None and entry.state:
+                rows.append({"name": name, "version": "", "state": entry.state, "reason": entry.reason})
+            else:
+                rows.append({"name": name, "version": "", "state": "", "reason": ""})
+        if ready_only:
+            rows = [r for r in rows if r["state"] == ModelState.READY.value]
+        return rows

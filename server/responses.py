@@ -1,0 +1,107 @@
+"""Response delivery: a per-request stream the DataPlane reads and a sender the backend writes."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+from typing import Callable
+
+from .errors import InternalError, ServerError
+from .types import InferenceRequest, InferenceResponse
+
+
+class ResponseStream:
+    """Async iterator of one request's responses; ``put`` may be called from any thread."""
+
+    __slots__ = ("_loop", "_loop_thread", "_items", "_waiter", "_done")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._loop_thread = threading.get_ident()
+        self._items: collections.deque[InferenceResponse] = collections.deque()
+        self._waiter: asyncio.Future | None = None
+        self._done = False
+
+    def put(self, response: InferenceResponse) -> None:
+        if threading.get_ident() == self._loop_thread:
+            self._put(response)
+        else:
+            self._loop.call_soon_threadsafe(self._put, response)
+
+    def _put(self, response: InferenceResponse) -> None:
+        self._items.append(response)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self) -> InferenceResponse:
+        while not self._items:
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
+
+
+class ResponseSender:
+    """What a backend uses to answer one request: 0..N responses, the last one ``final``.
+
+    Thread-safe. A classic (non-decoupled) model sends exactly one response with ``final``.
+    """
+
+    __slots__ = ("request", "_sink", "_lock", "_closed", "_sent")
+
+    def __init__(self, request: InferenceRequest, sink: Callable[[InferenceResponse], None]) -> None:
+        self.request = request
+        self._sink = sink
+        self._lock = threading.Lock()
+        self._closed = False
+        self._sent = 0
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
+
+    @property
+    def sent_count(self) -> int:
+        return self._sent
+
+    def send(self, response: InferenceResponse | None = None, final: bool = False) -> None:
+        """Send ``response`` (or, with ``response=None, final=True``, just the FINAL flag)."""
+        with self._lock:
+            if self._closed:
+                raise InternalError("response sender is closed: the final response was already sent")
+            if final:
+                self._closed = True
+            self._sent += 1
+        if response is None:
+            if not final:
+                raise InternalError("a response is required unless the FINAL flag is sent")
+            response = InferenceResponse(final=True, empty=True)
+        else:
+            response.final = final
+        self._fill(response)
+        self._sink(response)
+
+    def send_error(self, error: ServerError) -> None:
+        """End the request with ``error`` (ignored if the request is already complete)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._sent += 1
+        response = InferenceResponse(error=error, final=True)
+        self._fill(response)
+        self._sink(response)
+
+    def _fill(self, response: InferenceResponse) -> None:
+        request = self.request
+        if not response.model_name:
+            response.model_name = request.model_name
+        if not response.id:
+            response.id = request.id
+        if request.outputs and response.outputs:
+            wanted = {o.name for o in request.outputs}
+            response.outputs = [t for t in response.outputs if t.name in wanted]

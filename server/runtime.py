@@ -1,0 +1,215 @@
+"""A loaded model version: backend model, instances, scheduler, validator and statistics."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import inspect
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from tritonclient.grpc import model_config_pb2 as mc
+
+from .backend import Backend, InstanceContext, Model, ModelContext, ModelInstance, call_hook
+from .errors import InternalError, ServerError, Unavailable, as_server_error
+from .stats import ModelStats
+from .types import InferenceRequest
+from .validation import RequestValidator
+
+log = logging.getLogger(__name__)
+
+
+class ModelState(str, enum.Enum):
+    LOADING = "LOADING"
+    READY = "READY"
+    UNLOADING = "UNLOADING"
+    UNAVAILABLE = "UNAVAILABLE"
+
+
+class InstanceSlot:
+    """A ModelInstance with its own worker thread (blocking execute runs there)."""
+
+    def __init__(self, instance: ModelInstance) -> None:
+        self.instance = instance
+        self.is_async = inspect.iscoroutinefunction(instance.execute)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=instance.ctx.name)
+
+    async def call(self, fn, *args):
+        return await call_hook(fn, *args, executor=self.executor)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+class ModelRuntime:
+    """One version of one model, ready to take requests once :meth:`load` returns."""
+
+    def __init__(self, backend: Backend, ctx: ModelContext, stats: ModelStats) -> None:
+        self.backend = backend
+        self.ctx = ctx
+        self.name = ctx.name
+        self.version = ctx.version
+        self.stats = stats
+        self.state = ModelState.LOADING
+        self.reason = ""
+        self.model: Model = backend.create_model(ctx)
+        self.slots: list[InstanceSlot] = []
+        self.scheduler = None
+        self.validator: RequestValidator | None = None
+        self.inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def config(self) -> mc.ModelConfig:
+        return self.ctx.config
+
+    @property
+    def decoupled(self) -> bool:
+        return self.ctx.decoupled
+
+    # -- lifecycle -----------------------------------------------------------------------
+    async def load(self) -> None:
+        """Auto-complete and check the config, initialise the model and its instances in parallel."""
+        try:
+            await self._load()
+        except BaseException as exc:
+            await self.unload()
+            self.state, self.reason = ModelState.UNAVAILABLE, str(exc)
+            raise
+
+    async def _load(self) -> None:
+        from . import config as config_module
+        from .schedulers import make_scheduler
+
+        await call_hook(self.model.auto_complete_config)
+        config_module.validate(self.config)
+        self.validator = RequestValidator(self.config)
+        await call_hook(self.model.initialize)
+        contexts = self._instance_contexts()
+        instances = await asyncio.gather(*(self._make_instance(c) for c in contexts), return_exceptions=True)
+        self.slots = [i for i in instances if isinstance(i, InstanceSlot)]
+        failures = [i for i in instances if isinstance(i, BaseException)]
+        if failures:
+            raise failures[0]
+        self.scheduler = make_scheduler(self)
+        self.stats.pending_fn = self.scheduler.pending
+        await self.scheduler.start()
+        self.state = ModelState.READY
+
+    def _instance_contexts(self) -> list[InstanceContext]:
+        contexts = []
+        for group in self.config.instance_group:
+            kind = mc.ModelInstanceGroup.Kind.Name(group.kind)
+            devices = list(group.gpus) or [0]
+            for slot in range(group.count):
+                for device in devices:
+                    contexts.append(InstanceContext(
+                        name=f"{group.name}_{slot}" + (f"_gpu{device}" if group.gpus else ""),
+                        kind=kind, device_id=device, index=len(contexts), group_name=group.name))
+        if not contexts:  # e.g. ensembles: the scheduler does the work
+            contexts.append(InstanceContext(name=f"{self.name}_0", kind="KIND_CPU", device_id=0, index=0))
+        return contexts
+
+    async def _make_instance(self, ctx: InstanceContext) -> InstanceSlot:
+        slot = InstanceSlot(self.model.create_instance(ctx))
+        try:
+            await slot.call(slot.instance.initialize)
+        except BaseException:
+            slot.shutdown()
+            raise
+        return slot
+
+    async def drain(self, timeout: float | None) -> None:
+        """Wait until no request of this model is in flight (or ``timeout`` passes)."""
+        if self.inflight:
+            try:
+                await asyncio.wait_for(self._idle.wait(), timeout)
+            except asyncio.TimeoutError:
+                log.warning("model '%s' version %s: %d request(s) still in flight after %.1fs",
+                            self.name, self.version, self.inflight, timeout or 0)
+
+    async def unload(self) -> None:
+        self.state = ModelState.UNLOADING
+        if self.scheduler is not None:
+            await self.scheduler.stop()
+        for slot in self.slots:
+            try:
+                await slot.call(slot.instance.finalize)
+            except Exception:
+                log.exception("instance '%s' failed to finalize", slot.instance.ctx.name)
+            slot.shutdown()
+        self.slots = []
+        try:
+            await call_hook(self.model.finalize)
+        except Exception:
+            log.exception("model '%s' failed to finalize", self.name)
+        self.state = ModelState.UNAVAILABLE
+        self.reason = "unloaded"
+
+    # -- requests ------------------------------------------------------------------------
+    def request_started(self) -> None:
+        self.inflight += 1
+        self._idle.clear()
+
+    def request_finished(self) -> None:
+        self.inflight -= 1
+        if self.inflight == 0:
+            self._idle.set()
+
+    def enqueue(self, request: InferenceRequest) -> None:
+        if self.state is not ModelState.READY:
+            raise Unavailable(f"model '{self.name}' version {self.version} is not ready")
+        request.queue_start_ns = time.monotonic_ns()
+        self.scheduler.enqueue(request)
+
+    async def execute(self, slot: InstanceSlot, requests: list[InferenceRequest]) -> None:
+        """Run one batch on one instance, answer whatever the backend left unanswered."""
+        start = time.monotonic_ns()
+        stats = self.stats
+        for request in requests:
+            stats.record_queue(start - request.queue_start_ns)
+        try:
+            if slot.is_async:
+                result = await slot.instance.execute(requests)
+            else:
+                result = await asyncio.get_running_loop().run_in_executor(
+                    slot.executor, slot.instance.execute, requests)
+            error = None
+        except Exception as exc:  # a failing model answers with an error and keeps serving
+            log.debug("model '%s' execute raised", self.name, exc_info=True)
+            result, error = None, as_server_error(exc)
+        end = time.monotonic_ns()
+        stats.record_execution(sum(r.batch_size for r in requests), len(requests), 0, end - start, 0)
+        if error is not None:
+            for request in requests:
+                request.response_sender.send_error(error)
+            return
+        if result is not None:
+            self._send_returned(requests, result)
+        elif not self.decoupled:
+            for request in requests:
+                if not request.response_sender.is_closed and not slot.is_async:
+                    request.response_sender.send_error(
+                        InternalError(f"model '{self.name}' returned no response for the request"))
+
+    def _send_returned(self, requests: list[InferenceRequest], result) -> None:
+        responses = list(result)
+        if len(responses) != len(requests):
+            error = InternalError(
+                f"model '{self.name}' returned {len(responses)} responses for {len(requests)} requests")
+            for request in requests:
+                request.response_sender.send_error(error)
+            return
+        for request, response in zip(requests, responses):
+            sender = request.response_sender
+            if sender.is_closed:
+                continue
+            if response is None:
+                sender.send_error(InternalError(f"model '{self.name}' returned no response for the request"))
+            elif response.error is not None:
+                sender.send_error(response.error if isinstance(response.error, ServerError)
+                                  else as_server_error(response.error))
+            else:
+                sender.send(response, final=True)

@@ -1,0 +1,226 @@
+"""Triton's dynamic batcher: gathers queued requests into batches for idle instances.
+
+A batch grows, highest priority level first and oldest request first, while the rows fit in
+``max_batch_size`` and each request's non-batch shapes match the first one's (inputs with
+``allow_ragged_batch`` may differ). It runs at once when it is full, reaches the largest
+``preferred_batch_size`` or cannot grow; otherwise it waits up to ``max_queue_delay_microseconds``
+from its oldest request for more. Queue policies reject or delay requests that wait too long.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+import time
+from dataclasses import dataclass
+from functools import partial
+
+from tritonclient.grpc import model_config_pb2 as mc
+
+from ..errors import Unavailable
+from ..types import InferenceRequest, InferenceResponse
+from .base import Scheduler, drop_cancelled
+
+
+@dataclass
+class _Entry:
+    request: InferenceRequest
+    deadline_ns: int  # 0: no timeout
+    delay_on_timeout: bool
+
+
+class _Level:
+    """One priority level's queue and its policy."""
+
+    def __init__(self, policy: mc.ModelQueuePolicy) -> None:
+        self.queue: collections.deque[_Entry] = collections.deque()
+        self.max_size = policy.max_queue_size
+        self.timeout_us = policy.default_timeout_microseconds
+        self.delay_on_timeout = policy.timeout_action == mc.ModelQueuePolicy.DELAY
+        self.allow_override = policy.allow_timeout_override
+
+    def entry(self, request: InferenceRequest) -> _Entry:
+        timeout_us = self.timeout_us
+        if self.allow_override and request.timeout_us > 0:
+            timeout_us = request.timeout_us
+        deadline = request.queue_start_ns + timeout_us * 1000 if timeout_us > 0 else 0
+        return _Entry(request, deadline, self.delay_on_timeout)
+
+
+class DynamicBatcher(Scheduler):
+    def __init__(self, runtime) -> None:
+        super().__init__(runtime)
+        config = runtime.config
+        batching = config.dynamic_batching
+        self.max_batch_size = config.max_batch_size
+        self.preferred = sorted(set(batching.preferred_batch_size))
+        self.delay_ns = batching.max_queue_delay_microseconds * 1000
+        self.ragged = {t.name for t in config.input if t.allow_ragged_batch}
+        levels = batching.priority_levels
+        if levels:
+            policies = batching.priority_queue_policy
+            self.levels = {
+                level: _Level(policies[level] if level in policies else batching.default_queue_policy)
+                for level in range(1, levels + 1)}
+            self.default_level = batching.default_priority_level
+        else:
+            self.levels = {0: _Level(batching.default_queue_policy)}
+            self.default_level = 0
+        self._order = sorted(self.levels)
+        self._delayed: collections.deque[_Entry] = collections.deque()  # timed out with DELAY
+        self._has_deadlines = any(level.timeout_us or level.allow_override for level in self.levels.values())
+        self._wake = asyncio.Event()
+        self._form_lock = asyncio.Lock()
+        self._gate = _OrderGate() if batching.preserve_ordering else None
+
+    # -- queueing ------------------------------------------------------------------------
+    def enqueue(self, request: InferenceRequest) -> None:
+        level = self.levels.get(request.priority) if request.priority else None
+        if level is None:
+            level = self.levels[self.default_level]
+        if level.max_size and len(level.queue) >= level.max_size:
+            raise Unavailable(f"exceeds maximum queue size for model '{self.runtime.name}'")
+        level.queue.append(level.entry(request))
+        self._wake.set()
+
+    def pending(self) -> int:
+        return sum(len(level.queue) for level in self.levels.values()) + len(self._delayed)
+
+    def _queues(self):
+        for key in self._order:
+            yield self.levels[key].queue
+        yield self._delayed
+
+    def _expire(self, now: int) -> None:
+        """Answer cancelled requests; reject or demote the ones past their queue timeout."""
+        for key in self._order:
+            queue = self.levels[key].queue
+            if not queue:
+                continue
+            kept = collections.deque()
+            for entry in queue:
+                if drop_cancelled(entry.request):
+                    continue
+                if entry.deadline_ns and now >= entry.deadline_ns:
+                    if entry.delay_on_timeout:
+                        entry.deadline_ns = 0
+                        self._delayed.append(entry)
+                    else:
+                        entry.request.response_sender.send_error(
+                            Unavailable("request timeout expired while the request was queued"))
+                    continue
+                kept.append(entry)
+            if len(kept) != len(queue):
+                queue.clear()
+                queue.extend(kept)
+        if self._delayed and any(e.request.is_cancelled() for e in self._delayed):
+            kept = collections.deque(e for e in self._delayed if not drop_cancelled(e.request))
+            self._delayed.clear()
+            self._delayed.extend(kept)
+
+    def _next_deadline(self) -> int:
+        deadlines = [e.deadline_ns for key in self._order for e in self.levels[key].queue if e.deadline_ns]
+        return min(deadlines) if deadlines else 0
+
+    # -- batch formation -----------------------------------------------------------------
+    def _candidate(self) -> tuple[list[_Entry], int, bool]:
+        """(entries that would form the batch, rows, whether the batch cannot grow further)."""
+        picked: list[_Entry] = []
+        rows = 0
+        signature = None
+        for queue in self._queues():
+            for entry in queue:
+                request = entry.request
+                if rows + request.batch_size > self.max_batch_size:
+                    return picked, rows, True
+                entry_signature = self._signature(request)
+                if signature is None:
+                    signature = entry_signature
+                elif entry_signature != signature:
+                    return picked, rows, True
+                picked.append(entry)
+                rows += request.batch_size
+                if rows == self.max_batch_size:
+                    return picked, rows, True
+        return picked, rows, False
+
+    def _signature(self, request: InferenceRequest):
+        return tuple(sorted(
+            (name, t.datatype, None if name in self.ragged else tuple(t.shape[1:]))
+            for name, t in request.inputs.items()))
+
+    def _ready(self, picked: list[_Entry], rows: int, blocked: bool, now: int) -> bool:
+        if blocked:
+            return True
+        if self.preferred and rows >= self.preferred[-1]:
+            return True
+        oldest = min(e.request.queue_start_ns for e in picked)
+        return now >= oldest + self.delay_ns
+
+    def _take(self, picked: list[_Entry]) -> list[InferenceRequest]:
+        chosen = {id(e) for e in picked}
+        for queue in self._queues():
+            while queue and id(queue[0]) in chosen:
+                queue.popleft()
+            if any(id(e) in chosen for e in queue):  # picked entries are always a queue prefix
+                kept = [e for e in queue if id(e) not in chosen]
+                queue.clear()
+                queue.extend(kept)
+        return [e.request for e in picked]
+
+    async def next_batch(self) -> list[InferenceRequest]:
+        async with self._form_lock:
+            while True:
+                now = time.monotonic_ns()
+                self._expire(now)
+                picked, rows, blocked = self._candidate()
+                if picked and self._ready(picked, rows, blocked, now):
+                    batch = self._take(picked)
+                    if self._gate is not None:
+                        self._gate.admit(batch)
+                    return batch
+                wait_until = 0
+                if picked:
+                    wait_until = min(e.request.queue_start_ns for e in picked) + self.delay_ns
+                if self._has_deadlines:
+                    deadline = self._next_deadline()
+                    if deadline and (not wait_until or deadline < wait_until):
+                        wait_until = deadline
+                self._wake.clear()
+                timeout = max(0.0, (wait_until - now) / 1e9) if wait_until else None
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout)
+                except asyncio.TimeoutError:
+                    pass
+
+
+class _OrderGate:
+    """``preserve_ordering``: hold each request's responses until every earlier request is done."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: collections.deque[list] = collections.deque()  # [buffer, done, sink]
+
+    def admit(self, requests: list[InferenceRequest]) -> None:
+        with self._lock:
+            for request in requests:
+                sender = request.response_sender
+                entry = [[], False, sender._sink]
+                sender._sink = partial(self._on_response, entry)
+                self._entries.append(entry)
+
+    def _on_response(self, entry: list, response: InferenceResponse) -> None:
+        with self._lock:
+            entry[0].append(response)
+            if response.final:
+                entry[1] = True
+            while self._entries:
+                head = self._entries[0]
+                buffer, done, sink = head
+                for item in buffer:
+                    sink(item)
+                buffer.clear()
+                if not done:
+                    break
+                self._entries.popleft()

@@ -1,0 +1,198 @@
+"""Per-model-version statistics: Triton's statistics extension and the Prometheus metrics.
+
+Every number is recorded here, once, by the DataPlane (requests) and the schedulers
+(queue and compute); the statistics endpoints and ``/metrics`` both read from it.
+All updates happen on the event loop thread.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import Metric
+
+FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
+
+# Milliseconds; spans sub-millisecond classic models to multi-second LLM generations.
+LATENCY_BUCKETS_MS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000,
+                      30000, 60000)
+
+
+@dataclass
+class Duration:
+    count: int = 0
+    ns: int = 0
+
+    def add(self, ns: int, count: int = 1) -> None:
+        self.count += count
+        self.ns += ns
+
+    def as_dict(self) -> dict:
+        return {"count": self.count, "ns": self.ns}
+
+
+@dataclass
+class BatchStat:
+    compute_input: Duration = field(default_factory=Duration)
+    compute_infer: Duration = field(default_factory=Duration)
+    compute_output: Duration = field(default_factory=Duration)
+
+
+class ModelStats:
+    """Counters of one model version."""
+
+    def __init__(self, name: str, version: str, metrics: "Metrics | None" = None) -> None:
+        self.name = name
+        self.version = version
+        self.success = Duration()
+        self.fail = Duration()
+        self.queue = Duration()
+        self.compute_input = Duration()
+        self.compute_infer = Duration()
+        self.compute_output = Duration()
+        self.failures = dict.fromkeys(FAILURE_REASONS, 0)
+        self.inference_count = 0
+        self.execution_count = 0
+        self.last_inference_ms = 0
+        self.pending_fn = lambda: 0  # the scheduler's queue length, read at scrape time
+        self.batch_stats: dict[int, BatchStat] = {}
+        self._latency = self._first_response = None
+        if metrics is not None:
+            self._latency = metrics.request_latency.labels(name, version)
+            self._first_response = metrics.first_response.labels(name, version)
+
+    # -- recorded by the DataPlane ---------------------------------------------------------
+    def record_first_response(self, elapsed_ns: int) -> None:
+        if self._first_response is not None:
+            self._first_response.observe(elapsed_ns / 1e6)
+
+    def record_success(self, elapsed_ns: int) -> None:
+        self.success.add(elapsed_ns)
+        self.last_inference_ms = int(time.time() * 1000)
+        if self._latency is not None:
+            self._latency.observe(elapsed_ns / 1e6)
+
+    def record_failure(self, elapsed_ns: int, reason: str) -> None:
+        self.fail.add(elapsed_ns)
+        self.failures[reason if reason in self.failures else "OTHER"] += 1
+        self.last_inference_ms = int(time.time() * 1000)
+
+    # -- recorded by the schedulers --------------------------------------------------------
+    def record_queue(self, ns: int) -> None:
+        self.queue.add(ns)
+
+    def record_execution(self, batch_size: int, requests: int, input_ns: int, infer_ns: int,
+                         output_ns: int) -> None:
+        self.execution_count += 1
+        self.inference_count += batch_size
+        self.compute_input.add(input_ns, requests)
+        self.compute_infer.add(infer_ns, requests)
+        self.compute_output.add(output_ns, requests)
+        stat = self.batch_stats.get(batch_size)
+        if stat is None:
+            stat = self.batch_stats[batch_size] = BatchStat()
+        stat.compute_input.add(input_ns)
+        stat.compute_infer.add(infer_ns)
+        stat.compute_output.add(output_ns)
+
+    def as_dict(self) -> dict:
+        """Triton's ``$model_stat`` JSON object."""
+        return {
+            "name": self.name,
+            "version": self.version,
+            "last_inference": self.last_inference_ms,
+            "inference_count": self.inference_count,
+            "execution_count": self.execution_count,
+            "inference_stats": {
+                "success": self.success.as_dict(),
+                "fail": self.fail.as_dict(),
+                "queue": self.queue.as_dict(),
+                "compute_input": self.compute_input.as_dict(),
+                "compute_infer": self.compute_infer.as_dict(),
+                "compute_output": self.compute_output.as_dict(),
+                "cache_hit": {"count": 0, "ns": 0},
+                "cache_miss": {"count": 0, "ns": 0},
+            },
+            "batch_stats": [
+                {"batch_size": size, "compute_input": s.compute_input.as_dict(),
+                 "compute_infer": s.compute_infer.as_dict(), "compute_output": s.compute_output.as_dict()}
+                for size, s in sorted(self.batch_stats.items())
+            ],
+            "memory_usage": [],
+        }
+
+
+class Metrics:
+    """The server's Prometheus registry: Triton's ``nv_inference_*`` families plus histograms."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._models: dict[tuple[str, str], ModelStats] = {}
+        self.request_latency = Histogram(
+            "nv_inference_request_duration_histogram_ms",
+            "End-to-end inference request duration in milliseconds (to the final response)",
+            ["model", "version"], buckets=LATENCY_BUCKETS_MS, registry=self.registry)
+        self.first_response = Histogram(
+            "nv_inference_first_response_histogram_ms",
+            "Duration from request arrival to its first response in milliseconds",
+            ["model", "version"], buckets=LATENCY_BUCKETS_MS, registry=self.registry)
+        self.registry.register(_StatsCollector(self._models))
+
+    def model_stats(self, name: str, version: str) -> ModelStats:
+        key = (name, version)
+        stats = self._models.get(key)
+        if stats is None:
+            stats = self._models[key] = ModelStats(name, version, self)
+        return stats
+
+    def add_collector(self, collector) -> None:
+        self.registry.register(collector)
+
+
+class _StatsCollector:
+    """Renders the per-model counters at scrape time, with Triton's exact metric names."""
+
+    _COUNTERS = (
+        ("nv_inference_request_success", "Number of successful inference requests, all batch sizes",
+         lambda s: s.success.count),
+        ("nv_inference_count", "Number of inferences performed (does not include cached requests)",
+         lambda s: s.inference_count),
+        ("nv_inference_exec_count", "Number of model executions performed (does not include cached requests)",
+         lambda s: s.execution_count),
+        ("nv_inference_request_duration_us", "Cumulative inference request duration in microseconds",
+         lambda s: (s.success.ns + s.fail.ns) // 1000),
+        ("nv_inference_queue_duration_us", "Cumulative inference queuing duration in microseconds",
+         lambda s: s.queue.ns // 1000),
+        ("nv_inference_compute_input_duration_us", "Cumulative compute input duration in microseconds",
+         lambda s: s.compute_input.ns // 1000),
+        ("nv_inference_compute_infer_duration_us", "Cumulative compute inference duration in microseconds",
+         lambda s: s.compute_infer.ns // 1000),
+        ("nv_inference_compute_output_duration_us", "Cumulative inference compute output duration in microseconds",
+         lambda s: s.compute_output.ns // 1000),
+    )
+
+    def __init__(self, models: dict[tuple[str, str], ModelStats]) -> None:
+        self._models = models
+
+    def collect(self):
+        models = list(self._models.values())
+        for name, doc, read in self._COUNTERS:
+            metric = Metric(name, doc, "counter")
+            for s in models:
+                metric.add_sample(name, {"model": s.name, "version": s.version}, read(s))
+            yield metric
+        failure = Metric("nv_inference_request_failure",
+                         "Number of failed inference requests, all batch sizes", "counter")
+        for s in models:
+            for reason, count in s.failures.items():
+                failure.add_sample("nv_inference_request_failure",
+                                   {"model": s.name, "version": s.version, "reason": reason}, count)
+        yield failure
+        pending = Metric("nv_inference_pending_request_count",
+                         "Instantaneous number of pending requests awaiting execution per-model.", "gauge")
+        for s in models:
+            pending.add_sample("nv_inference_pending_request_count",
+                               {"model": s.name, "version": s.version}, s.pending_fn())
+        yield pending

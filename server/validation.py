@@ -1,0 +1,118 @@
+"""Checks a request against its model's configuration before it is scheduled."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tritonclient.grpc import model_config_pb2 as mc
+
+from .datatypes import config_to_datatype
+from .errors import InvalidArgument
+from .types import InferenceRequest
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    datatype: str
+    dims: tuple[int, ...]
+    reshape: tuple[int, ...] | None = None
+    optional: bool = False
+    allow_ragged_batch: bool = False
+
+
+def _spec(tensor) -> TensorSpec:
+    reshape = tuple(tensor.reshape.shape) if tensor.HasField("reshape") else None
+    return TensorSpec(tensor.name, config_to_datatype(mc.DataType.Name(tensor.data_type)),
+                      tuple(tensor.dims), reshape, getattr(tensor, "optional", False),
+                      getattr(tensor, "allow_ragged_batch", False))
+
+
+def _shape_matches(shape: tuple[int, ...], dims: tuple[int, ...]) -> bool:
+    return len(shape) == len(dims) and all(d == -1 or d == s for s, d in zip(shape, dims))
+
+
+class RequestValidator:
+    """Validates requests for one model; built once per loaded model version."""
+
+    def __init__(self, config: mc.ModelConfig) -> None:
+        self.model = config.name
+        self.max_batch_size = config.max_batch_size
+        self.inputs = {t.name: _spec(t) for t in config.input}
+        self.outputs = {t.name: _spec(t) for t in config.output}
+        self.required = [n for n, s in self.inputs.items() if not s.optional]
+
+    def validate(self, request: InferenceRequest) -> None:
+        """Raise InvalidArgument naming the tensor and the problem; set ``request.batch_size``."""
+        model = self.model
+        if self.inputs:
+            unknown = [n for n in request.inputs if n not in self.inputs]
+            if unknown:
+                raise InvalidArgument(f"unexpected inference input '{unknown[0]}' for model '{model}'")
+            missing = [n for n in self.required if n not in request.inputs]
+            if missing:
+                raise InvalidArgument(
+                    f"expected {len(self.required)} inputs but got {len(request.inputs)} inputs for model "
+                    f"'{model}'. Got input(s) {sorted(request.inputs)}, but missing required input(s) {missing}. "
+                    f"Please provide all required input(s).")
+        batch = None
+        for name, tensor in request.inputs.items():
+            if tensor.data is not None and tuple(tensor.data.shape) != tuple(tensor.shape):
+                raise InvalidArgument(
+                    f"input '{name}': data holds {tensor.data.size} elements, shape {list(tensor.shape)} needs "
+                    f"{_count(tensor.shape)}")
+            spec = self.inputs.get(name)
+            if spec is None:
+                continue
+            if tensor.datatype != spec.datatype:
+                raise InvalidArgument(
+                    f"inference input '{name}' data-type is '{tensor.datatype}', but model '{model}' "
+                    f"expects '{spec.datatype}'")
+            shape = tuple(tensor.shape)
+            if self.max_batch_size > 0:
+                if not shape:
+                    raise InvalidArgument(
+                        f"input '{name}' for model '{model}' must have a batch dimension: expected shape "
+                        f"{[-1, *spec.dims]}, got []")
+                if batch is None:
+                    batch = shape[0]
+                elif shape[0] != batch:
+                    raise InvalidArgument(
+                        f"input '{name}' batch size {shape[0]} does not match the batch size {batch} of the "
+                        f"other inputs for model '{model}'")
+                body = shape[1:]
+                expected = [-1, *spec.dims]
+            else:
+                body = shape
+                expected = list(spec.dims)
+            if not _shape_matches(body, spec.dims):
+                raise InvalidArgument(
+                    f"unexpected shape for input '{name}' for model '{model}'. Expected {expected}, "
+                    f"got {list(shape)}")
+            if spec.reshape is not None:
+                new_shape = ((shape[0],) if self.max_batch_size > 0 else ()) + _fill_reshape(spec.reshape, body)
+                tensor.data = tensor.data.reshape(new_shape)
+                tensor.shape = new_shape
+        if self.max_batch_size > 0 and batch is not None:
+            if batch < 1 or batch > self.max_batch_size:
+                raise InvalidArgument(
+                    f"inference request batch-size must be <= {self.max_batch_size} for '{model}', got {batch}")
+            request.batch_size = batch
+        if self.outputs:
+            for output in request.outputs:
+                if output.name not in self.outputs:
+                    raise InvalidArgument(f"unexpected inference output '{output.name}' for model '{model}'")
+
+
+def _count(shape) -> int:
+    total = 1
+    for d in shape:
+        total *= d
+    return total
+
+
+def _fill_reshape(reshape: tuple[int, ...], body: tuple[int, ...]) -> tuple[int, ...]:
+    if -1 not in reshape:
+        return reshape
+    known = _count(d for d in reshape if d != -1)
+    return tuple(_count(body) // max(known, 1) if d == -1 else d for d in reshape)
