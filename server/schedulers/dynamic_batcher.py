@@ -81,7 +81,15 @@ class DynamicBatcher(Scheduler):
             level = self.levels[self.default_level]
         if level.max_size and len(level.queue) >= level.max_size:
             raise Unavailable(f"exceeds maximum queue size for model '{self.runtime.name}'")
-        level.queue.append(level.entry(request))
+        entry = level.entry(request)
+        level.queue.append(entry)
+        if entry.deadline_ns:  # expire it on time even while every instance is busy
+            delay = (entry.deadline_ns - time.monotonic_ns()) / 1e9
+            asyncio.get_running_loop().call_later(max(delay, 0.0), self._on_deadline)
+        self._wake.set()
+
+    def _on_deadline(self) -> None:
+        self._expire(time.monotonic_ns())
         self._wake.set()
 
     def pending(self) -> int:
