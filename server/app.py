@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvicorn
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.responses import Response
 from starlette.routing import Route
@@ -84,10 +84,10 @@ class Server:
                  opts.host, opts.grpc_port, opts.host, opts.metrics_port)
 
     def _metrics_app(self) -> Starlette:
-        registry = self.metrics.registry
+        render = self.metrics.render
 
         async def metrics(_request):
-            return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+            return Response(render(), media_type=CONTENT_TYPE_LATEST)
 
         return Starlette(routes=[Route("/metrics", metrics)])
 
@@ -111,7 +111,11 @@ class Server:
     async def stop(self) -> None:
         """Refuse new requests, drain in-flight ones up to the exit timeout, then shut down."""
         self.dataplane.accepting = False
-        await self.repository.shutdown(drain_timeout=self.options.exit_timeout_secs)
+        await self.repository.drain(self.options.exit_timeout_secs)
+        self.dataplane.abort_all(f"the server is shutting down: the request did not finish within the exit "
+                                 f"timeout of {self.options.exit_timeout_secs:g}s")
+        await asyncio.sleep(0.05)  # let the frontends write those answers
+        await self.repository.shutdown(drain_timeout=0)
         if self._grpc is not None:
             await self._grpc.stop(grace=1)
         for task in self._background:

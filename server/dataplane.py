@@ -61,6 +61,7 @@ class InferenceStream:
             stats.record_first_response(elapsed)
         if response.final:
             self._done = True
+            self._dataplane.active.discard(self)
             self.runtime.request_finished()
             if response.error is None:
                 stats.record_success(elapsed)
@@ -73,12 +74,18 @@ class InferenceStream:
         if self._done:
             return
         self._done = True
+        self._dataplane.active.discard(self)
         self.request.cancellation.cancel()
         self.runtime.request_finished()
         self.runtime.stats.record_failure(time.monotonic_ns() - self.request.arrival_ns, "CANCELED")
 
     async def aclose(self) -> None:
         self.cancel()
+
+    def abort(self, error: ServerError) -> None:
+        """End the stream with ``error`` now (server shutdown) and cancel the backend's work."""
+        self.request.cancellation.cancel()
+        self._stream.put(InferenceResponse(error=error, final=True))
 
 
 class DataPlane:
@@ -87,6 +94,7 @@ class DataPlane:
         self.metrics = metrics
         self.strict_readiness = strict_readiness
         self.accepting = True  # false once shutdown begins
+        self.active: set[InferenceStream] = set()
         repository.dataplane = self
 
     # -- health and metadata -------------------------------------------------------------
@@ -170,7 +178,14 @@ class DataPlane:
                                          _FAILURE_REASON.get(exc.status, "OTHER"))
             raise
         runtime.request_started()
-        return InferenceStream(self, runtime, request, stream)
+        inference = InferenceStream(self, runtime, request, stream)
+        self.active.add(inference)
+        return inference
+
+    def abort_all(self, message: str) -> None:
+        """Answer every unfinished request with UNAVAILABLE (used when the exit timeout runs out)."""
+        for inference in list(self.active):
+            inference.abort(Unavailable(message))
 
     async def infer_unary(self, request: InferenceRequest) -> InferenceResponse:
         """One request, one response: for protocols without streaming."""

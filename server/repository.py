@@ -234,10 +234,13 @@ class ModelRepository:
         await runtime.drain(drain_timeout)
         await runtime.unload()
 
+    async def drain(self, timeout: float | None) -> None:
+        """Wait until no request is in flight in any model, or ``timeout`` seconds."""
+        await asyncio.gather(*(r.drain(timeout) for r in self.runtimes()))
+
     async def shutdown(self, drain_timeout: float | None) -> None:
         """Drain in-flight requests (up to ``drain_timeout`` seconds), then unload everything."""
-        runtimes = [r for e in self.entries.values() for r in e.versions.values()]
-        await asyncio.gather(*(r.drain(drain_timeout) for r in runtimes))
+        await self.drain(drain_timeout)
         for entry in self.entries.values():
             for runtime in entry.versions.values():
                 await runtime.unload()

@@ -10,8 +10,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import Metric
+
+disable_created_metrics()  # no *_created series: Triton has none, and they double the scrape size
 
 FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
 
@@ -138,7 +140,22 @@ class Metrics:
             "nv_inference_first_response_histogram_ms",
             "Duration from request arrival to its first response in milliseconds",
             ["model", "version"], buckets=LATENCY_BUCKETS_MS, registry=self.registry)
-        self.registry.register(_StatsCollector(self._models))
+        self._counters = _StatsCollector(self._models)
+
+    def render(self) -> bytes:
+        """Prometheus text: counters under Triton's exact names, then histograms and other collectors.
+
+        ``prometheus_client`` writes counter families as ``<name>_total``; Triton's dashboards use
+        the bare names, so the per-model counters are written here with their own headers.
+        """
+        lines = []
+        for metric in self._counters.collect():
+            lines.append(f"# HELP {metric.name} {metric.documentation}")
+            lines.append(f"# TYPE {metric.name} {metric.type}")
+            for sample in metric.samples:
+                labels = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(sample.labels.items()))
+                lines.append(f"{sample.name}{{{labels}}} {sample.value}")
+        return ("\n".join(lines) + "\n").encode() + generate_latest(self.registry)
 
     def model_stats(self, name: str, version: str) -> ModelStats:
         key = (name, version)
@@ -149,6 +166,10 @@ class Metrics:
 
     def add_collector(self, collector) -> None:
         self.registry.register(collector)
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
 class _StatsCollector:

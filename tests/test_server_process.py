@@ -1,0 +1,167 @@
+"""The tideserve process as users run it: CLI flags, metrics, polling, SIGTERM drain."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import start_server
+
+SLOW_MODEL = '''
+import time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        time.sleep(float(pb_utils.get_input_tensor_by_name(requests[0], "SECONDS").as_numpy()[0]))
+        return [pb_utils.InferenceResponse([pb_utils.Tensor(
+            "OUT", pb_utils.get_input_tensor_by_name(r, "SECONDS").as_numpy())]) for r in requests]
+'''
+SLOW_CONFIG = '''
+backend: "python"
+max_batch_size: 0
+input [ { name: "SECONDS" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 1 ] } ]
+'''
+
+
+def write_slow_model(repo: Path, name: str = "slow") -> None:
+    (repo / name / "1").mkdir(parents=True)
+    (repo / name / "config.pbtxt").write_text(SLOW_CONFIG)
+    (repo / name / "1" / "model.py").write_text(SLOW_MODEL)
+
+
+def post(url: str, body: dict, timeout: float = 30) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read() or b"{}")
+
+
+def slow_request(seconds: float) -> dict:
+    return {"inputs": [{"name": "SECONDS", "datatype": "FP32", "shape": [1], "data": [seconds]}]}
+
+
+def metric(text: str, name: str, **labels) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            found = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}")[0]))
+            if all(found.get(k) == v for k, v in labels.items()):
+                return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"metric {name} {labels} not found")
+
+
+def test_metrics_count_success_failure_and_latency(tmp_path):
+    write_slow_model(tmp_path)
+    server = start_server([tmp_path], tmp_dir=tmp_path)
+    try:
+        url = f"{server.base_url}/v2/models/slow/infer"
+        assert post(url, slow_request(0.0))[0] == 200
+        assert post(url, slow_request(0.0))[0] == 200
+        status, body = post(url, {"inputs": [{"name": "SECONDS", "datatype": "FP32", "shape": [2],
+                                              "data": [0, 0]}]})
+        assert status == 400 and "SECONDS" in body["error"]
+        text = server.metrics()
+        labels = {"model": "slow", "version": "1"}
+        assert metric(text, "nv_inference_request_success", **labels) == 2
+        assert metric(text, "nv_inference_request_failure", reason="OTHER", **labels) == 1
+        assert metric(text, "nv_inference_count", **labels) == 2
+        assert metric(text, "nv_inference_exec_count", **labels) == 2
+        assert metric(text, "nv_inference_pending_request_count", **labels) == 0
+        assert metric(text, "nv_inference_request_duration_us", **labels) > 0
+        assert metric(text, "nv_inference_compute_infer_duration_us", **labels) > 0
+        assert metric(text, "nv_inference_request_duration_histogram_ms_count", **labels) == 2
+        assert metric(text, "nv_inference_first_response_histogram_ms_count", **labels) == 2
+        assert "# TYPE nv_inference_request_success counter" in text
+    finally:
+        assert server.stop() == 0
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_zero(tmp_path):
+    write_slow_model(tmp_path)
+    server = start_server([tmp_path], "--exit-timeout-secs", "30", tmp_dir=tmp_path)
+    result = {}
+
+    def call():
+        result["answer"] = post(f"{server.base_url}/v2/models/slow/infer", slow_request(2.0))
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    time.sleep(0.7)  # the request is executing
+    server.process.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    status, _ = post(f"{server.base_url}/v2/models/slow/infer", slow_request(0.0), timeout=5)
+    assert status == 503  # new work refused while draining
+    caller.join(30)
+    assert result["answer"][0] == 200 and result["answer"][1]["outputs"][0]["data"] == [2.0]
+    assert server.process.wait(30) == 0
+
+
+def test_exit_timeout_bounds_the_drain(tmp_path):
+    write_slow_model(tmp_path)
+    server = start_server([tmp_path], "--exit-timeout-secs", "1", tmp_dir=tmp_path)
+    result = {}
+
+    def call():
+        result["answer"] = post(f"{server.base_url}/v2/models/slow/infer", slow_request(20.0))
+
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    time.sleep(0.5)
+    started = time.monotonic()
+    server.process.send_signal(signal.SIGTERM)
+    assert server.process.wait(15) == 0
+    assert time.monotonic() - started < 15
+    caller.join(5)
+    status, body = result["answer"]
+    assert status == 503 and "exit timeout" in body["error"]
+
+
+def test_poll_mode_loads_a_model_added_later(tmp_path):
+    server = start_server([tmp_path], "--model-control-mode", "poll", "--repository-poll-secs", "0.2",
+                          tmp_dir=tmp_path)
+    try:
+        write_slow_model(tmp_path, "late")
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"{server.base_url}/v2/models/late/ready", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except urllib.error.HTTPError:
+                pass
+            time.sleep(0.1)
+        assert post(f"{server.base_url}/v2/models/late/infer", slow_request(0.0))[0] == 200
+    finally:
+        server.stop()
+
+
+def test_bad_repository_path_fails_with_a_message(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "server.cli", "--model-repository", str(tmp_path / "nope")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert "is not a directory" in result.stderr
+
+
+def test_help_lists_triton_flags():
+    result = subprocess.run([sys.executable, "-m", "server.cli", "--help"], capture_output=True, text=True,
+                            timeout=60)
+    for flag in ("--model-repository", "--http-port", "--grpc-port", "--metrics-port", "--model-control-mode",
+                 "--load-model", "--repository-poll-secs", "--exit-timeout-secs", "--log-verbose",
+                 "--http-max-input-size", "--host"):
+        assert flag in result.stdout
