@@ -94,7 +94,8 @@ class Server:
     async def _start_uvicorn(self, app, port: int) -> None:
         config = uvicorn.Config(app, host=self.options.host, port=port, log_level="warning",
                                 access_log=self.options.log_verbose > 1, lifespan="off",
-                                timeout_graceful_shutdown=1, limit_concurrency=None, backlog=4096)
+                                timeout_graceful_shutdown=1, limit_concurrency=None, backlog=4096,
+                                proxy_headers=False)
         server = _EmbeddedUvicorn(config)
         task = asyncio.create_task(server.serve())
         while not server.started:

@@ -21,9 +21,9 @@ from .runtime import ModelRuntime
 from .stats import Metrics
 from .types import InferenceRequest, InferenceResponse
 
-EXTENSIONS = ["classification", "sequence", "model_repository", "model_repository(unload_dependents)",
-              "schedule_policy", "model_configuration", "system_shared_memory", "cuda_shared_memory",
-              "binary_tensor_data", "parameters", "statistics", "trace", "logging", "generate"]
+# Triton protocol extensions this server implements (listed in the server metadata).
+EXTENSIONS = ["classification", "model_repository", "schedule_policy", "model_configuration",
+              "binary_tensor_data", "parameters", "statistics"]
 
 _FAILURE_REASON = {Status.CANCELLED: "CANCELED", Status.UNAVAILABLE: "REJECTED"}
 

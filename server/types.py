@@ -40,31 +40,36 @@ class RequestedOutput:
 
 
 class CancellationToken:
-    """Thread-safe cancellation flag with callbacks (backends may abort engine work on it)."""
+    """Cancellation flag with callbacks (backends may abort engine work on it); thread-safe.
 
-    __slots__ = ("_event", "_callbacks", "_lock")
+    Made for every request, so it is cheap: a bool and a list behind one shared lock.
+    """
+
+    __slots__ = ("_cancelled", "_callbacks")
+    _lock = threading.Lock()
 
     def __init__(self) -> None:
-        self._event = threading.Event()
-        self._callbacks: list[Callable[[], None]] = []
-        self._lock = threading.Lock()
+        self._cancelled = False
+        self._callbacks: list[Callable[[], None]] | None = None
 
     def is_cancelled(self) -> bool:
-        return self._event.is_set()
+        return self._cancelled
 
     def cancel(self) -> None:
         with self._lock:
-            if self._event.is_set():
+            if self._cancelled:
                 return
-            self._event.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for callback in callbacks:
+            self._cancelled = True
+            callbacks, self._callbacks = self._callbacks, None
+        for callback in callbacks or ():
             callback()
 
     def add_callback(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` on cancellation (at once if already cancelled)."""
         with self._lock:
-            if not self._event.is_set():
+            if not self._cancelled:
+                if self._callbacks is None:
+                    self._callbacks = []
                 self._callbacks.append(callback)
                 return
         callback()

@@ -1,0 +1,479 @@
+"""KServe v2 / Triton HTTP wire format <-> core types, with the binary tensor data extension.
+
+Everything here is plain functions over ``bytes`` and dicts parsed by ``orjson``: no pydantic, no
+per-request objects beyond the core's own. Every problem with a request raises
+:class:`~server.errors.InvalidArgument` naming the tensor or field, so the frontend answers 400.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+from tritonclient.grpc import model_config_pb2 as mc
+
+from ..datatypes import DATATYPES, config_to_datatype, element_size, from_raw, numpy_dtype, to_raw
+from ..errors import InvalidArgument, Unsupported
+from ..types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
+
+MAX_JSON_DEPTH = 64  # nesting of a tensor's "data" arrays
+
+# Python type of a parsed JSON value -> its JSON name, for error messages.
+_JSON_NAMES = {str: "string", bool: "boolean", int: "integer", float: "number", list: "array",
+               dict: "object", type(None): "null"}
+
+# Which JSON value types each datatype accepts in "data".
+_BOOL_KINDS = frozenset({bool})
+_INT_KINDS = frozenset({int})
+_FLOAT_KINDS = frozenset({int, float})
+_STR_KINDS = frozenset({str})
+_ACCEPTED: dict[str, tuple[frozenset, str]] = {"BOOL": (_BOOL_KINDS, "booleans"), "BYTES": (_STR_KINDS, "strings")}
+for _dt in ("UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64"):
+    _ACCEPTED[_dt] = (_INT_KINDS, "integers")
+for _dt in ("FP16", "FP32", "FP64"):
+    _ACCEPTED[_dt] = (_FLOAT_KINDS, "numbers")
+
+# Request parameters with a meaning of their own (the rest pass through to the model).
+_SEQUENCE_FLAGS = ("sequence_start", "sequence_end")
+
+_JSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY
+
+# datatype -> bytes per element (0 for BYTES) and numpy dtype, looked up once per input
+_ITEMSIZE = {dt: element_size(dt) for dt in DATATYPES}
+_NUMPY = {dt: numpy_dtype(dt) for dt in DATATYPES if dt != "BF16"}
+
+
+@dataclass(slots=True)
+class OutputOptions:
+    """How one requested output goes back: binary or JSON, and an optional classification."""
+
+    binary: bool | None = None  # None: the request's default (binary_data_output)
+    class_count: int = 0
+
+
+@dataclass(slots=True)
+class DecodedRequest:
+    request: InferenceRequest
+    binary_output: bool                      # request-level "binary_data_output"
+    outputs: dict[str, OutputOptions] | None  # per requested output, None if none were named
+    classify: bool = False                    # some output asks for classification
+
+
+# -- helpers ---------------------------------------------------------------------------------
+def _json_name(value: Any) -> str:
+    return _JSON_NAMES.get(type(value), type(value).__name__)
+
+
+def _show(value: Any) -> str:
+    """A JSON value, shortened, for an error message."""
+    try:
+        text = orjson.dumps(value, default=str).decode()
+    except TypeError:
+        text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _is_uint(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _flatten(data: list, name: str, depth: int = 0) -> list:
+    if depth >= MAX_JSON_DEPTH:
+        raise InvalidArgument(f"input '{name}': 'data' nests arrays deeper than {MAX_JSON_DEPTH} levels")
+    out: list = []
+    for item in data:
+        if type(item) is list:
+            out.extend(_flatten(item, name, depth + 1))
+        else:
+            out.append(item)
+    return out
+
+
+def parse_json(buffer: bytes | memoryview, what: str = "request") -> Any:
+    try:
+        return orjson.loads(buffer)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidArgument(f"failed to parse the {what} JSON: {exc}") from None
+
+
+def _json_tensor_data(name: str, datatype: str, shape: list[int], count: int, data: Any) -> np.ndarray:
+    """A tensor given as JSON "data" (flat or nested, row-major) -> numpy array of ``shape``."""
+    if type(data) is not list:
+        raise InvalidArgument(f"input '{name}': 'data' must be an array, got {_json_name(data)}")
+    accepted = _ACCEPTED.get(datatype)
+    if accepted is None:
+        raise InvalidArgument(f"input '{name}': {datatype} data cannot be given as JSON; "
+                              "send it in the binary tensor data format")
+    kinds = set(map(type, data))
+    flat = data
+    if list in kinds:
+        flat = _flatten(data, name)
+        kinds = set(map(type, flat))
+    allowed, description = accepted
+    if not kinds <= allowed:
+        bad = next(x for x in flat if type(x) not in allowed)
+        raise InvalidArgument(f"input '{name}': {datatype} 'data' must hold {description}, "
+                              f"got {_json_name(bad)} {_show(bad)}")
+    if len(flat) != count:
+        raise InvalidArgument(f"input '{name}': shape {shape} needs {count} elements, "
+                              f"'data' holds {len(flat)}")
+    if datatype == "BYTES":
+        array = np.empty(count, dtype=np.object_)
+        array[:] = [s.encode("utf-8") for s in flat]
+        return array.reshape(shape)
+    try:
+        array = np.array(flat, dtype=numpy_dtype(datatype))
+    except (OverflowError, ValueError, TypeError) as exc:
+        raise InvalidArgument(f"input '{name}': 'data' does not fit {datatype}: {exc}") from None
+    return array.reshape(shape)
+
+
+def _bad_shape(name: str, shape: Any) -> None:
+    raise InvalidArgument(f"input '{name}': 'shape' must be an array of non-negative integers, "
+                          f"got {_show(shape)}")
+
+
+# -- requests --------------------------------------------------------------------------------
+def decode_request(model_name: str, model_version: str, body: bytes, header_length: int | None) -> DecodedRequest:
+    """Parse an infer request body: JSON, optionally followed by binary tensor data."""
+    if header_length is None:
+        header = body
+        binary_len = 0
+    else:
+        if header_length < 0 or header_length > len(body):
+            raise InvalidArgument(f"Inference-Header-Content-Length {header_length} is outside the request "
+                                  f"body of {len(body)} bytes")
+        header = memoryview(body)[:header_length]
+        binary_len = len(body) - header_length
+    doc = parse_json(header, "request")
+    if type(doc) is not dict:
+        raise InvalidArgument(f"the inference request must be a JSON object, got {_json_name(doc)}")
+
+    request_id = doc.get("id", "")
+    if type(request_id) is not str:
+        raise InvalidArgument(f"'id' must be a string, got {_json_name(request_id)}")
+
+    # -- request parameters
+    binary_output = False
+    priority = 0
+    timeout_us = 0
+    parameters: dict[str, Any] = {}
+    params = doc.get("parameters")
+    if params is not None:
+        if type(params) is not dict:
+            raise InvalidArgument(f"request 'parameters' must be an object, got {_json_name(params)}")
+        for key, value in params.items():
+            if key == "binary_data_output":
+                if type(value) is not bool:
+                    raise InvalidArgument(f"parameter 'binary_data_output' must be a boolean, got {_json_name(value)}")
+                binary_output = value
+            elif key == "priority":
+                if not _is_uint(value):
+                    raise InvalidArgument(f"parameter 'priority' must be a non-negative integer, got {_show(value)}")
+                priority = value
+            elif key == "timeout":
+                if not _is_uint(value):
+                    raise InvalidArgument(f"parameter 'timeout' must be a non-negative integer (microseconds), "
+                                          f"got {_show(value)}")
+                timeout_us = value
+            elif key == "sequence_id":
+                if not (_is_uint(value) or type(value) is str):
+                    raise InvalidArgument(f"parameter 'sequence_id' must be a non-negative integer or a string, "
+                                          f"got {_show(value)}")
+                parameters[key] = value
+            elif key in _SEQUENCE_FLAGS:
+                if type(value) is not bool:
+                    raise InvalidArgument(f"parameter '{key}' must be a boolean, got {_json_name(value)}")
+                parameters[key] = value
+            elif key.startswith("triton_"):
+                raise InvalidArgument(f"parameter '{key}': keys starting with 'triton_' are reserved for "
+                                      "server use and cannot be specified")
+            elif type(value) in (str, int, bool, float):
+                parameters[key] = value
+            else:
+                raise InvalidArgument(f"parameter '{key}' has invalid type {_json_name(value)}; it must be a "
+                                      "string, integer, boolean or number")
+
+    # -- inputs
+    inputs_json = doc.get("inputs")
+    if type(inputs_json) is not list:
+        if inputs_json is None:
+            raise InvalidArgument("the inference request has no 'inputs' array")
+        raise InvalidArgument(f"'inputs' must be an array, got {_json_name(inputs_json)}")
+    inputs: dict[str, Tensor] = {}
+    view = memoryview(body) if binary_len else None
+    offset = header_length or 0
+    end = len(body)
+    for index, item in enumerate(inputs_json):
+        if type(item) is not dict:
+            raise InvalidArgument(f"inputs[{index}] must be an object, got {_json_name(item)}")
+        name = item.get("name")
+        if type(name) is not str or not name:
+            raise InvalidArgument(f"inputs[{index}] needs a 'name' string")
+        if name in inputs:
+            raise InvalidArgument(f"input '{name}' appears more than once in the request")
+        datatype = item.get("datatype")
+        if type(datatype) is not str:
+            raise InvalidArgument(f"input '{name}': 'datatype' must be a string, got {_json_name(datatype)}")
+        itemsize = _ITEMSIZE.get(datatype)
+        if itemsize is None:
+            raise InvalidArgument(f"input '{name}': unknown datatype '{datatype[:40]}'")
+        shape = item.get("shape")
+        if type(shape) is not list:
+            _bad_shape(name, shape)
+        count = 1
+        for dim in shape:
+            if type(dim) is not int or dim < 0:
+                _bad_shape(name, shape)
+            count *= dim
+        tparams = item.get("parameters")
+        size = None
+        extra_params = None
+        if tparams is not None:
+            if type(tparams) is not dict:
+                raise InvalidArgument(f"input '{name}': 'parameters' must be an object, got {_json_name(tparams)}")
+            if "shared_memory_region" in tparams:
+                raise Unsupported(f"input '{name}': shared memory inputs are not supported by this server")
+            size = tparams.get("binary_data_size")
+            if len(tparams) > (size is not None):
+                extra_params = {k: v for k, v in tparams.items() if k != "binary_data_size"}
+        has_data = "data" in item
+        if size is not None:
+            if has_data:
+                raise InvalidArgument(f"input '{name}': set either 'data' or 'binary_data_size', not both")
+            if not _is_uint(size):
+                raise InvalidArgument(f"input '{name}': 'binary_data_size' must be a non-negative integer, got "
+                                      f"{_show(size)}")
+            if header_length is None and size:
+                raise InvalidArgument(
+                    f"input '{name}' has binary data but the request has no Inference-Header-Content-Length "
+                    "header giving the size of its JSON part")
+            if offset + size > end:
+                raise InvalidArgument(f"input '{name}': binary_data_size is {size} bytes but only "
+                                      f"{end - offset} bytes of binary data remain in the request body")
+            chunk = view[offset:offset + size] if size else b""
+            offset += size
+            if itemsize:
+                if size != count * itemsize:
+                    raise InvalidArgument(f"input '{name}': binary_data_size is {size} bytes, but a {datatype} "
+                                          f"tensor of shape {shape} needs {count * itemsize}")
+                if datatype == "BF16":
+                    raise InvalidArgument(f"input '{name}': BF16 tensors are not supported")
+                array = np.frombuffer(chunk, dtype=_NUMPY[datatype]).reshape(shape)
+            elif count == 0 and not size:
+                array = np.empty(shape, dtype=np.object_)
+            else:
+                array = from_raw(chunk, datatype, tuple(shape), name)
+        elif has_data:
+            array = _json_tensor_data(name, datatype, shape, count, item["data"])
+        else:
+            raise InvalidArgument(f"input '{name}' has neither 'data' nor a 'binary_data_size' parameter")
+        tensor = Tensor(name, datatype, tuple(shape), array)
+        if extra_params:
+            tensor.parameters = extra_params
+        inputs[name] = tensor
+    if offset != end and header_length is not None:
+        raise InvalidArgument(f"the request body has {end - offset} bytes of binary data that no input's "
+                              f"binary_data_size accounts for (model '{model_name}')")
+
+    # -- requested outputs
+    outputs = None
+    requested = None
+    classify = False
+    outputs_json = doc.get("outputs")
+    if outputs_json is not None:
+        if type(outputs_json) is not list:
+            raise InvalidArgument(f"'outputs' must be an array, got {_json_name(outputs_json)}")
+        outputs = {}
+        requested = []
+        for index, item in enumerate(outputs_json):
+            if type(item) is not dict:
+                raise InvalidArgument(f"outputs[{index}] must be an object, got {_json_name(item)}")
+            name = item.get("name")
+            if type(name) is not str or not name:
+                raise InvalidArgument(f"outputs[{index}] needs a 'name' string")
+            options = OutputOptions()
+            oparams = item.get("parameters")
+            if oparams is not None:
+                if type(oparams) is not dict:
+                    raise InvalidArgument(f"output '{name}': 'parameters' must be an object, "
+                                          f"got {_json_name(oparams)}")
+                if "shared_memory_region" in oparams:
+                    raise Unsupported(f"output '{name}': shared memory outputs are not supported by this server")
+                binary = oparams.get("binary_data")
+                if binary is not None:
+                    if type(binary) is not bool:
+                        raise InvalidArgument(f"output '{name}': 'binary_data' must be a boolean, "
+                                              f"got {_json_name(binary)}")
+                    options.binary = binary
+                classes = oparams.get("classification")
+                if classes is not None:
+                    if not _is_uint(classes):
+                        raise InvalidArgument(f"output '{name}': 'classification' must be a non-negative "
+                                              f"integer, got {_show(classes)}")
+                    options.class_count = classes
+                    classify = classify or classes > 0
+            outputs[name] = options
+            requested.append(RequestedOutput(name, oparams) if oparams else RequestedOutput(name))
+
+    request = InferenceRequest(model_name, inputs, model_version=model_version, id=request_id,
+                               outputs=requested, parameters=parameters, priority=priority,
+                               timeout_us=timeout_us)
+    return DecodedRequest(request, binary_output, outputs, classify)
+
+
+def decode_raw_request(model_name: str, model_version: str, body: bytes, config) -> DecodedRequest:
+    """``Inference-Header-Content-Length: 0``: the body is the raw data of the model's only input."""
+    if len(config.input) != 1:
+        raise InvalidArgument(f"raw binary requests need a model with exactly one input; model '{model_name}' "
+                              f"has {len(config.input)}")
+    spec = config.input[0]
+    datatype = config_to_datatype(mc.DataType.Name(spec.data_type))
+    dims = list(spec.dims)
+    if datatype == "BYTES":
+        if [d for d in dims if d != 1 and d != -1] or len(dims) != 1:
+            raise InvalidArgument(f"raw binary requests for BYTES input '{spec.name}' need shape [1]")
+        dims = [1]
+    else:
+        variable = [i for i, d in enumerate(dims) if d == -1]
+        if len(variable) > 1:
+            raise InvalidArgument(f"raw binary requests need at most one variable dimension; input "
+                                  f"'{spec.name}' has dims {dims}")
+        itemsize = element_size(datatype)
+        fixed = math.prod(d for d in dims if d != -1) * itemsize
+        if variable:
+            if fixed == 0 or len(body) % fixed:
+                raise InvalidArgument(f"raw binary request of {len(body)} bytes does not fit input "
+                                      f"'{spec.name}' ({datatype}, dims {dims})")
+            dims[variable[0]] = len(body) // fixed
+    shape = ([1] if config.max_batch_size > 0 else []) + dims
+    array = from_raw(body, datatype, tuple(shape), spec.name)
+    request = InferenceRequest(model_name, {spec.name: Tensor(spec.name, datatype, tuple(shape), array)},
+                               model_version=model_version)
+    return DecodedRequest(request, True, None)
+
+
+# -- responses -------------------------------------------------------------------------------
+def _json_default(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value).decode("utf-8", "replace")
+    return str(value)
+
+
+def dumps(value: Any) -> bytes:
+    return orjson.dumps(value, default=_json_default, option=_JSON_OPTIONS)
+
+
+def _bytes_as_json(name: str, array: np.ndarray) -> list[str]:
+    out = []
+    for item in array.ravel():
+        if type(item) is bytes:
+            try:
+                out.append(item.decode("utf-8"))
+            except UnicodeDecodeError:
+                raise InvalidArgument(f"output '{name}' holds bytes that are not valid UTF-8 and cannot be "
+                                      "returned as JSON; request it with 'binary_data': true") from None
+        else:
+            out.append(item if type(item) is str else str(item))
+    return out
+
+
+def _format_number(value: Any) -> str:
+    if isinstance(value, (float, np.floating)):
+        return f"{value:f}"  # what Triton's std::to_string prints
+    return str(int(value))
+
+
+def classify(name: str, datatype: str, array: np.ndarray, count: int, batched: bool,
+             labels: list[str] | None = None) -> np.ndarray:
+    """Triton's classification extension: top-``count`` entries per batch row as "value:index[:label]"."""
+    if datatype in ("BYTES", "BOOL", "FP16", "BF16"):
+        raise InvalidArgument(f"output '{name}': class results are not available for datatype '{datatype}'")
+    rows = array.reshape(array.shape[0], -1) if batched and array.ndim > 0 else array.reshape(1, -1)
+    take = min(count, rows.shape[1])
+    result = np.empty((rows.shape[0], take), dtype=np.object_)
+    for r, row in enumerate(rows):
+        order = np.argsort(row, kind="stable")[::-1][:take]
+        for k, index in enumerate(order):
+            text = f"{_format_number(row[index])}:{index}"
+            if labels is not None and index < len(labels):
+                text += ":" + labels[index]
+            result[r, k] = text.encode()
+    return result if batched and array.ndim > 0 else result.reshape(take)
+
+
+def read_labels(model_path: Path, label_filename: str) -> list[str] | None:
+    if not label_filename:
+        return None
+    try:
+        return (model_path / label_filename).read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return None
+
+
+def encode_response(response: InferenceResponse, decoded: DecodedRequest, classifier=None) -> tuple[bytes, int | None]:
+    """Response JSON (and binary output data); the header length when binary data follows it."""
+    default_binary = decoded.binary_output
+    requested = decoded.outputs
+    outputs = []
+    buffers = []
+    for tensor in response.outputs:
+        binary = default_binary
+        class_count = 0
+        if requested is not None:
+            options = requested.get(tensor.name)
+            if options is not None:
+                if options.binary is not None:
+                    binary = options.binary
+                class_count = options.class_count
+        array = tensor.data
+        if type(array) is not np.ndarray:
+            array = np.asarray(array, dtype=np.object_ if tensor.datatype == "BYTES" else None)
+        datatype = tensor.datatype
+        if class_count:
+            if classifier is None:
+                raise InvalidArgument(f"output '{tensor.name}': classification is not available")
+            array = classifier(tensor.name, datatype, array, class_count)
+            datatype = "BYTES"
+        elif datatype != "BYTES" and datatype != "BF16":
+            dtype = numpy_dtype(datatype)
+            if array.dtype != dtype:
+                array = array.astype(dtype)
+        entry: dict[str, Any] = {"name": tensor.name, "datatype": datatype, "shape": list(array.shape)}
+        if tensor.parameters:
+            entry["parameters"] = dict(tensor.parameters)
+        if binary:
+            raw = to_raw(array, datatype)
+            if "parameters" in entry:
+                entry["parameters"]["binary_data_size"] = len(raw)
+            else:
+                entry["parameters"] = {"binary_data_size": len(raw)}
+            if raw:
+                buffers.append(raw)
+        elif datatype == "BYTES":
+            entry["data"] = _bytes_as_json(tensor.name, array)
+        elif datatype == "BF16":
+            raise InvalidArgument(f"output '{tensor.name}': BF16 outputs can only be returned as binary data")
+        else:
+            entry["data"] = np.ascontiguousarray(array).reshape(-1)
+        outputs.append(entry)
+    doc: dict[str, Any] = {}
+    if response.id:
+        doc["id"] = response.id
+    doc["model_name"] = response.model_name
+    doc["model_version"] = response.model_version
+    if response.parameters:
+        doc["parameters"] = response.parameters
+    doc["outputs"] = outputs
+    header = dumps(doc)
+    if not buffers:
+        return header, None
+    return b"".join([header, *buffers]), len(header)
