@@ -1,0 +1,345 @@
+"""The ``python`` backend: runs Triton Python-backend models (``<model>/<version>/model.py``) in-process.
+
+Each model version imports its ``model.py`` as its own module (:mod:`.loader`); each instance makes
+its own ``TritonPythonModel()`` and runs every hook of it on one thread of its own, as Triton's stub
+process would. ``async def execute`` runs on an event loop of the instance (decoupled models in the
+background, so the instance takes the next batch at once), never on the server's loop: a model that
+blocks there, or calls the blocking ``exec()``, cannot stall the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import inspect
+import logging
+import queue
+import threading
+import time
+from functools import partial
+from pathlib import Path
+
+from google.protobuf import json_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+from server import config as config_module
+from server.backend import Backend, InstanceContext, Model, ModelContext, ModelInstance
+from server.errors import InternalError, InvalidArgument, Unavailable
+from server.types import InferenceRequest as CoreRequest
+from server.types import InferenceResponse as CoreResponse
+
+from .errors import TritonModelException
+from .loader import ModelModule, import_model_file
+from .messages import InferenceRequest, InferenceResponse
+from .model_config import ModelConfig
+from .scope import ModelScope, ServerLink, remember_link, reset_scope, set_scope
+
+log = logging.getLogger(__name__)
+
+STUCK_WAIT_S = 5.0  # at unload, how long to wait for work that outlived the drain before abandoning it
+
+
+class InstanceThread:
+    """The one thread that runs a model instance's code; a daemon, so a model stuck in ``execute``
+    cannot keep the server process from exiting (Triton would kill its stub process)."""
+
+    def __init__(self, name: str, scope: ModelScope) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.busy = False
+        self._thread = threading.Thread(target=self._run, args=(scope,), name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn, *args) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put((future, fn, args))
+        return future
+
+    def _run(self, scope: ModelScope) -> None:
+        set_scope(scope)
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            future, fn, args = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            self.busy = True
+            try:
+                result = fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+            finally:
+                self.busy = False
+                del future, fn, args, item
+
+    def stop(self) -> None:
+        self._queue.put(None)
+
+
+class PythonModel(Model):
+    """One version of a Python model: its imported module and its configuration."""
+
+    def __init__(self, backend: Backend, ctx: ModelContext) -> None:
+        super().__init__(backend, ctx)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        self.link = ServerLink(ctx.dataplane, loop) if loop is not None else None
+        if self.link is not None and ctx.dataplane is not None:
+            remember_link(self.link)
+        self.logger = logging.getLogger(f"tideserve.python_model.{ctx.name}")
+        self.scope = ModelScope(self.link, ctx.name, ctx.version, ctx.version_path, self.logger)
+        self.module: ModelModule | None = None
+        self.model_class: type | None = None
+        self._config_json: str | None = None
+
+    @property
+    def model_file(self) -> Path:
+        return self.ctx.version_path / (self.config.default_model_filename or "model.py")
+
+    @property
+    def config_json(self) -> str:
+        """The configuration as Triton hands it to ``initialize`` (final once the model loaded)."""
+        if self._config_json is None:
+            self._config_json = config_module.to_json(self.config)
+        return self._config_json
+
+    def _import(self) -> None:
+        if self.module is not None:
+            return
+        path = self.model_file
+        if not path.is_file():
+            raise Unavailable(f"Python model file not found in '{path}'")
+        self.module = import_model_file(self.ctx.name, self.ctx.version, path)
+        model_class = getattr(self.module.module, "TritonPythonModel", None)
+        if not isinstance(model_class, type):
+            raise InvalidArgument(f"Python model '{path}' does not define a class 'TritonPythonModel'")
+        self.model_class = model_class
+
+    def auto_complete_config(self) -> None:
+        """Import ``model.py`` and let ``TritonPythonModel.auto_complete_config`` fill in the config."""
+        token = set_scope(self.scope)
+        try:
+            self._import()
+            hook = getattr(self.model_class, "auto_complete_config", None)
+            if hook is None:
+                return
+            result = hook(ModelConfig(config_module.to_dict(self.config)))
+            if not isinstance(result, ModelConfig):
+                raise InvalidArgument(f"auto_complete_config function in model '{self.ctx.name}' must return a "
+                                      f"valid pb.ModelConfig object.")
+            completed = mc.ModelConfig()
+            json_format.ParseDict(result.as_dict(), completed)
+            self.config.CopyFrom(completed)
+            self._config_json = None
+        except (ValueError, json_format.ParseError) as exc:  # ModelConfig's refusals, a bad result
+            raise InvalidArgument(f"auto_complete_config of model '{self.ctx.name}': {exc}") from None
+        finally:
+            reset_scope(token)
+
+    def initialize(self) -> None:
+        self._import()
+
+    def create_instance(self, ctx: InstanceContext) -> PythonInstance:
+        return PythonInstance(self, ctx)
+
+    def finalize(self) -> None:
+        if self.module is not None:
+            self.module.unload()
+            self.module = None
+
+
+class PythonInstance(ModelInstance):
+    """One ``TritonPythonModel()`` with its own thread (and event loop for ``async def execute``)."""
+
+    model: PythonModel
+
+    def __init__(self, model: PythonModel, ctx: InstanceContext) -> None:
+        super().__init__(model, ctx)
+        self.decoupled = model.ctx.decoupled
+        self.scope = model.scope
+        self.thread = InstanceThread(ctx.name, model.scope)
+        self.python_model = None
+        self._aloop: asyncio.AbstractEventLoop | None = None
+        self._aloop_thread: threading.Thread | None = None
+        self._background: set[concurrent.futures.Future] = set()  # async decoupled executions
+        self._background_lock = threading.Lock()
+
+    # -- lifecycle (all model code runs on self.thread) -------------------------------------
+    async def _on_thread(self, fn, *args):
+        return await asyncio.wrap_future(self.thread.submit(fn, *args))
+
+    async def initialize(self) -> None:
+        try:
+            await self._on_thread(self._initialize)
+        except BaseException:
+            self._stop_threads()
+            raise
+
+    def _initialize(self) -> None:
+        self.python_model = self.model.model_class()
+        hook = getattr(self.python_model, "initialize", None)
+        if hook is not None:
+            self._maybe_await(hook(self.args()))
+
+    def args(self) -> dict[str, str]:
+        """The ``args`` of ``initialize``: Triton's keys, every value a string."""
+        ctx, model_ctx = self.ctx, self.model.ctx
+        kind = ctx.kind.removeprefix("KIND_")
+        return {
+            "model_config": self.model.config_json,
+            "model_instance_kind": kind,
+            "model_instance_name": ctx.name,
+            "model_instance_device_id": str(ctx.device_id),
+            "model_repository": str(model_ctx.model_path),
+            "model_version": str(model_ctx.version),
+            "model_name": model_ctx.name,
+        }
+
+    async def finalize(self) -> None:
+        try:
+            deadline = time.monotonic() + STUCK_WAIT_S
+            while self.thread.busy and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if self.thread.busy:
+                log.warning("instance '%s' is still executing after the drain; it is abandoned without "
+                            "finalize", self.ctx.name)
+                return
+            await self._on_thread(self._finalize)
+        finally:
+            self._stop_threads()
+
+    def _finalize(self) -> None:
+        with self._background_lock:
+            background = list(self._background)
+        if background:
+            concurrent.futures.wait(background, timeout=STUCK_WAIT_S)
+        hook = getattr(self.python_model, "finalize", None)
+        if hook is not None:
+            self._maybe_await(hook())
+
+    def _stop_threads(self) -> None:
+        """Let the instance's threads end (without waiting: they are daemons)."""
+        if self._aloop is not None:
+            self._aloop.call_soon_threadsafe(self._aloop.stop)
+            self._aloop = self._aloop_thread = None
+        self.thread.stop()
+
+    # -- the instance's event loop -------------------------------------------------------------
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        if self._aloop is None:
+            loop = asyncio.new_event_loop()
+            thread = threading.Thread(target=self._run_loop, args=(loop,), name=f"{self.ctx.name}-asyncio",
+                                      daemon=True)
+            thread.start()
+            self._aloop, self._aloop_thread = loop, thread
+        return self._aloop
+
+    def _run_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        set_scope(self.scope)
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_forever()
+        finally:
+            loop.close()
+
+    async def _scoped(self, coro):
+        set_scope(self.scope)  # the task's own context
+        return await coro
+
+    def _submit(self, coro) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(self._scoped(coro), self._event_loop())
+
+    def _maybe_await(self, result):
+        return self._submit(result).result() if inspect.iscoroutine(result) else result
+
+    # -- execute -----------------------------------------------------------------------------
+    async def execute(self, requests: list[CoreRequest]) -> None:
+        answers = await self._on_thread(self._execute, requests)
+        for request, response in answers or ():
+            if response.error is not None:
+                request.response_sender.send_error(response.error)
+            else:
+                request.response_sender.send(response, final=True)
+
+    def _execute(self, requests: list[CoreRequest]) -> list[tuple[CoreRequest, CoreResponse]] | None:
+        """Run the model's execute; return the responses it returned, paired with their requests."""
+        pb_requests = [InferenceRequest._wrap(r, self.decoupled) for r in requests]
+        try:
+            result = self.python_model.execute(pb_requests)
+            if inspect.iscoroutine(result):
+                if self.decoupled:  # answers through its senders; the instance moves on at once
+                    future = self._submit(result)
+                    with self._background_lock:
+                        self._background.add(future)
+                    future.add_done_callback(partial(self._background_done, pb_requests))
+                    return None
+                result = self._submit(result).result()
+            return self._returned(pb_requests, result)
+        except Exception as exc:  # noqa: BLE001 - whatever the model raises fails its batch
+            raise self._failure(pb_requests, exc) from None
+
+    def _returned(self, pb_requests: list[InferenceRequest], result) -> list[tuple[CoreRequest, CoreResponse]] | None:
+        """Triton's checks of what execute returned."""
+        if result is None:  # the responses go (or went) through the response senders
+            return None
+        name = self.model.ctx.name
+        if self.decoupled:
+            raise TritonModelException(f"Python model '{name}' is using the decoupled mode and the execute "
+                                       f"function must return None.")
+        if not isinstance(result, (list, tuple)):
+            raise TritonModelException(f"Expected a list in the execute return, found type '{type(result)}'.")
+        if len(result) != len(pb_requests):
+            raise TritonModelException(
+                f"Number of InferenceResponse objects do not match the number of InferenceRequest objects. "
+                f"InferenceRequest(s) size is:{len(pb_requests)}, and InferenceResponse(s) size "
+                f"is:{len(result)}\n")
+        answers = []
+        for request, response in zip(pb_requests, result):
+            if response is None:  # sent (or to be sent) through the request's sender
+                continue
+            if not isinstance(response, InferenceResponse):
+                raise TritonModelException(f"Expected an 'InferenceResponse' object in the execute function "
+                                           f"return list, found type '{type(response)}'.")
+            if request._sender is not None:
+                with request._sender._lock:
+                    request._sender._update_state(response, True)
+            answers.append((request._core, response._core()))
+        return answers
+
+    def _failure(self, pb_requests: list[InferenceRequest], exc: BaseException) -> InternalError:
+        """The error every request of a failed execute gets; closes their senders, as Triton does."""
+        for request in pb_requests:
+            if request._sender is not None:
+                request._sender._close()
+        message = (f"Failed to process the request(s) for model '{self.ctx.name}', message: "
+                   f"{type(exc).__name__}: {exc}")
+        log.error("%s", message)
+        log.debug("model '%s' execute raised", self.model.ctx.name, exc_info=exc)
+        return InternalError(message)
+
+    def _background_done(self, pb_requests: list[InferenceRequest], future: concurrent.futures.Future) -> None:
+        with self._background_lock:
+            self._background.discard(future)
+        if future.cancelled():
+            error = InternalError(f"execution of model '{self.model.ctx.name}' was cancelled")
+        else:
+            exc = future.exception()
+            if exc is None and future.result() is not None:
+                exc = TritonModelException(f"Python model '{self.model.ctx.name}' is using the decoupled mode and "
+                                           f"the execute function must return None.")
+            if exc is None:
+                return
+            error = self._failure(pb_requests, exc)
+        for request in pb_requests:
+            request._core.response_sender.send_error(error)
+
+
+class PythonBackend(Backend):
+    """``backend: "python"``: Triton Python-backend models, unchanged."""
+
+    name = "python"
+    model_class = PythonModel

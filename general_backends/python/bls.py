@@ -1,0 +1,248 @@
+"""Business Logic Scripting: a model calling other models through the server's DataPlane.
+
+The DataPlane lives on the server's event loop. A blocking ``exec()`` (from ``execute`` on an
+instance thread) hops onto that loop with ``run_coroutine_threadsafe`` and waits; ``async_exec()``
+awaits the same coroutine, directly when already on the server loop, otherwise through a future.
+Errors come back as responses carrying a TritonError, as in Triton.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+from server.errors import ServerError
+
+from .errors import ErrorCode, TritonError, TritonModelException, from_server_error
+from .messages import InferenceRequest, InferenceResponse
+from .scope import ServerLink, current_link
+
+if TYPE_CHECKING:
+    from server.dataplane import InferenceStream
+
+
+def _timeout_error() -> TritonError:
+    return TritonError("Request timeout expired", ErrorCode.UNAVAILABLE)
+
+
+def _check_request(request: InferenceRequest) -> None:
+    if request._core is not None:
+        raise TritonModelException("a request given to execute cannot be executed again; build a new "
+                                   "pb_utils.InferenceRequest for the model to call")
+
+
+async def _run_unary(link: ServerLink, request: InferenceRequest) -> InferenceResponse:
+    """On the server loop: run ``request`` and return its one response (errors as responses)."""
+    try:
+        core = request._to_core()
+        dataplane = link.require_dataplane()
+        call = dataplane.infer_unary(core)
+        if request._timeout > 0:
+            response = await asyncio.wait_for(call, request._timeout / 1e6)
+        else:
+            response = await call
+    except asyncio.TimeoutError:
+        return InferenceResponse._from_error(_timeout_error())
+    except ServerError as exc:
+        return InferenceResponse._from_error(from_server_error(exc))
+    except TritonModelException as exc:
+        return InferenceResponse._from_error(TritonError(str(exc)))
+    return InferenceResponse._from_core(response)
+
+
+async def _open_stream(link: ServerLink, request: InferenceRequest) -> ResponseIterator:
+    """On the server loop: start ``request`` and return the iterator over its responses."""
+    deadline = time.monotonic() + request._timeout / 1e6 if request._timeout > 0 else None
+    try:
+        stream = link.require_dataplane().infer(request._to_core())
+    except ServerError as exc:
+        return ResponseIterator(link, None, deadline, InferenceResponse._from_error(from_server_error(exc)))
+    except TritonModelException as exc:
+        return ResponseIterator(link, None, deadline, InferenceResponse._from_error(TritonError(str(exc))))
+    return ResponseIterator(link, stream, deadline)
+
+
+def execute_blocking(request: InferenceRequest, decoupled: bool):
+    _check_request(request)
+    link = current_link()
+    if link.on_loop():
+        raise TritonModelException("InferenceRequest.exec() cannot block the server's event loop; "
+                                   "use 'await request.async_exec()' in an async execute")
+    coro = _open_stream(link, request) if decoupled else _run_unary(link, request)
+    return asyncio.run_coroutine_threadsafe(coro, link.loop).result()
+
+
+def execute_async(request: InferenceRequest, decoupled: bool) -> asyncio.Future:
+    _check_request(request)
+    link = current_link()
+    coro = _open_stream(link, request) if decoupled else _run_unary(link, request)
+    if link.on_loop():
+        return asyncio.ensure_future(coro)
+    return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, link.loop))
+
+
+class ResponseIterator:
+    """The responses of a BLS request to a decoupled model, iterated with ``for`` or ``async for``.
+
+    Every response is yielded, the last one included (it may carry no outputs: only the end of
+    the stream). ``cancel()`` asks the called model to stop; iteration then ends. Iterating again
+    after the end replays the responses, as Triton does.
+    """
+
+    def __init__(self, link: ServerLink, stream: InferenceStream | None, deadline: float | None,
+                 only: InferenceResponse | None = None) -> None:
+        self._link = link
+        self._stream = stream
+        self._deadline = deadline
+        self._responses: list[InferenceResponse] = [only] if only is not None else []
+        self._finished = stream is None
+        self._index = 0
+
+    # -- on the server loop ------------------------------------------------------------------
+    async def _fetch(self) -> tuple[InferenceResponse | None, bool]:
+        """The next response and whether it is the last one."""
+        stream = self._stream
+        try:
+            if self._deadline is None:
+                core = await stream.__anext__()
+            else:
+                core = await asyncio.wait_for(stream.__anext__(), max(0.0, self._deadline - time.monotonic()))
+        except StopAsyncIteration:
+            return None, True
+        except asyncio.TimeoutError:
+            stream.cancel()
+            return InferenceResponse._from_error(_timeout_error()), True
+        return InferenceResponse._from_core(core), core.final or core.error is not None
+
+    def _cancel_on_loop(self) -> None:
+        if self._stream is not None:
+            self._stream.cancel()
+
+    # -- the model's side ----------------------------------------------------------------------
+    def _take(self, fetched: tuple[InferenceResponse | None, bool]) -> InferenceResponse:
+        response, last = fetched
+        if last:
+            self._finished = True
+        if response is None:
+            self._index = len(self._responses)
+            raise StopIteration
+        self._responses.append(response)
+        self._index = len(self._responses)
+        return response
+
+    def _replay(self) -> InferenceResponse:
+        if self._index < len(self._responses):
+            self._index += 1
+            return self._responses[self._index - 1]
+        raise StopIteration
+
+    def __iter__(self) -> ResponseIterator:
+        if self._finished and self._index >= len(self._responses):
+            self._index = 0
+        return self
+
+    def __next__(self) -> InferenceResponse:
+        if self._finished:
+            return self._replay()
+        if self._link.on_loop():
+            raise TritonModelException("iterating a BLS response stream with 'for' would block the server's "
+                                       "event loop; use 'async for'")
+        future = asyncio.run_coroutine_threadsafe(self._fetch(), self._link.loop)
+        return self._take(future.result())
+
+    def __aiter__(self) -> ResponseIterator:
+        return self.__iter__()
+
+    async def __anext__(self) -> InferenceResponse:
+        if self._finished:
+            try:
+                return self._replay()
+            except StopIteration:
+                raise StopAsyncIteration from None
+        if self._link.on_loop():
+            response = await self._fetch()
+        else:
+            response = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._fetch(), self._link.loop))
+        try:
+            return self._take(response)
+        except StopIteration:
+            raise StopAsyncIteration from None
+
+    def cancel(self) -> None:
+        """Cancel the request if it is still running."""
+        if self._finished or self._stream is None:
+            return
+        if self._link.on_loop():
+            self._cancel_on_loop()
+        else:
+            self._link.loop.call_soon_threadsafe(self._cancel_on_loop)
+
+    def __del__(self) -> None:
+        # Like Triton, let an abandoned stream run to its end (its responses are dropped).
+        stream = self._stream
+        if stream is None or self._finished:
+            return
+        try:
+            self._link.loop.call_soon_threadsafe(_drain_soon, stream)
+        except RuntimeError:  # the loop is closed
+            pass
+
+
+_draining: set[asyncio.Task] = set()
+
+
+async def _drain(stream: InferenceStream) -> None:
+    async for _ in stream:
+        pass
+
+
+def _drain_soon(stream: InferenceStream) -> None:
+    task = asyncio.ensure_future(_drain(stream))
+    _draining.add(task)
+    task.add_done_callback(_draining.discard)
+
+
+
+# -- model control from inside a model --------------------------------------------------------
+def _call_on_loop(link: ServerLink, coro):
+    if link.on_loop():
+        coro.close()
+        raise TritonModelException("this call would block the server's event loop")
+    return asyncio.run_coroutine_threadsafe(coro, link.loop).result()
+
+
+def _raise_as_model_exception(call):
+    async def run():
+        try:
+            return await call()
+        except ServerError as exc:
+            raise TritonModelException(exc.message) from None
+    return run()
+
+
+def load_model(model_name: str, config: str = "", files: dict | None = None) -> None:
+    """Load (or reload) a model; the server must run in explicit model control mode."""
+    if files:
+        raise TritonModelException("load_model: override files are not supported")
+    link = current_link()
+    dataplane = link.require_dataplane()
+    _call_on_loop(link, _raise_as_model_exception(lambda: dataplane.load_model(model_name, config or None)))
+
+
+def unload_model(model_name: str, unload_dependents: bool = False) -> None:
+    link = current_link()
+    dataplane = link.require_dataplane()
+    _call_on_loop(link, _raise_as_model_exception(lambda: dataplane.unload_model(model_name)))
+
+
+def is_model_ready(model_name: str, model_version: str = "") -> bool:
+    link = current_link()
+    dataplane = link.require_dataplane()
+
+    async def ready() -> bool:
+        return dataplane.model_ready(model_name, str(model_version or ""))
+
+    if link.on_loop():
+        return dataplane.model_ready(model_name, str(model_version or ""))
+    return _call_on_loop(link, ready())
