@@ -14,7 +14,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from . import __version__
 from .datatypes import config_to_datatype
-from .errors import InvalidArgument, NotFound, ServerError, Status, Unavailable, Unsupported
+from .errors import NotFound, ServerError, Status, Unavailable, Unsupported
 from .repository import ModelRepository
 from .responses import ResponseSender, ResponseStream
 from .runtime import ModelRuntime

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import struct
 
 import numpy as np
@@ -106,7 +107,7 @@ def to_raw(array: np.ndarray, datatype: str) -> bytes:
 
 def from_raw(buffer: bytes | memoryview, datatype: str, shape: tuple[int, ...], name: str) -> np.ndarray:
     """Binary wire format -> numpy array, checking the size against the shape."""
-    count = int(np.prod(shape)) if shape else 1
+    count = math.prod(shape)
     if datatype == "BYTES":
         flat = deserialize_bytes(buffer, name)
         if flat.size != count:

@@ -166,6 +166,8 @@ class ModelRepository:
             raise Unsupported("explicit model load / unload is not allowed unless the model control mode "
                               "is 'explicit'")
         check_model_name(name)
+        if name not in self.entries:
+            self.model_dir(name)  # NotFound for a name with no directory: leave no entry behind
         entry = self.entries.setdefault(name, ModelEntry(name))
         async with entry.lock:
             try:

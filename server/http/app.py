@@ -25,6 +25,7 @@ from starlette.routing import Route
 
 from .. import config as config_module
 from ..errors import InvalidArgument, ServerError, Unsupported, as_server_error
+from ..classification import read_labels
 from . import codec
 
 log = logging.getLogger(__name__)
@@ -315,10 +316,10 @@ class HttpFrontend:
     def _classifier(self, runtime):
         batched = runtime.config.max_batch_size > 0
 
-        def classify(name, datatype, array, count):
-            return codec.classify(name, datatype, array, count, batched, self._output_labels(runtime, name))
+        def classify_output(name, datatype, array, count):
+            return classify(array, datatype, count, name, self._output_labels(runtime, name), batched)[0]
 
-        return classify
+        return classify_output
 
     def _output_labels(self, runtime, name: str):
         cache = self._labels.get(runtime)
@@ -326,7 +327,7 @@ class HttpFrontend:
             cache = self._labels[runtime] = {}
         if name not in cache:
             filename = next((o.label_filename for o in runtime.config.output if o.name == name), "")
-            cache[name] = codec.read_labels(runtime.ctx.model_path, filename)
+            cache[name] = read_labels(runtime.ctx.model_path, filename)
         return cache[name]
 
 

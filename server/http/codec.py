@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -384,39 +383,6 @@ def _bytes_as_json(name: str, array: np.ndarray) -> list[str]:
         else:
             out.append(item if type(item) is str else str(item))
     return out
-
-
-def _format_number(value: Any) -> str:
-    if isinstance(value, (float, np.floating)):
-        return f"{value:f}"  # what Triton's std::to_string prints
-    return str(int(value))
-
-
-def classify(name: str, datatype: str, array: np.ndarray, count: int, batched: bool,
-             labels: list[str] | None = None) -> np.ndarray:
-    """Triton's classification extension: top-``count`` entries per batch row as "value:index[:label]"."""
-    if datatype in ("BYTES", "BOOL", "FP16", "BF16"):
-        raise InvalidArgument(f"output '{name}': class results are not available for datatype '{datatype}'")
-    rows = array.reshape(array.shape[0], -1) if batched and array.ndim > 0 else array.reshape(1, -1)
-    take = min(count, rows.shape[1])
-    result = np.empty((rows.shape[0], take), dtype=np.object_)
-    for r, row in enumerate(rows):
-        order = np.argsort(row, kind="stable")[::-1][:take]
-        for k, index in enumerate(order):
-            text = f"{_format_number(row[index])}:{index}"
-            if labels is not None and index < len(labels):
-                text += ":" + labels[index]
-            result[r, k] = text.encode()
-    return result if batched and array.ndim > 0 else result.reshape(take)
-
-
-def read_labels(model_path: Path, label_filename: str) -> list[str] | None:
-    if not label_filename:
-        return None
-    try:
-        return (model_path / label_filename).read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return None
 
 
 def encode_response(response: InferenceResponse, decoded: DecodedRequest, classifier=None) -> tuple[bytes, int | None]:

@@ -1,0 +1,304 @@
+"""KServe v2 gRPC messages <-> core requests and responses.
+
+Only wire-format translation lives here: every check that depends on the model (input names,
+datatypes against the config, shapes, batch size) is the DataPlane's. What this module checks
+is what only the wire format can get wrong: tensor data that does not match its own declared
+datatype and shape, raw and typed contents mixed, malformed parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from tritonclient.grpc import service_pb2 as pb
+
+from ..classification import classify
+from ..datatypes import DATATYPES, from_raw, to_raw
+from ..errors import InvalidArgument, ServerError
+from ..types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
+
+ModelInferRequest = pb.ModelInferRequest
+ModelInferResponse = pb.ModelInferResponse
+
+# Which ``InferTensorContents`` field carries each datatype (FP16 / BF16 have none: raw only).
+CONTENTS_FIELD = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
+# The numpy type each typed field is read as before narrowing to the datatype.
+_FIELD_DTYPE = {
+    "bool_contents": np.bool_,
+    "int_contents": np.int32,
+    "int64_contents": np.int64,
+    "uint_contents": np.uint32,
+    "uint64_contents": np.uint64,
+    "fp32_contents": np.float32,
+    "fp64_contents": np.float64,
+}
+_NUMPY = {
+    "BOOL": np.dtype(np.bool_), "INT8": np.dtype(np.int8), "INT16": np.dtype(np.int16),
+    "INT32": np.dtype(np.int32), "INT64": np.dtype(np.int64), "UINT8": np.dtype(np.uint8),
+    "UINT16": np.dtype(np.uint16), "UINT32": np.dtype(np.uint32), "UINT64": np.dtype(np.uint64),
+    "FP32": np.dtype(np.float32), "FP64": np.dtype(np.float64),
+}
+
+# Request parameter keys starting with "triton_" that clients may set (Triton rejects the others).
+TRITON_REQUEST_PARAMS = ("triton_enable_empty_final_response",)
+SHARED_MEMORY_PARAMS = ("shared_memory_region", "shared_memory_offset", "shared_memory_byte_size")
+
+
+# -- parameters ------------------------------------------------------------------------------
+def param_value(param) -> Any:
+    """Python value of an ``InferParameter`` (None if no value is set)."""
+    which = param.WhichOneof("parameter_choice")
+    return getattr(param, which) if which is not None else None
+
+
+def params_to_dict(params) -> dict[str, Any]:
+    return {key: param_value(value) for key, value in params.items()} if len(params) else {}
+
+
+def set_param(target, key: str, value: Any) -> None:
+    """Store ``value`` as ``target[key]`` in the ``InferParameter`` field matching its type."""
+    if value is None:
+        return
+    param = target[key]
+    if isinstance(value, (bool, np.bool_)):
+        param.bool_param = bool(value)
+    elif isinstance(value, (int, np.integer)):
+        value = int(value)
+        if value > 0x7FFFFFFFFFFFFFFF:
+            param.uint64_param = value
+        else:
+            param.int64_param = value
+    elif isinstance(value, (float, np.floating)):
+        param.double_param = float(value)
+    elif isinstance(value, bytes):
+        param.string_param = value.decode("utf-8", "replace")
+    else:
+        param.string_param = str(value)
+
+
+class StreamOptions:
+    """Per-request options of the gRPC frontend itself (not passed to the model)."""
+
+    __slots__ = ("enable_empty_final",)
+
+    def __init__(self) -> None:
+        self.enable_empty_final = False
+
+
+def _typed(param, key: str, kinds: tuple[str, ...], expected: str):
+    which = param.WhichOneof("parameter_choice")
+    if which not in kinds:
+        raise InvalidArgument(f"invalid value type for '{key}' parameter, expected {expected}.")
+    return getattr(param, which)
+
+
+def _request_parameters(msg, request: InferenceRequest, options: StreamOptions) -> None:
+    params: dict[str, Any] = {}
+    for key, param in msg.parameters.items():
+        if key == "priority":
+            value = _typed(param, key, ("int64_param", "uint64_param"), "int64_param or uint64_param")
+            if value < 0:
+                raise InvalidArgument("invalid value for 'priority', expected value >= 0.")
+            request.priority = value
+        elif key == "timeout":
+            value = _typed(param, key, ("int64_param",), "int64_param")
+            if value < 0:
+                raise InvalidArgument("invalid value for 'timeout', expected value >= 0.")
+            request.timeout_us = value
+        elif key == "sequence_id":
+            params[key] = _typed(param, key, ("int64_param", "uint64_param", "string_param"),
+                                 "int64_param or string_param")
+        elif key in ("sequence_start", "sequence_end"):
+            params[key] = _typed(param, key, ("bool_param",), "bool_param")
+        elif key.startswith("triton_"):
+            if key not in TRITON_REQUEST_PARAMS:
+                raise InvalidArgument(
+                    "parameter keys starting with 'triton_' are reserved for Triton usage. Only the "
+                    f"following keys starting with 'triton_' are allowed: {' '.join(TRITON_REQUEST_PARAMS)}")
+            options.enable_empty_final = _typed(param, key, ("bool_param",), "bool_param")
+        else:
+            value = param_value(param)
+            if value is None:
+                raise InvalidArgument(f"parameter '{key}' has no value")
+            params[key] = value
+    request.parameters = params
+
+
+# -- inputs ----------------------------------------------------------------------------------
+def _where(name: str, model: str) -> str:
+    return f"input '{name}' for model '{model}'"
+
+
+def _check_header(tensor, model: str) -> tuple[str, str, tuple[int, ...]]:
+    name = tensor.name
+    datatype = tensor.datatype
+    if datatype not in DATATYPES:
+        raise InvalidArgument(f"{_where(name, model)} has unsupported datatype '{datatype}'")
+    shape = tuple(tensor.shape)
+    for dim in shape:
+        if dim < 0:
+            raise InvalidArgument(f"{_where(name, model)} has invalid shape {list(shape)}: "
+                                  "dimensions must be >= 0")
+    return name, datatype, shape
+
+
+def _element_count(shape: tuple[int, ...]) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count
+
+
+def _from_contents(contents, name: str, datatype: str, shape: tuple[int, ...], model: str) -> np.ndarray:
+    fields = contents.ListFields()
+    expected = CONTENTS_FIELD.get(datatype)
+    if expected is None:
+        raise InvalidArgument(f"{_where(name, model)}: datatype {datatype} has no typed contents field; "
+                              "send its data in raw_input_contents")
+    count = _element_count(shape)
+    if not fields:
+        if count:
+            raise InvalidArgument(f"{_where(name, model)}: contents holds 0 elements, shape {list(shape)} "
+                                  f"needs {count}")
+        return np.empty(shape, dtype=_NUMPY.get(datatype, np.object_))
+    if len(fields) > 1:
+        raise InvalidArgument(f"{_where(name, model)}: contents sets "
+                              f"{' and '.join(f.name for f, _ in fields)}; set only {expected}")
+    field, values = fields[0]
+    if field.name != expected:
+        raise InvalidArgument(f"{_where(name, model)} has datatype {datatype}, whose typed data goes in "
+                              f"contents.{expected}, but the request sets contents.{field.name}")
+    if len(values) != count:
+        raise InvalidArgument(f"{_where(name, model)}: contents.{expected} holds {len(values)} elements, "
+                              f"shape {list(shape)} needs {count}")
+    if datatype == "BYTES":
+        data = np.empty(count, dtype=np.object_)
+        data[:] = list(values)
+        return data.reshape(shape)
+    data = np.fromiter(values, dtype=_FIELD_DTYPE[expected], count=count)
+    target = _NUMPY[datatype]
+    if data.dtype != target:
+        data = data.astype(target)  # INT8/INT16/UINT8/UINT16 ride in 32-bit fields
+    return data.reshape(shape)
+
+
+def decode_request(msg, options: StreamOptions | None = None) -> InferenceRequest:
+    """ModelInferRequest -> InferenceRequest; InvalidArgument naming the tensor on bad data."""
+    model = msg.model_name
+    raws = msg.raw_input_contents
+    raw_count = len(raws)
+    raw_index = 0
+    inputs: dict[str, Tensor] = {}
+    for tensor in msg.inputs:
+        name, datatype, shape = _check_header(tensor, model)
+        if name in inputs:
+            raise InvalidArgument(f"{_where(name, model)} appears more than once in the request")
+        params = params_to_dict(tensor.parameters)
+        if params and any(key in params for key in SHARED_MEMORY_PARAMS):
+            raise InvalidArgument(f"{_where(name, model)} refers to shared memory region "
+                                  f"'{params.get('shared_memory_region', '')}', which is not registered: "
+                                  "this server does not support shared memory")
+        if tensor.HasField("contents"):
+            if raw_count:
+                raise InvalidArgument(f"contents field must not be specified when using raw_input_contents "
+                                      f"for '{name}' for model '{model}'")
+            data = _from_contents(tensor.contents, name, datatype, shape, model)
+        else:
+            if raw_index >= raw_count:
+                raise InvalidArgument(f"unable to find data for input tensor '{name}' for model '{model}' "
+                                      "in request.")
+            try:
+                data = from_raw(raws[raw_index], datatype, shape, name)
+            except ValueError as exc:  # e.g. a shape whose element count overflows int64
+                raise InvalidArgument(f"{_where(name, model)}: data does not fit shape {list(shape)}: {exc}") from None
+            raw_index += 1
+        inputs[name] = Tensor(name, datatype, shape, data, params)
+    if raw_index != raw_count:
+        raise InvalidArgument(f"model '{model}': the request has {raw_count} raw_input_contents for "
+                              f"{len(inputs)} input(s) {list(inputs)}; send one per input, in input order")
+    outputs = [RequestedOutput(o.name, params_to_dict(o.parameters)) for o in msg.outputs] if msg.outputs else None
+    request = InferenceRequest(model, inputs, model_version=msg.model_version, id=msg.id, outputs=outputs)
+    if len(msg.parameters):
+        _request_parameters(msg, request, options if options is not None else StreamOptions())
+    return request
+
+
+# -- outputs ---------------------------------------------------------------------------------
+def encode_response(response: InferenceResponse, msg=None):
+    """Fill (or make) a ModelInferResponse; tensor data always goes in ``raw_output_contents``."""
+    if msg is None:
+        msg = ModelInferResponse()
+    msg.model_name = response.model_name
+    msg.model_version = response.model_version
+    msg.id = response.id
+    if response.parameters:
+        for key, value in response.parameters.items():
+            set_param(msg.parameters, key, value)
+    raws = []
+    for tensor in response.outputs:
+        data = tensor.data
+        datatype = tensor.datatype
+        if not isinstance(data, np.ndarray):
+            data = np.asarray(data, dtype=np.object_ if datatype == "BYTES" else _NUMPY.get(datatype))
+        else:
+            expected = _NUMPY.get(datatype)
+            if expected is not None and data.dtype != expected:
+                data = data.astype(expected)  # e.g. float64 data in an FP32 tensor: send what it declares
+        out = msg.outputs.add(name=tensor.name, datatype=datatype, shape=data.shape)
+        if tensor.parameters:
+            for key, value in tensor.parameters.items():
+                set_param(out.parameters, key, value)
+        raws.append(to_raw(data, datatype))
+    if raws:
+        msg.raw_output_contents.extend(raws)
+    return msg
+
+
+def requested_classifications(request: InferenceRequest) -> dict[str, int] | None:
+    """``{output name: top-k}`` for outputs requested with the ``classification`` parameter."""
+    found = None
+    for output in request.outputs:
+        count = output.parameters.get("classification") if output.parameters else None
+        if count is None:
+            continue
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise InvalidArgument(f"output '{output.name}': 'classification' must be an integer >= 1, "
+                                  f"got {count!r}")
+        found = found or {}
+        found[output.name] = count
+    return found
+
+
+def apply_classification(response: InferenceResponse, counts: dict[str, int], batched: bool,
+                         labels_of) -> None:
+    """Replace the outputs named in ``counts`` by their classification results (in place)."""
+    outputs = []
+    for tensor in response.outputs:
+        count = counts.get(tensor.name)
+        if count is not None:
+            data, datatype = classify(np.asarray(tensor.data), tensor.datatype, count, tensor.name,
+                                      labels_of(tensor.name), batched)
+            tensor = Tensor(tensor.name, datatype, data.shape, data, tensor.parameters)
+        outputs.append(tensor)
+    response.outputs = outputs
+
+
+def error_message(exc: BaseException) -> tuple[str, str]:
+    """(grpc.StatusCode member name, message) for any exception."""
+    if isinstance(exc, ServerError):
+        return exc.status.grpc_name, exc.message
+    return "INTERNAL", f"{type(exc).__name__}: {exc}"

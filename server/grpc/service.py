@@ -1,0 +1,476 @@
+"""The KServe v2 / Triton ``inference.GRPCInferenceService`` and the standard gRPC health service.
+
+Everything goes through the DataPlane; this module only translates messages and maps
+ServerError statuses onto gRPC status codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import weakref
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc import service_pb2_grpc
+
+from ..classification import read_labels
+from ..dataplane import DataPlane, InferenceStream
+from ..errors import InvalidArgument, ServerError, Unsupported
+from ..types import InferenceRequest, InferenceResponse
+from .codec import (
+    StreamOptions,
+    apply_classification,
+    decode_request,
+    encode_response,
+    error_message,
+    requested_classifications,
+)
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "inference.GRPCInferenceService"
+MAX_MESSAGE_BYTES = 2**31 - 1
+
+# gRPC channel arguments of the server: messages up to 2 GiB - 1 like Triton, a bind that fails
+# loudly when the port is taken instead of silently sharing it (SO_REUSEPORT), and keepalive
+# pings from clients tolerated down to every 5 s (tritonclient's KeepAliveOptions).
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
+]
+
+_FINAL = "triton_final_response"
+
+
+async def _abort(context, exc: BaseException):
+    code, message = error_message(exc)
+    if code == "INTERNAL" and not isinstance(exc, ServerError):
+        log.error("gRPC request failed", exc_info=exc)
+    await context.abort(getattr(grpc.StatusCode, code), message)
+
+
+def _header(context, key: str) -> str | None:
+    for name, value in context.invocation_metadata() or ():
+        if name == key:
+            return value
+    return None
+
+
+class _Classifier:
+    """Resolves what the classification extension needs from a model's config."""
+
+    def __init__(self, dataplane: DataPlane) -> None:
+        self.dataplane = dataplane
+        # loaded model version -> output name -> its labels (read once, forgotten on unload)
+        self._labels: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def apply(self, request: InferenceRequest, response: InferenceResponse, counts: dict[str, int]) -> None:
+        runtime = self.dataplane.model(request.model_name, response.model_version or request.model_version)
+        config = runtime.config
+        cache = self._labels.setdefault(runtime, {})
+
+        def labels_of(name: str) -> list[str] | None:
+            if name not in cache:
+                label_file = next((o.label_filename for o in config.output if o.name == name), "")
+                cache[name] = read_labels(runtime.ctx.model_path, label_file)
+            return cache[name]
+
+        apply_classification(response, counts, config.max_batch_size > 0, labels_of)
+
+
+class _Failure:
+    """Queued in place of a response: end the call with this error (triton_grpc_error mode)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+_DONE = object()  # queued once the client half-closed and every request has finished
+
+
+class _Stream:
+    """State of one ModelStreamInfer call.
+
+    Requests run concurrently, one task each; their responses go through ``outbox`` to the
+    handler, the only coroutine that writes to the call (gRPC allows one write at a time, and a
+    write must never be in flight when the call is aborted).
+    """
+
+    __slots__ = ("outbox", "streams", "tasks", "grpc_errors", "reading")
+
+    def __init__(self, grpc_errors: bool) -> None:
+        self.outbox: asyncio.Queue = asyncio.Queue()
+        self.streams: set[InferenceStream] = set()
+        self.tasks: set[asyncio.Task] = set()
+        self.grpc_errors = grpc_errors  # "triton_grpc_error: true": the first error ends the call
+        self.reading = True
+
+    def put(self, item) -> None:
+        self.outbox.put_nowait(item)
+
+    def task_done(self, task: asyncio.Task) -> None:
+        self.tasks.discard(task)
+        if not self.reading and not self.tasks:
+            self.put(_DONE)
+
+    def reader_done(self) -> None:
+        self.reading = False
+        if not self.tasks:
+            self.put(_DONE)
+
+    async def close(self) -> None:
+        """Cancel every request still in flight (the client went away or the call failed)."""
+        for task in list(self.tasks):
+            task.cancel()
+        for stream in list(self.streams):
+            await stream.aclose()
+        self.streams.clear()
+
+
+def _error_response(request_id: str, exc: BaseException, request: InferenceRequest | None = None,
+                    response: InferenceResponse | None = None, final: bool | None = None):
+    message = pb.ModelStreamInferResponse(error_message=error_message(exc)[1])
+    infer = message.infer_response
+    infer.id = request_id
+    if request is not None:  # an error after the request was accepted, as Triton reports it
+        infer.model_name = request.model_name
+        infer.model_version = (response.model_version if response is not None and response.model_version
+                               else request.model_version)
+        infer.parameters[_FINAL].bool_param = True if final is None else final
+    return message
+
+
+class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, dataplane: DataPlane) -> None:
+        self.dataplane = dataplane
+        self.classifier = _Classifier(dataplane)
+        self._log_settings = _initial_log_settings()
+
+    # -- health and metadata ---------------------------------------------------------------
+    async def ServerLive(self, request, context):
+        return pb.ServerLiveResponse(live=self.dataplane.live())
+
+    async def ServerReady(self, request, context):
+        return pb.ServerReadyResponse(ready=self.dataplane.ready())
+
+    async def ModelReady(self, request, context):
+        return pb.ModelReadyResponse(ready=self.dataplane.model_ready(request.name, request.version))
+
+    async def ServerMetadata(self, request, context):
+        meta = self.dataplane.server_metadata()
+        return pb.ServerMetadataResponse(name=meta["name"], version=meta["version"],
+                                         extensions=meta["extensions"])
+
+    async def ModelMetadata(self, request, context):
+        try:
+            meta = self.dataplane.model_metadata(request.name, request.version)
+        except Exception as exc:
+            await _abort(context, exc)
+        response = pb.ModelMetadataResponse(name=meta["name"], versions=meta["versions"],
+                                            platform=meta["platform"])
+        for tensor in meta["inputs"]:
+            response.inputs.add(name=tensor["name"], datatype=tensor["datatype"], shape=tensor["shape"])
+        for tensor in meta["outputs"]:
+            response.outputs.add(name=tensor["name"], datatype=tensor["datatype"], shape=tensor["shape"])
+        return response
+
+    async def ModelConfig(self, request, context):
+        try:
+            config = self.dataplane.model_config(request.name, request.version)
+        except Exception as exc:
+            await _abort(context, exc)
+        response = pb.ModelConfigResponse()
+        response.config.CopyFrom(config)
+        return response
+
+    async def ModelStatistics(self, request, context):
+        try:
+            stats = self.dataplane.model_statistics(request.name, request.version)
+            return json_format.ParseDict({"model_stats": stats}, pb.ModelStatisticsResponse(),
+                                         ignore_unknown_fields=True)
+        except Exception as exc:
+            await _abort(context, exc)
+
+    # -- repository --------------------------------------------------------------------------
+    async def RepositoryIndex(self, request, context):
+        try:
+            rows = self.dataplane.repository_index(request.ready)
+        except Exception as exc:
+            await _abort(context, exc)
+        response = pb.RepositoryIndexResponse()
+        for row in rows:
+            response.models.add(name=row["name"], version=row["version"], state=row["state"],
+                                reason=row["reason"])
+        return response
+
+    async def RepositoryModelLoad(self, request, context):
+        try:
+            config = None
+            for key, param in request.parameters.items():
+                if key == "config":
+                    if param.WhichOneof("parameter_choice") != "string_param":
+                        raise InvalidArgument("invalid value type for load parameter 'config', "
+                                              "expected string_param (the model config as JSON)")
+                    config = param.string_param
+                elif key.startswith("file:"):
+                    raise Unsupported(f"failed to load '{request.model_name}': loading a model from override "
+                                      f"files ('{key}') is not supported")
+            await self.dataplane.load_model(request.model_name, config)
+        except Exception as exc:
+            await _abort(context, exc)
+        return pb.RepositoryModelLoadResponse()
+
+    async def RepositoryModelUnload(self, request, context):
+        try:
+            await self.dataplane.unload_model(request.model_name)
+        except Exception as exc:
+            await _abort(context, exc)
+        return pb.RepositoryModelUnloadResponse()
+
+    # -- inference ---------------------------------------------------------------------------
+    async def ModelInfer(self, request, context):
+        try:
+            infer_request = decode_request(request)
+            counts = requested_classifications(infer_request) if infer_request.outputs else None
+            response = await self.dataplane.infer_unary(infer_request)
+            if counts:
+                self.classifier.apply(infer_request, response, counts)
+            return encode_response(response)
+        except Exception as exc:
+            await _abort(context, exc)
+
+    async def ModelStreamInfer(self, request_iterator, context):
+        state = _Stream((_header(context, "triton_grpc_error") or "").lower() == "true")
+        reader = asyncio.get_running_loop().create_task(self._read_stream(request_iterator, state))
+        failure = None
+        try:
+            outbox = state.outbox
+            while True:
+                item = await outbox.get()
+                if item is _DONE:
+                    break
+                if type(item) is _Failure:
+                    failure = item.error
+                    break
+                await context.write(item)
+        finally:
+            reader.cancel()
+            await state.close()
+        if failure is not None:
+            await _abort(context, failure)
+
+    async def _read_stream(self, request_iterator, state: _Stream) -> None:
+        try:
+            async for message in request_iterator:
+                if not self._start_stream_request(message, state):
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the call broke while reading
+            state.put(_Failure(exc))
+            return
+        state.reader_done()  # the client half-closed: finish the requests in flight
+
+    def _start_stream_request(self, message, state: _Stream) -> bool:
+        options = StreamOptions()
+        try:
+            request = decode_request(message, options)
+            counts = requested_classifications(request) if request.outputs else None
+            stream = self.dataplane.infer(request)
+        except Exception as exc:
+            if not isinstance(exc, ServerError):
+                log.exception("gRPC stream request failed")
+            if state.grpc_errors:
+                state.put(_Failure(exc))
+                return False
+            state.put(_error_response(message.id, exc))
+            return True
+        state.streams.add(stream)
+        task = asyncio.get_running_loop().create_task(self._pump(stream, options, counts, state))
+        state.tasks.add(task)
+        task.add_done_callback(state.task_done)
+        return True
+
+    async def _pump(self, stream: InferenceStream, options: StreamOptions, counts, state: _Stream) -> None:
+        """Queue every response of one request of the stream as it comes."""
+        request = stream.request
+        put = state.put
+        try:
+            async for response in stream:
+                if response.error is not None:
+                    if state.grpc_errors:
+                        put(_Failure(response.error))
+                        return
+                    put(_error_response(request.id, response.error, request, response, response.final))
+                elif response.empty:
+                    # A bare FINAL flag: Triton sends it only to clients that opted in.
+                    if options.enable_empty_final:
+                        message = pb.ModelStreamInferResponse()
+                        infer = message.infer_response
+                        infer.model_name = response.model_name or request.model_name
+                        infer.model_version = response.model_version
+                        infer.id = response.id or request.id
+                        infer.parameters[_FINAL].bool_param = True
+                        put(message)
+                else:
+                    message = pb.ModelStreamInferResponse()
+                    try:
+                        if counts:
+                            self.classifier.apply(request, response, counts)
+                        encode_response(response, message.infer_response)
+                    except Exception as exc:  # an output the wire format cannot carry
+                        if not isinstance(exc, ServerError):
+                            log.exception("model '%s': failed to encode a response", request.model_name)
+                        put(_Failure(exc) if state.grpc_errors
+                            else _error_response(request.id, exc, request, response, True))
+                        return  # the finally clause cancels the rest of the request
+                    message.infer_response.parameters[_FINAL].bool_param = response.final
+                    put(message)
+        finally:
+            state.streams.discard(stream)
+            await stream.aclose()
+
+    # -- shared memory, trace, logging --------------------------------------------------------
+    async def SystemSharedMemoryStatus(self, request, context):
+        if request.name:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"Unable to find system shared memory region: '{request.name}'")
+        return pb.SystemSharedMemoryStatusResponse()
+
+    async def SystemSharedMemoryRegister(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                            "system shared memory is not supported by this server; send tensor data in "
+                            "raw_input_contents")
+
+    async def SystemSharedMemoryUnregister(self, request, context):
+        return pb.SystemSharedMemoryUnregisterResponse()  # nothing is ever registered
+
+    async def CudaSharedMemoryStatus(self, request, context):
+        if request.name:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"Unable to find cuda shared memory region: '{request.name}'")
+        return pb.CudaSharedMemoryStatusResponse()
+
+    async def CudaSharedMemoryRegister(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                            "CUDA shared memory is not supported by this server; send tensor data in "
+                            "raw_input_contents")
+
+    async def CudaSharedMemoryUnregister(self, request, context):
+        return pb.CudaSharedMemoryUnregisterResponse()
+
+    async def TraceSetting(self, request, context):
+        current = {"trace_level": ["OFF"], "trace_rate": ["1000"], "trace_count": ["-1"],
+                   "log_frequency": ["0"], "trace_file": [""], "trace_mode": ["triton"]}
+        for key, value in request.settings.items():
+            values = list(value.value)
+            if values and values != current.get(key, values) and not (key == "trace_level" and values == ["OFF"]):
+                await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                                    f"tracing is not supported by this server; cannot set '{key}'")
+        response = pb.TraceSettingResponse()
+        for key, values in current.items():
+            response.settings[key].value.extend(values)
+        return response
+
+    async def LogSettings(self, request, context):
+        settings = self._log_settings
+        for key, value in request.settings.items():
+            if key not in settings:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown log setting '{key}'")
+            which = value.WhichOneof("parameter_choice")
+            if which is None:
+                continue
+            current = settings[key]
+            new = getattr(value, which)
+            if type(new) is not type(current):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"log setting '{key}' expects a {type(current).__name__} value")
+            if key in ("log_file", "log_format") and new != current:
+                await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"changing '{key}' is not supported")
+            settings[key] = new
+        if len(request.settings):
+            _apply_log_settings(settings)
+        response = pb.LogSettingsResponse()
+        for key, value in settings.items():
+            field = ("bool_param" if isinstance(value, bool) else
+                     "uint32_param" if isinstance(value, int) else "string_param")
+            setattr(response.settings[key], field, value)
+        return response
+
+
+def _initial_log_settings() -> dict[str, Any]:
+    level = logging.getLogger("server").getEffectiveLevel()
+    return {"log_file": "", "log_info": level <= logging.INFO, "log_warning": level <= logging.WARNING,
+            "log_error": level <= logging.ERROR, "log_verbose_level": 1 if level <= logging.DEBUG else 0,
+            "log_format": "default"}
+
+
+def _apply_log_settings(settings: dict[str, Any]) -> None:
+    if settings["log_verbose_level"] > 0:
+        level = logging.DEBUG
+    elif settings["log_info"]:
+        level = logging.INFO
+    elif settings["log_warning"]:
+        level = logging.WARNING
+    elif settings["log_error"]:
+        level = logging.ERROR
+    else:
+        level = logging.CRITICAL + 1
+    logging.getLogger("server").setLevel(level)
+
+
+class HealthServicer(health_pb2_grpc.HealthServicer):
+    """``grpc.health.v1.Health``: SERVING while the server is ready."""
+
+    SERVICES = ("", SERVICE_NAME)
+    WATCH_INTERVAL_S = 0.5
+
+    def __init__(self, dataplane: DataPlane) -> None:
+        self.dataplane = dataplane
+
+    def _status(self, service: str):
+        if service not in self.SERVICES:
+            return health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+        return (health_pb2.HealthCheckResponse.SERVING if self.dataplane.ready()
+                else health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    async def Check(self, request, context):
+        if request.service not in self.SERVICES:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service '{request.service}'")
+        return health_pb2.HealthCheckResponse(status=self._status(request.service))
+
+    async def Watch(self, request, context):
+        last = None
+        while True:
+            status = self._status(request.service)
+            if status != last:
+                await context.write(health_pb2.HealthCheckResponse(status=status))
+                last = status
+            await asyncio.sleep(self.WATCH_INTERVAL_S)
+
+
+async def start_grpc_server(dataplane: DataPlane, host: str, port: int, *,
+                            options: list[tuple[str, Any]] | None = None) -> grpc.aio.Server:
+    """Build, bind and start the gRPC server; ``await server.stop(grace)`` shuts it down."""
+    server = grpc.aio.server(options=SERVER_OPTIONS + list(options or []))
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(dataplane), server)
+    health_pb2_grpc.add_HealthServicer_to_server(HealthServicer(dataplane), server)
+    address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise RuntimeError(f"gRPC server failed to bind {address}: {exc}") from None
+    if not bound:
+        raise RuntimeError(f"gRPC server failed to bind {address}")
+    await server.start()
+    log.info("gRPC server listening on %s", address)
+    return server
