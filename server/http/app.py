@@ -25,7 +25,7 @@ from starlette.routing import Route
 
 from .. import config as config_module
 from ..errors import InvalidArgument, ServerError, Unsupported, as_server_error
-from ..classification import read_labels
+from ..classification import classify, read_labels
 from . import codec
 
 log = logging.getLogger(__name__)
