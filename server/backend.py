@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from tritonclient.grpc import model_config_pb2
 
     from .dataplane import DataPlane
+    from .stats import Metrics
     from .types import InferenceRequest, InferenceResponse
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class ModelContext:
     config: "model_config_pb2.ModelConfig"
     model_path: Path  # <repository>/<model>
     dataplane: "DataPlane | None" = None  # for models that call other models (BLS)
+    metrics: "Metrics | None" = None  # the server's metrics, for backends that add their own families
 
     @property
     def version_path(self) -> Path:

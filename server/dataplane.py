@@ -189,6 +189,7 @@ class DataPlane:
 
     async def infer_unary(self, request: InferenceRequest) -> InferenceResponse:
         """One request, one response: for protocols without streaming."""
+        request.streaming = False
         stream = self.infer(request)
         responses = []
         try:

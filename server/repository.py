@@ -200,7 +200,7 @@ class ModelRepository:
                               f"(found {available_versions(model_dir) or 'none'})")
         runtimes = {
             version: ModelRuntime(backend, ModelContext(name, version, copy.deepcopy(config), model_dir,
-                                                        self.dataplane),
+                                                        self.dataplane, self.metrics),
                                   self.metrics.model_stats(name, str(version)))
             for version in versions}
         results = await asyncio.gather(*(r.load() for r in runtimes.values()), return_exceptions=True)

@@ -132,6 +132,7 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self._models: dict[tuple[str, str], ModelStats] = {}
+        self._extensions: dict[str, object] = {}
         self.request_latency = Histogram(
             "nv_inference_request_duration_histogram_ms",
             "End-to-end inference request duration in milliseconds (to the final response)",
@@ -166,6 +167,13 @@ class Metrics:
 
     def add_collector(self, collector) -> None:
         self.registry.register(collector)
+
+    def extension(self, key: str, factory):
+        """A family of metrics made once per server (e.g. the LLM metrics), shared by all backends."""
+        found = self._extensions.get(key)
+        if found is None:
+            found = self._extensions[key] = factory(self.registry)
+        return found
 
 
 def _escape(value: str) -> str:

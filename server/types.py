@@ -83,7 +83,7 @@ class InferenceRequest:
 
     __slots__ = ("model_name", "model_version", "id", "inputs", "outputs", "parameters",
                  "priority", "timeout_us", "cancellation", "arrival_ns", "response_sender",
-                 "internal_id", "batch_size", "queue_start_ns")
+                 "internal_id", "batch_size", "queue_start_ns", "streaming")
 
     def __init__(self, model_name: str, inputs: dict[str, Tensor], *, model_version: str = "",
                  id: str = "", outputs: list[RequestedOutput] | None = None,
@@ -103,6 +103,9 @@ class InferenceRequest:
         self.internal_id = next(_request_counter)
         self.batch_size = 1          # set by validation: rows along the batch dimension
         self.queue_start_ns = 0
+        # False when the client's protocol takes one response (HTTP infer, gRPC ModelInfer,
+        # generate): backends that stream (LLMs) then send one response with the whole result.
+        self.streaming = True
 
     def is_cancelled(self) -> bool:
         return self.cancellation.is_cancelled()

@@ -1,0 +1,111 @@
+"""LLM metrics, alike for every LLM backend: token latencies, token counts, engine load.
+
+Names follow vLLM's ``vllm:*`` metrics under the ``tideserve:`` prefix, labelled by model and
+version. Histograms (never summaries) so replicas can be summed. A backend makes one
+:class:`GenerationTracker` per request and reports engine-wide state with :meth:`LLMMetrics.set_engine_state`.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LABELS = ["model_name", "version"]
+TOKEN_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                         7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                           40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0)
+TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+
+
+class LLMMetrics:
+    """The Prometheus families; one object per server, from ``Metrics.extension("llm", LLMMetrics)``."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        def histogram(name, doc, buckets):
+            return Histogram(f"tideserve:{name}", doc, LABELS, buckets=buckets, registry=registry)
+
+        def counter(name, doc):
+            return Counter(f"tideserve:{name}", doc, LABELS, registry=registry)
+
+        def gauge(name, doc):
+            return Gauge(f"tideserve:{name}", doc, LABELS, registry=registry)
+
+        self.time_to_first_token = histogram("time_to_first_token_seconds",
+                                             "Time from request arrival to its first generated token",
+                                             TOKEN_LATENCY_BUCKETS)
+        self.inter_token_latency = histogram("inter_token_latency_seconds",
+                                             "Time between consecutive generated tokens", TOKEN_LATENCY_BUCKETS)
+        self.e2e_latency = histogram("e2e_request_latency_seconds", "End-to-end generation latency",
+                                     REQUEST_LATENCY_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds",
+                                    "Time a request waited in the engine before its first step", REQUEST_LATENCY_BUCKETS)
+        self.prompt_tokens_hist = histogram("request_prompt_tokens", "Prompt tokens per request",
+                                            TOKEN_COUNT_BUCKETS)
+        self.generation_tokens_hist = histogram("request_generation_tokens", "Generated tokens per request",
+                                                TOKEN_COUNT_BUCKETS)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated")
+        self.request_success = counter("request_success", "Generations that finished (stop or length)")
+        self.request_aborted = counter("request_aborted", "Generations aborted in the engine (client gone, "
+                                                          "cancel, timeout, shutdown)")
+        self.running = gauge("num_requests_running", "Requests the engine is running now")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting for the engine")
+        self.kv_cache_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1)")
+
+    def tracker(self, model: str, version: str) -> "GenerationTracker":
+        return GenerationTracker(self, model, version)
+
+    def set_engine_state(self, model: str, version: str, *, running: int, waiting: int, kv_cache_usage: float) -> None:
+        self.running.labels(model, version).set(running)
+        self.waiting.labels(model, version).set(waiting)
+        self.kv_cache_usage.labels(model, version).set(kv_cache_usage)
+
+    def aborted(self, model: str, version: str) -> None:
+        self.request_aborted.labels(model, version).inc()
+
+
+class GenerationTracker:
+    """Timings of one generation; call :meth:`tokens` as increments arrive, :meth:`finish` at the end."""
+
+    __slots__ = ("_metrics", "_labels", "arrival", "_last", "generated", "prompt_tokens")
+
+    def __init__(self, metrics: LLMMetrics, model: str, version: str, arrival: float | None = None) -> None:
+        self._metrics = metrics
+        self._labels = (model, version)
+        self.arrival = arrival if arrival is not None else time.monotonic()
+        self._last: float | None = None
+        self.generated = 0
+        self.prompt_tokens = 0
+
+    def tokens(self, count: int) -> None:
+        """``count`` new tokens arrived now (an increment may carry several)."""
+        if count <= 0:
+            return
+        now = time.monotonic()
+        m = self._metrics
+        if self._last is None:
+            m.time_to_first_token.labels(*self._labels).observe(now - self.arrival)
+        else:  # an increment of several tokens spreads its gap evenly over them
+            gap = (now - self._last) / count
+            hist = m.inter_token_latency.labels(*self._labels)
+            for _ in range(count):
+                hist.observe(gap)
+        self._last = now
+        self.generated += count
+
+    def finish(self, prompt_tokens: int, queue_time: float | None = None, aborted: bool = False) -> None:
+        m, labels = self._metrics, self._labels
+        self.prompt_tokens = prompt_tokens
+        m.e2e_latency.labels(*labels).observe(time.monotonic() - self.arrival)
+        if queue_time is not None:
+            m.queue_time.labels(*labels).observe(queue_time)
+        m.prompt_tokens.labels(*labels).inc(prompt_tokens)
+        m.generation_tokens.labels(*labels).inc(self.generated)
+        m.prompt_tokens_hist.labels(*labels).observe(prompt_tokens)
+        m.generation_tokens_hist.labels(*labels).observe(self.generated)
+        if aborted:
+            m.request_aborted.labels(*labels).inc()
+        else:
+            m.request_success.labels(*labels).inc()
