@@ -54,8 +54,10 @@ def start_server(kind: str, repo: Path, log: Path) -> tuple[subprocess.Popen, in
         cmd = [sys.executable, "-m", "server.cli", "--model-repository", str(repo), *ports]
     else:
         cmd = [str(PEERS_HOME / "bin" / "tritonserver-cpu"), "--model-repository", str(repo), *ports]
+    # Triton runs from the log's folder: started in this repository, its Python stub would import
+    # tideserve's own triton_python_backend_utils module from the working directory.
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
-                            cwd=ROOT)
+                            cwd=ROOT if kind == "tideserve" else log.parent)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -23,7 +23,7 @@ from .types import InferenceRequest, InferenceResponse
 
 # Triton protocol extensions this server implements (listed in the server metadata).
 EXTENSIONS = ["classification", "model_repository", "schedule_policy", "model_configuration",
-              "binary_tensor_data", "parameters", "statistics"]
+              "binary_tensor_data", "parameters", "statistics", "generate"]
 
 _FAILURE_REASON = {Status.CANCELLED: "CANCELED", Status.UNAVAILABLE: "REJECTED"}
 

@@ -282,6 +282,7 @@ class HttpFrontend:
         A request still running after DISCONNECT_WATCH_S starts watching its connection: if the
         client goes away, the request is cancelled (the model sees ``request.is_cancelled()``).
         """
+        request.streaming = False  # one response: LLM backends send the whole result at once
         stream = self.dataplane.infer(request)
         watch = _DisconnectWatch(receive, asyncio.current_task())
         timer = asyncio.get_running_loop().call_later(DISCONNECT_WATCH_S, watch.start)
@@ -441,6 +442,15 @@ def create_app(dataplane, *, max_input_size: int = 64 * 1024 * 1024) -> HttpApp:
     app.router.routes.append(Route("/v2/models/{model_name}/infer", infer_route, methods=["POST"]))
     app.router.routes.append(Route("/v2/models/{model_name}/versions/{model_version}/infer", infer_route,
                                    methods=["POST"]))
+
+    # -- generate extension (server/http/generate.py) ---------------------------------------
+    from .generate import GENERATE, GENERATE_STREAM, GenerateRoute
+
+    for suffix, streaming in ((GENERATE, False), (GENERATE_STREAM, True)):
+        generate_route = GenerateRoute(frontend, streaming)
+        app.router.routes.append(Route("/v2/models/{model_name}" + suffix, generate_route, methods=["POST"]))
+        app.router.routes.append(Route("/v2/models/{model_name}/versions/{model_version}" + suffix,
+                                       generate_route, methods=["POST"]))
 
     # -- model repository -----------------------------------------------------------------
     @app.post("/v2/repository/index")

@@ -1,0 +1,454 @@
+"""Triton's generate extension: ``POST /v2/models/<m>[/versions/<v>]/generate`` and ``/generate_stream``.
+
+The request is one flat JSON object (Triton's ``extension_generate.md`` and ``HandleGenerate`` /
+``ConvertGenerateRequest`` in ``src/http_server.cc``):
+
+* a field named like one of the model's inputs becomes that input tensor, with the datatype the
+  model config declares and a shape fitted to the declared dims (see :func:`fit_shape`);
+* ``id`` is the request id; ``parameters`` is an object whose entries are mapped the same way
+  (an entry named like an input becomes that tensor, e.g. ``max_tokens`` of a TensorRT-LLM ensemble);
+* any other field is a request parameter (string, number or boolean); anything else is a 400 that
+  names the field.
+
+The answer is one JSON object per response: ``id`` (when set), ``model_name``, ``model_version``,
+the response parameters, and one field per output tensor (one element: the bare value, else a flat
+array). ``/generate`` asks the model for one response (``request.streaming = False``) and answers
+exactly one object, or an error when the model sends none or several (as Triton does).
+``/generate_stream`` is ``text/event-stream``: one ``data: {json}\\n\\n`` event per response as it
+arrives; a bare FINAL flag sends no event. Like Triton, the HTTP status is chosen by the first
+response (a model error there gives its status, with the error as the event); a model error after
+that is a ``data: {"error": "..."}`` event under status 200. Failures before inference (bad
+request, unknown model, request rejected) are ``{"error": ...}`` JSON with the error's status.
+
+A client that disconnects cancels the request (the model sees ``request.is_cancelled()``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from sse_starlette.sse import EventSourceResponse
+from tritonclient.grpc import model_config_pb2 as mc
+
+from ..datatypes import config_to_datatype, element_size, numpy_dtype
+from ..errors import InvalidArgument, ServerError, as_server_error
+from ..types import InferenceRequest, InferenceResponse, Tensor
+from . import codec
+from .app import (
+    _JSON_HEADER,
+    _ClientGone,
+    _decompress,
+    _Disconnected,
+    _DisconnectWatch,
+    _error_body,
+    _parse_length,
+    _send,
+    _send_error,
+)
+
+log = logging.getLogger(__name__)
+
+GENERATE = "/generate"
+GENERATE_STREAM = "/generate_stream"
+SSE_PING_S = 0  # keep-alive comments between events; Triton sends none, so neither do we by default
+
+_PARAMETERS = "parameters"
+_SEQUENCE_FLAGS = ("sequence_start", "sequence_end")
+_INT_TYPES = frozenset({"UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64"})
+_FLOAT_TYPES = frozenset({"FP16", "FP32", "FP64"})
+
+
+@dataclass(slots=True)
+class InputSpec:
+    name: str
+    datatype: str
+    shape: list[int]  # as in the model metadata: a leading -1 batch dim when max_batch_size > 0
+
+
+def input_specs(config: mc.ModelConfig) -> dict[str, InputSpec]:
+    batch = [-1] if config.max_batch_size > 0 else []
+    return {t.name: InputSpec(t.name, config_to_datatype(mc.DataType.Name(t.data_type)), batch + list(t.dims))
+            for t in config.input}
+
+
+# -- request ---------------------------------------------------------------------------------
+def _where(field: str, nested: bool) -> str:
+    return f"'{_PARAMETERS}.{field}'" if nested else f"'{field}'"
+
+
+def _flatten(value: list, where: str, depth: int = 0) -> tuple[list, tuple[int, ...] | None]:
+    """Nested arrays -> (row-major elements, their shape, or None when the nesting is ragged)."""
+    if depth >= codec.MAX_JSON_DEPTH:
+        raise InvalidArgument(f"field {where}: arrays nest deeper than {codec.MAX_JSON_DEPTH} levels")
+    if not any(type(item) is list for item in value):
+        return value, (len(value),)
+    flat: list = []
+    shapes = set()
+    for item in value:
+        if type(item) is list:
+            inner, shape = _flatten(item, where, depth + 1)
+            flat.extend(inner)
+            shapes.add(shape)
+        else:
+            flat.append(item)
+            shapes.add(None)
+    if len(shapes) == 1 and None not in shapes:
+        return flat, (len(value), *shapes.pop())
+    return flat, None
+
+
+def fit_shape(count: int, declared: list[int], given: tuple[int, ...] | None = None) -> list[int] | None:
+    """The tensor shape for ``count`` elements under the declared shape, or None if they do not fit.
+
+    A nested JSON array whose shape matches the declared dims keeps that shape. Otherwise Triton's
+    rule applies: the fixed dims take their sizes, the innermost variable dim takes the remaining
+    elements and every other variable dim is 1 (a batched model gets a batch of 1).
+    """
+    if given is not None and len(given) == len(declared) and \
+            all(d == -1 or d == g for g, d in zip(given, declared)):
+        return list(given)
+    if count == 0:
+        if 0 not in declared and -1 not in declared:
+            return None
+        shape = [1 if d == -1 else d for d in declared]
+        if 0 not in shape:
+            shape[len(declared) - 1 - declared[::-1].index(-1)] = 0
+        return shape
+    remaining = count
+    for dim in declared:
+        if dim != -1:
+            if dim == 0 or remaining % dim:
+                return None
+            remaining //= dim
+    shape = list(declared)
+    for i in range(len(shape) - 1, -1, -1):
+        if shape[i] == -1:
+            shape[i] = remaining
+            remaining = 1
+    return shape if remaining == 1 else None
+
+
+def _describe(datatype: str) -> tuple[frozenset, str]:
+    if datatype == "BYTES":
+        return frozenset({str}), "strings"
+    if datatype == "BOOL":
+        return frozenset({bool}), "booleans"
+    if datatype in _INT_TYPES:
+        return frozenset({int}), "integers"
+    return frozenset({int, float}), "numbers"
+
+
+def _to_tensor(spec: InputSpec, value: Any, where: str, model_name: str) -> tuple[Tensor, int]:
+    """A field's JSON value -> the input tensor and its size in bytes."""
+    name, datatype = spec.name, spec.datatype
+    if datatype not in _INT_TYPES and datatype not in _FLOAT_TYPES and datatype not in ("BOOL", "BYTES"):
+        raise InvalidArgument(f"field {where}: input '{name}' of model '{model_name}' is {datatype}, which "
+                              "cannot be given in a generate request")
+    given = None
+    if type(value) is list:
+        flat, given = _flatten(value, where)
+    else:
+        flat = [value]
+    allowed, description = _describe(datatype)
+    for item in flat:
+        if type(item) not in allowed:
+            raise InvalidArgument(f"field {where}: input '{name}' of model '{model_name}' is {datatype} and takes "
+                                  f"{description} (a value or an array), got {codec._json_name(item)} "
+                                  f"{codec._show(item)}")
+    count = len(flat)
+    shape = fit_shape(count, spec.shape, given)
+    if shape is None:
+        raise InvalidArgument(f"field {where}: {count} value(s) do not fit the shape {spec.shape} of input "
+                              f"'{name}' of model '{model_name}'")
+    if datatype == "BYTES":
+        encoded = [s.encode("utf-8") for s in flat]
+        array = np.empty(count, dtype=np.object_)
+        array[:] = encoded
+        size = sum(len(b) for b in encoded) + 4 * count
+    else:
+        try:
+            array = np.array(flat, dtype=numpy_dtype(datatype))
+        except (OverflowError, ValueError, TypeError) as exc:
+            raise InvalidArgument(f"field {where}: a value does not fit input '{name}' ({datatype}): "
+                                  f"{exc}") from None
+        size = count * element_size(datatype)
+    array = array.reshape(shape)
+    return Tensor(name, datatype, tuple(shape), array), size
+
+
+class _RequestBuilder:
+    def __init__(self, model_name: str, config: mc.ModelConfig, max_input_size: int) -> None:
+        self.model_name = model_name
+        self.specs = input_specs(config)
+        self.max_input_size = max_input_size
+        self.inputs: dict[str, Tensor] = {}
+        self.parameters: dict[str, Any] = {}
+        self.priority = 0
+        self.timeout_us = 0
+        self.consumed = 0
+        self.seen: set[str] = set()  # parameter keys given so far
+
+    def field(self, key: str, value: Any, nested: bool) -> None:
+        where = _where(key, nested)
+        spec = self.specs.get(key)
+        if spec is not None:
+            if key in self.inputs:
+                raise InvalidArgument(f"input '{key}' is given both as a field and in '{_PARAMETERS}'")
+            tensor, size = _to_tensor(spec, value, where, self.model_name)
+            if size + self.consumed > self.max_input_size:
+                raise InvalidArgument(
+                    f"request size of {self.consumed} bytes with input '{key}' of size {size} bytes exceeds the "
+                    f"maximum allowed input size of {self.max_input_size}; use --http-max-input-size to "
+                    "increase the limit")
+            self.consumed += size
+            self.inputs[key] = tensor
+        else:
+            self.parameter(key, value, where)
+
+    def parameter(self, key: str, value: Any, where: str) -> None:
+        """A field that is no input: a request parameter (string, number or boolean)."""
+        kind = type(value)
+        if kind not in (str, int, float, bool):
+            raise InvalidArgument(
+                f"field {where} is not an input of model '{self.model_name}' and is not a valid parameter: "
+                f"a parameter must be a string, number or boolean, got {codec._json_name(value)}")
+        if key.startswith("triton_"):
+            raise InvalidArgument(f"parameter {where}: keys starting with 'triton_' are reserved for server use "
+                                  "and cannot be specified")
+        if key in self.seen:
+            raise InvalidArgument(f"parameter '{key}' is given both as a field and in '{_PARAMETERS}'")
+        self.seen.add(key)
+        if key == "priority":
+            if not codec._is_uint(value):
+                raise InvalidArgument(f"parameter {where} must be a non-negative integer, got {codec._show(value)}")
+            self.priority = value
+        elif key == "timeout":
+            if not codec._is_uint(value):
+                raise InvalidArgument(f"parameter {where} must be a non-negative integer (microseconds), "
+                                      f"got {codec._show(value)}")
+            self.timeout_us = value
+        elif key == "sequence_id":
+            if not (codec._is_uint(value) or kind is str):
+                raise InvalidArgument(f"parameter {where} must be a non-negative integer or a string, "
+                                      f"got {codec._show(value)}")
+            self.parameters[key] = value
+        elif key in _SEQUENCE_FLAGS:
+            if kind is not bool:
+                raise InvalidArgument(f"parameter {where} must be a boolean, got {codec._json_name(value)}")
+            self.parameters[key] = value
+        else:
+            self.parameters[key] = value
+
+
+def decode_generate_request(model_name: str, model_version: str, body: bytes, config: mc.ModelConfig,
+                            max_input_size: int) -> InferenceRequest:
+    """Parse a generate request body into an InferenceRequest for ``config``'s model."""
+    doc = codec.parse_json(body, "generate request") if body.strip() else {}
+    if type(doc) is not dict:
+        raise InvalidArgument(f"the generate request must be a JSON object, got {codec._json_name(doc)}")
+    builder = _RequestBuilder(model_name, config, max_input_size)
+    request_id = ""
+    for key, value in doc.items():
+        if key == _PARAMETERS:
+            if key in builder.specs:
+                raise InvalidArgument(f"keyword '{_PARAMETERS}' for nested schema also given as input tensor name "
+                                      f"of model '{model_name}'")
+            if type(value) is not dict:
+                raise InvalidArgument(f"field '{_PARAMETERS}' must be an object, got {codec._json_name(value)}")
+            for inner_key, inner_value in value.items():
+                builder.field(inner_key, inner_value, True)
+            continue
+        if key == "id":
+            if type(value) is not str:
+                raise InvalidArgument(f"field 'id' must be a string, got {codec._json_name(value)}")
+            request_id = value
+            if key not in builder.specs:
+                continue
+        builder.field(key, value, False)
+    request = InferenceRequest(model_name, builder.inputs, model_version=model_version, id=request_id,
+                               parameters=builder.parameters, priority=builder.priority,
+                               timeout_us=builder.timeout_us)
+    return request
+
+
+# -- response --------------------------------------------------------------------------------
+def _tensor_json(tensor: Tensor) -> Any:
+    array = tensor.data
+    if type(array) is not np.ndarray:
+        array = np.asarray(array, dtype=np.object_ if tensor.datatype == "BYTES" else None)
+    if tensor.datatype == "BF16":
+        raise InvalidArgument(f"output '{tensor.name}': BF16 outputs cannot be returned by generate")
+    flat = array.ravel()
+    if tensor.datatype == "BYTES":
+        values = [item.decode("utf-8", "replace") if isinstance(item, (bytes, bytearray, np.bytes_))
+                  else str(item) for item in flat]
+    else:
+        values = flat.tolist()
+    return values[0] if len(values) == 1 else values
+
+
+def generate_response_doc(response: InferenceResponse) -> dict[str, Any]:
+    """A response as the generate extension returns it (first name wins, as in Triton: metadata,
+    then response parameters, then output tensors)."""
+    doc: dict[str, Any] = {}
+    if response.id:
+        doc["id"] = response.id
+    doc["model_name"] = response.model_name
+    doc["model_version"] = response.model_version
+    for key, value in response.parameters.items():
+        doc.setdefault(key, value)
+    for tensor in response.outputs:
+        if tensor.name not in doc:
+            doc[tensor.name] = _tensor_json(tensor)
+    return doc
+
+
+def encode_generate_response(response: InferenceResponse) -> bytes:
+    return codec.dumps(generate_response_doc(response))
+
+
+def _event(payload: bytes) -> bytes:
+    return b"data: " + payload + b"\n\n"
+
+
+def _response_event(response: InferenceResponse) -> bytes | None:
+    """The SSE event for one response (None for a bare FINAL flag)."""
+    if response.error is not None:
+        return _event(_error_body(as_server_error(response.error).message))
+    if response.empty:
+        return None
+    try:
+        return _event(encode_generate_response(response))
+    except ServerError as exc:
+        return _event(_error_body(exc.message))
+
+
+class _EventStream(EventSourceResponse):
+    """sse-starlette's response without its process-wide uvicorn shutdown hook: the Server ends
+    streams itself (it drains in-flight requests, then aborts them with an error event)."""
+
+    @staticmethod
+    async def _listen_for_exit_signal() -> None:
+        await asyncio.Event().wait()
+
+    async def _listen_for_exit_signal_with_grace(self) -> None:
+        await asyncio.Event().wait()
+
+
+# -- handling --------------------------------------------------------------------------------
+class GenerateRoute:
+    """``/generate`` or ``/generate_stream`` as a plain ASGI app for the router."""
+
+    def __init__(self, frontend, streaming: bool) -> None:
+        self.frontend = frontend
+        self.streaming = streaming
+
+    async def __call__(self, scope, receive, send) -> None:
+        params = scope["path_params"]
+        await handle_generate(self.frontend, scope, receive, send, params["model_name"],
+                              params.get("model_version", ""), self.streaming)
+
+
+async def handle_generate(frontend, scope, receive, send, model_name: str, model_version: str,
+                          streaming: bool) -> None:
+    content_length = encoding = None
+    for key, value in scope["headers"]:
+        if key == b"content-length":
+            content_length = value
+        elif key == b"content-encoding":
+            encoding = value
+    dataplane = frontend.dataplane
+    try:
+        config = dataplane.model_config(model_name, model_version)
+        if content_length is not None:
+            content_length = _parse_length(content_length, "Content-Length")
+        body = await frontend._read_asgi_body(receive, content_length)
+        if encoding is not None:
+            body = _decompress(body, encoding, frontend.max_input_size)
+        request = decode_generate_request(model_name, model_version, body, config, frontend.max_input_size)
+        if not streaming:
+            response = await _unary(dataplane, request, receive)
+            payload = encode_generate_response(response)
+        else:
+            stream = dataplane.infer(request)
+    except ServerError as exc:
+        log.debug("generate request for model '%s' failed: %s", model_name, exc.message)
+        await _send_error(send, exc.status.http_code, exc.message)
+        return
+    except (_ClientGone, _Disconnected):
+        return
+    except Exception as exc:  # a bug, not bad input: report it without a stack trace
+        log.exception("HTTP generate request for model '%s' failed", model_name)
+        await _send_error(send, 500, f"internal error: {type(exc).__name__}: {exc}")
+        return
+    if not streaming:
+        await _send(send, 200, payload, [_JSON_HEADER])
+        return
+    await _stream(stream, scope, receive, send)
+
+
+async def _unary(dataplane, request: InferenceRequest, receive) -> InferenceResponse:
+    """The model's one response (``request.streaming`` is False); a disconnect cancels the request."""
+    watch = _DisconnectWatch(receive, asyncio.current_task())
+    watch.start()
+    try:
+        return await dataplane.infer_unary(request)
+    except asyncio.CancelledError:
+        if watch.gone:
+            watch.task.uncancel()
+            raise _Disconnected() from None
+        raise
+    finally:
+        watch.stop()
+
+
+async def _stream(stream, scope, receive, send) -> None:
+    """Server-sent events, one per response; the first response decides the status (as in Triton)."""
+    watch = _DisconnectWatch(receive, asyncio.current_task())
+    watch.start()
+    first: list[bytes] = []
+    status = 200
+    try:
+        async for response in stream:
+            event = _response_event(response)
+            if event is not None:
+                first.append(event)
+                if response.error is not None:
+                    status = as_server_error(response.error).status.http_code
+                break
+    except asyncio.CancelledError:
+        await stream.aclose()
+        if watch.gone:
+            watch.task.uncancel()
+            return
+        raise
+    except BaseException:
+        await stream.aclose()
+        raise
+    finally:
+        watch.stop()
+
+    async def events():
+        try:
+            for event in first:
+                yield event
+            async for response in stream:
+                event = _response_event(response)
+                if event is not None:
+                    yield event
+        except ServerError as exc:
+            yield _event(_error_body(exc.message))
+        except Exception as exc:
+            log.exception("generate_stream for model '%s' failed", stream.request.model_name)
+            yield _event(_error_body(f"internal error: {type(exc).__name__}: {exc}"))
+        finally:
+            await stream.aclose()  # a disconnect cancels the request; after the final response a no-op
+
+    try:
+        await _EventStream(events(), status_code=status, ping=SSE_PING_S, sep="\n")(scope, receive, send)
+    finally:
+        await stream.aclose()  # also when the response failed before iterating the events
