@@ -29,7 +29,8 @@ CHAT_TEMPLATE = (
 
 SIZES = {
     # hidden, intermediate, layers, heads, kv heads, vocab
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    # head_dim 32: the smallest head size vLLM's CPU attention supports
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=1024),
     "100m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
                  num_key_value_heads=4, vocab_size=8192),
@@ -60,7 +61,7 @@ def make_model(out_dir: Path, size: str = "tiny", seed: int = 0) -> Path:
 
     out_dir = Path(out_dir)
     marker = out_dir / "tideserve-model.json"
-    spec = {"size": size, "seed": seed, "corpus_bytes": CORPUS.stat().st_size}
+    spec = {"size": size, "seed": seed, "corpus_bytes": CORPUS.stat().st_size, "dims": SIZES[size]}
     if marker.exists() and json.loads(marker.read_text()) == spec:
         return out_dir
     out_dir.mkdir(parents=True, exist_ok=True)

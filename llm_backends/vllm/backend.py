@@ -1,0 +1,132 @@
+"""The ``vllm`` backend: vLLM's in-process ``AsyncLLM`` behind Triton's vLLM tensor interface.
+
+A model version owns one engine (built from ``<version>/model.json`` on a worker thread, so the
+server keeps answering while it starts). Its scheduler hands every request straight to the model,
+which runs it as a task of its own: the engine does the continuous batching.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry
+from tritonclient.grpc import model_config_pb2 as mc
+
+from llm_backends.metrics import LLMMetrics
+from server.backend import Backend, Model, ModelContext, ModelInstance
+from server.datatypes import config_to_datatype, numpy_dtype
+from server.schedulers.base import Scheduler, drop_cancelled
+from server.types import InferenceRequest
+
+from . import config as vllm_config
+
+if TYPE_CHECKING:
+    from server.runtime import ModelRuntime
+
+    from .engine import EngineState
+    from .generation import Generator
+
+log = logging.getLogger(__name__)
+
+
+class PassThroughScheduler(Scheduler):
+    """Runs every request at once on the model's one instance; the engine batches continuously."""
+
+    def __init__(self, runtime: ModelRuntime) -> None:
+        super().__init__(runtime)
+        self._running: set[asyncio.Task] = set()
+
+    async def start(self) -> None:  # no worker loop: nothing waits here
+        pass
+
+    def enqueue(self, request: InferenceRequest) -> None:
+        if drop_cancelled(request):
+            return
+        task = asyncio.get_running_loop().create_task(self.runtime.execute(self.runtime.slots[0], [request]))
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+
+    def pending(self) -> int:
+        model = self.runtime.model
+        return model.state.waiting if isinstance(model, VllmModel) and model.state is not None else 0
+
+    async def stop(self) -> None:
+        await asyncio.gather(*self._running, return_exceptions=True)
+
+
+class VllmInstance(ModelInstance):
+    """The model's single instance (KIND_MODEL): the engine places itself on its devices."""
+
+    model: VllmModel
+
+    async def execute(self, requests: list[InferenceRequest]) -> None:
+        for request in requests:
+            self.model.submit(request)
+
+
+class VllmModel(Model):
+    instance_class = VllmInstance
+
+    def __init__(self, backend: Backend, ctx: ModelContext) -> None:
+        super().__init__(backend, ctx)
+        self.engine = None
+        self.generator: Generator | None = None
+        self.state: EngineState | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self.metrics: LLMMetrics = (ctx.metrics.extension("llm", LLMMetrics) if ctx.metrics is not None
+                                    else LLMMetrics(CollectorRegistry()))
+        self._labels = (ctx.name, str(ctx.version))
+
+    def auto_complete_config(self) -> None:
+        vllm_config.auto_complete(self.config)
+
+    def create_scheduler(self, runtime: ModelRuntime) -> Scheduler:
+        return PassThroughScheduler(runtime)
+
+    async def initialize(self) -> None:
+        self.engine = await asyncio.to_thread(self._start_engine)
+        from .generation import Generator  # vLLM is imported by now (on the worker thread)
+
+        dtypes = {t.name: numpy_dtype(config_to_datatype(mc.DataType.Name(t.data_type)))
+                  for t in self.config.output if t.data_type != mc.TYPE_STRING}
+        self.generator = Generator(self.engine, self.ctx.name, str(self.ctx.version), self.metrics, dtypes)
+        self._set_state_gauges(running=0, waiting=0, kv_cache_usage=0.0)
+
+    def _start_engine(self):
+        """On a worker thread: import vLLM, read the engine arguments, build the engine."""
+        from . import engine
+
+        kwargs = vllm_config.engine_kwargs(self.ctx, engine.engine_arg_defaults())
+        log.info("model '%s' version %s: starting the vLLM engine with %s", self.ctx.name, self.ctx.version, kwargs)
+        return engine.start_engine(kwargs, self._on_engine_state)
+
+    def _on_engine_state(self, state: EngineState) -> None:
+        self.state = state
+        self._set_state_gauges(running=state.running, waiting=state.waiting, kv_cache_usage=state.kv_cache_usage)
+
+    def _set_state_gauges(self, **values) -> None:
+        self.metrics.set_engine_state(*self._labels, **values)
+
+    def submit(self, request: InferenceRequest) -> None:
+        """Start ``request``'s generation as its own task on the server's loop."""
+        task = asyncio.get_running_loop().create_task(self.generator.run(request))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def finalize(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        engine, self.engine, self.generator = self.engine, None, None
+        if engine is not None:
+            from .engine import stop_engine
+
+            await asyncio.to_thread(stop_engine, engine)
+            self._set_state_gauges(running=0, waiting=0, kv_cache_usage=0.0)
+
+
+class VllmBackend(Backend):
+    name = "vllm"
+    model_class = VllmModel

@@ -1,0 +1,156 @@
+"""The model configuration of a vLLM model: auto-completed tensors and the engine arguments.
+
+Tensors follow Triton's vLLM backend (``text_input`` in, ``text_output`` out, optional ``stream``,
+``sampling_parameters``, ``exclude_input_in_output`` and ``return_*`` flags) plus a token interface
+(``input_ids`` in, ``output_ids`` out) for tokenizer ensembles. Engine arguments come from
+``<version>/model.json`` (the keys of vLLM's ``AsyncEngineArgs``, as in Triton's backend), and a config
+``parameters`` entry named like an engine argument overrides it.
+
+Nothing here imports vLLM at module level: the base install stays light.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from tritonclient.grpc import model_config_pb2 as mc
+
+from server.backend import ModelContext
+from server.errors import InvalidArgument, Unavailable
+
+log = logging.getLogger(__name__)
+
+ENGINE_ARGS_FILE = "model.json"
+
+# (name, config data type, dims) of the inputs; all optional, but one of text_input / input_ids is required.
+INPUTS = [
+    ("text_input", mc.TYPE_STRING, [1]),
+    ("input_ids", mc.TYPE_INT32, [-1]),
+    ("stream", mc.TYPE_BOOL, [1]),
+    ("sampling_parameters", mc.TYPE_STRING, [1]),
+    ("exclude_input_in_output", mc.TYPE_BOOL, [1]),
+    ("return_finish_reason", mc.TYPE_BOOL, [1]),
+    ("return_cumulative_logprob", mc.TYPE_BOOL, [1]),
+    ("return_logprobs", mc.TYPE_BOOL, [1]),
+    ("return_num_input_tokens", mc.TYPE_BOOL, [1]),
+    ("return_num_output_tokens", mc.TYPE_BOOL, [1]),
+]
+OUTPUTS = [
+    ("text_output", mc.TYPE_STRING, [-1]),
+    ("output_ids", mc.TYPE_INT32, [-1]),
+    ("finish_reason", mc.TYPE_STRING, [-1]),
+    ("cumulative_logprob", mc.TYPE_FP32, [-1]),
+    ("logprobs", mc.TYPE_STRING, [-1]),
+    ("num_input_tokens", mc.TYPE_UINT32, [1]),
+    ("num_output_tokens", mc.TYPE_UINT32, [-1]),
+]
+# Engine arguments whose relative paths resolve against the version directory.
+PATH_ARGS = ("model", "tokenizer")
+
+
+def auto_complete(config: mc.ModelConfig) -> None:
+    """Add the missing tensors, make the model decoupled, unbatched and one engine (KIND_MODEL)."""
+    name = config.name
+    if config.max_batch_size != 0:
+        raise InvalidArgument(f"model '{name}': the vllm backend batches in the engine; max_batch_size must be 0, "
+                              f"got {config.max_batch_size}")
+    present = {t.name for t in config.input}
+    for tensor_name, data_type, dims in INPUTS:
+        if tensor_name not in present:
+            config.input.add(name=tensor_name, data_type=data_type, dims=dims, optional=True)
+    present = {t.name for t in config.output}
+    for tensor_name, data_type, dims in OUTPUTS:
+        if tensor_name not in present:
+            config.output.add(name=tensor_name, data_type=data_type, dims=dims)
+    config.model_transaction_policy.decoupled = True
+    groups = config.instance_group
+    if len(groups) != 1 or groups[0].count != 1:
+        count = sum(g.count for g in groups)
+        raise InvalidArgument(f"model '{name}': the vllm backend runs one engine per model version: "
+                              f"instance_group must be one group of count 1, got {count} instances")
+    if groups[0].kind in (mc.ModelInstanceGroup.KIND_CPU, mc.ModelInstanceGroup.KIND_AUTO):
+        groups[0].kind = mc.ModelInstanceGroup.KIND_MODEL  # the engine places itself on its devices
+
+
+def engine_kwargs(ctx: ModelContext, field_defaults: dict[str, Any]) -> dict[str, Any]:
+    """``AsyncEngineArgs`` keyword arguments: ``model.json``, then config parameters named like an argument.
+
+    ``field_defaults`` maps each ``AsyncEngineArgs`` field to its default (it types the overrides).
+    """
+    path = ctx.version_path / ENGINE_ARGS_FILE
+    if not path.is_file():
+        raise Unavailable(f"'{ENGINE_ARGS_FILE}' containing the vLLM engine arguments must be provided in "
+                          f"'{ctx.version_path}'")
+    try:
+        kwargs = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidArgument(f"failed to parse '{path}': {exc}") from None
+    if not isinstance(kwargs, dict):
+        raise InvalidArgument(f"'{path}' must hold a JSON object of engine arguments")
+    for key, param in ctx.config.parameters.items():
+        if key in field_defaults:
+            kwargs[key] = _coerce(key, param.string_value, field_defaults[key])
+    if "model" not in kwargs:
+        raise InvalidArgument(f"'{path}' names no 'model' (a local directory or a model id)")
+    for key in PATH_ARGS:
+        if isinstance(kwargs.get(key), str):
+            kwargs[key] = _resolve_path(kwargs[key], ctx.version_path)
+    return kwargs
+
+
+def field_defaults(args_class: type) -> dict[str, Any]:
+    """Field name -> default value of a dataclass (``None`` where there is none)."""
+    defaults = {}
+    for field in dataclasses.fields(args_class):
+        if field.default is not dataclasses.MISSING:
+            defaults[field.name] = field.default
+        elif field.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            defaults[field.name] = None
+        else:
+            defaults[field.name] = None
+    return defaults
+
+
+def _resolve_path(value: str, version_path: Path) -> str:
+    """A relative path resolves against the version directory when it exists there or starts with ``.``;
+    anything else (``org/name``) is left for the engine to read as a model id."""
+    candidate = Path(value)
+    if candidate.is_absolute():
+        return value
+    local = version_path / candidate
+    if local.exists() or value.startswith("."):
+        return str(local.resolve())
+    return value
+
+
+def _coerce(key: str, text: str, default: Any) -> Any:
+    """A config parameter's string value as the type of the engine argument's default."""
+    try:
+        if isinstance(default, bool):
+            lowered = text.strip().lower()
+            if lowered not in ("true", "false", "1", "0"):
+                raise ValueError(f"expected true or false, got '{text}'")
+            return lowered in ("true", "1")
+        if isinstance(default, int):
+            return int(text)
+        if isinstance(default, float):
+            return float(text)
+    except ValueError as exc:
+        raise InvalidArgument(f"config parameter '{key}' (an engine argument): {exc}") from None
+    if default is None:  # an optional argument: JSON objects, lists, booleans and numbers keep their type
+        stripped = text.strip()
+        if stripped[:1] in ("{", "[") or stripped in ("true", "false", "null"):
+            try:
+                return json.loads(stripped)
+            except ValueError:
+                pass
+        for convert in (int, float):
+            try:
+                return convert(text)
+            except ValueError:
+                pass
+    return text

@@ -1,0 +1,85 @@
+"""Starting vLLM's in-process ``AsyncLLM`` and reading its scheduler state.
+
+Imported only when a vLLM model loads (it imports vLLM, which takes seconds). :func:`start_engine`
+blocks for as long as the engine takes to start (tens of seconds): call it on a worker thread. Built
+outside a running loop, the engine starts its output handler lazily on the loop of its first request,
+which is the server's.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.metrics.loggers import StatLoggerBase
+
+from server.errors import InvalidArgument, ServerError, Unavailable
+
+from .config import field_defaults
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineState:
+    """The scheduler's view after an engine step."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of KV-cache blocks in use, 0 to 1
+
+
+class _StateLogger(StatLoggerBase):
+    """A vLLM stat logger that hands each step's scheduler stats to a callback (on the engine's loop)."""
+
+    def __init__(self, on_state: Callable[[EngineState], None]) -> None:
+        self._on_state = on_state
+
+    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
+        if scheduler_stats is None:
+            return
+        self._on_state(EngineState(
+            running=scheduler_stats.num_running_reqs,
+            waiting=scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs,
+            kv_cache_usage=scheduler_stats.kv_cache_usage))
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+
+def engine_arg_defaults() -> dict[str, Any]:
+    return field_defaults(AsyncEngineArgs)
+
+
+def start_engine(kwargs: dict[str, Any], on_state: Callable[[EngineState], None]) -> AsyncLLM:
+    """Build the engine (blocking); any failure is Unavailable with the engine's message."""
+    try:
+        args = AsyncEngineArgs(**kwargs)
+        return AsyncLLM.from_engine_args(args, stat_loggers=[lambda _config, _index=0: _StateLogger(on_state)])
+    except ServerError:
+        raise
+    except TypeError as exc:
+        if "unexpected keyword argument" in str(exc):  # an unknown key in model.json
+            raise InvalidArgument(f"invalid vLLM engine arguments: {exc}") from None
+        raise Unavailable(_failure(exc, kwargs)) from None
+    except Exception as exc:
+        log.debug("vLLM engine failed to start", exc_info=True)
+        raise Unavailable(_failure(exc, kwargs)) from None
+
+
+def _failure(exc: BaseException, kwargs: dict[str, Any]) -> str:
+    message = f"vLLM engine failed to start: {type(exc).__name__}: {exc}"
+    model = kwargs.get("model")
+    if isinstance(model, str) and model.startswith("/") and not Path(model).exists():
+        message += f" (the model path '{model}' does not exist)"
+    return message
+
+
+def stop_engine(engine: AsyncLLM) -> None:
+    """Shut the engine's processes down (blocking)."""
+    engine.shutdown()

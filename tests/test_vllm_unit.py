@@ -1,0 +1,249 @@
+"""The vllm backend's pieces without an engine: config auto-completion, engine arguments, request
+reading, sampling parameters, response building and the pass-through scheduler."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from llm_fixtures import VLLM_INSTALLED
+from tritonclient.grpc import model_config_pb2 as mc
+
+from llm_backends.vllm import config as vllm_config
+from llm_backends.vllm.inputs import parse_inputs
+from llm_backends.vllm.outputs import ResponseBuilder
+from server import config as config_module
+from server.backend import ModelContext
+from server.errors import InvalidArgument, Unavailable
+from server.types import InferenceRequest, RequestedOutput, Tensor
+
+needs_vllm = pytest.mark.skipif(not VLLM_INSTALLED, reason="vLLM is not installed")
+
+
+def _config(text: str = 'backend: "vllm"') -> mc.ModelConfig:
+    from pathlib import Path
+
+    config = config_module.parse_text(f'name: "llm"\n{text}')
+    return config_module.normalize(config, "llm", Path("."))
+
+
+# -- config -------------------------------------------------------------------------------------
+def test_auto_complete_adds_triton_vllm_tensors_and_policy():
+    config = _config()
+    vllm_config.auto_complete(config)
+    config_module.validate(config)
+    inputs = {t.name: t for t in config.input}
+    assert inputs["text_input"].data_type == mc.TYPE_STRING and list(inputs["text_input"].dims) == [1]
+    assert inputs["input_ids"].data_type == mc.TYPE_INT32 and list(inputs["input_ids"].dims) == [-1]
+    assert all(t.optional for t in config.input)
+    outputs = {t.name: t for t in config.output}
+    assert outputs["text_output"].data_type == mc.TYPE_STRING and list(outputs["text_output"].dims) == [-1]
+    assert outputs["num_input_tokens"].data_type == mc.TYPE_UINT32
+    assert config.model_transaction_policy.decoupled
+    assert config.max_batch_size == 0
+    assert config.instance_group[0].kind == mc.ModelInstanceGroup.KIND_MODEL
+
+
+def test_auto_complete_keeps_what_the_config_declares():
+    config = _config('backend: "vllm"\ninput [{ name: "text_input" data_type: TYPE_STRING dims: [1] }]\n'
+                     'output [{ name: "output_ids" data_type: TYPE_INT64 dims: [-1] }]')
+    vllm_config.auto_complete(config)
+    assert not next(t for t in config.input if t.name == "text_input").optional
+    assert next(t for t in config.output if t.name == "output_ids").data_type == mc.TYPE_INT64
+    assert len([t for t in config.input if t.name == "text_input"]) == 1
+
+
+@pytest.mark.parametrize("text, words", [
+    ('backend: "vllm"\nmax_batch_size: 8', "max_batch_size must be 0"),
+    ('backend: "vllm"\ninstance_group [{ count: 2 kind: KIND_CPU }]', "one engine"),
+])
+def test_auto_complete_rejects_batching_and_instances(text, words):
+    with pytest.raises(InvalidArgument, match=words):
+        vllm_config.auto_complete(_config(text))
+
+
+def _context(tmp_path, engine_args, parameters: dict | None = None) -> ModelContext:
+    (tmp_path / "1").mkdir()
+    if engine_args is not None:
+        (tmp_path / "1" / "model.json").write_text(json.dumps(engine_args))
+    config = _config()
+    for key, value in (parameters or {}).items():
+        config.parameters[key].string_value = value
+    return ModelContext("llm", 1, config, tmp_path)
+
+
+DEFAULTS = {"model": "facebook/opt-125m", "dtype": "auto", "max_model_len": None, "enforce_eager": False,
+            "gpu_memory_utilization": 0.9, "tensor_parallel_size": 1, "hf_overrides": None}
+
+
+def test_engine_kwargs_read_model_json_and_overrides(tmp_path):
+    (tmp_path / "1" / "weights").mkdir(parents=True)
+    ctx = ModelContext("llm", 1, _config(), tmp_path)
+    (tmp_path / "1" / "model.json").write_text(json.dumps({"model": "weights", "dtype": "float32"}))
+    ctx.config.parameters["max_model_len"].string_value = "512"
+    ctx.config.parameters["enforce_eager"].string_value = "true"
+    ctx.config.parameters["gpu_memory_utilization"].string_value = "0.5"
+    ctx.config.parameters["hf_overrides"].string_value = '{"rope_theta": 1000}'
+    ctx.config.parameters["REPORT_CUSTOM_METRICS"].string_value = "true"  # not an engine argument: ignored
+    kwargs = vllm_config.engine_kwargs(ctx, DEFAULTS)
+    assert kwargs == {"model": str((tmp_path / "1" / "weights").resolve()), "dtype": "float32", "max_model_len": 512,
+                      "enforce_eager": True, "gpu_memory_utilization": 0.5, "hf_overrides": {"rope_theta": 1000}}
+
+
+def test_engine_kwargs_paths(tmp_path):
+    ctx = _context(tmp_path, {"model": "org/name", "tokenizer": "./tok"})
+    kwargs = vllm_config.engine_kwargs(ctx, DEFAULTS)
+    assert kwargs["model"] == "org/name"  # not a local directory: a model id
+    assert kwargs["tokenizer"] == str((tmp_path / "1" / "tok").resolve())
+
+
+def test_engine_kwargs_errors(tmp_path):
+    with pytest.raises(Unavailable, match="model.json"):
+        vllm_config.engine_kwargs(_context(tmp_path, None), DEFAULTS)
+    (tmp_path / "1" / "model.json").write_text("{not json")
+    with pytest.raises(InvalidArgument, match="failed to parse"):
+        vllm_config.engine_kwargs(ModelContext("llm", 1, _config(), tmp_path), DEFAULTS)
+    (tmp_path / "1" / "model.json").write_text('{"model": "x"}')
+    ctx = ModelContext("llm", 1, _config(), tmp_path)
+    ctx.config.parameters["enforce_eager"].string_value = "maybe"
+    with pytest.raises(InvalidArgument, match="enforce_eager"):
+        vllm_config.engine_kwargs(ctx, DEFAULTS)
+
+
+# -- request reading ----------------------------------------------------------------------------
+def _request(parameters=None, outputs=None, **inputs) -> InferenceRequest:
+    tensors = {}
+    for name, value in inputs.items():
+        if isinstance(value, str):
+            tensors[name] = Tensor.from_numpy(name, np.array([value.encode()], dtype=np.object_))
+        else:
+            tensors[name] = Tensor.from_numpy(name, np.asarray(value))
+    return InferenceRequest("llm", tensors, parameters=parameters or {},
+                            outputs=[RequestedOutput(o) for o in outputs or []])
+
+
+def test_parse_inputs_follows_triton_prepend_rules():
+    plain = parse_inputs(_request(text_input="hi"))
+    assert plain.prompt == "hi" and not plain.stream and plain.prepend_input
+    assert plain.outputs == {"text_output"}
+    streamed = parse_inputs(_request(text_input="hi", stream=[True]))
+    assert streamed.stream and not streamed.prepend_input
+    excluded = parse_inputs(_request(text_input="hi", exclude_input_in_output=[True]))
+    assert not excluded.prepend_input
+    with pytest.raises(InvalidArgument, match="exclude_input_in_output"):
+        parse_inputs(_request(text_input="hi", stream=[True], exclude_input_in_output=[False]))
+    tokens = parse_inputs(_request(input_ids=np.array([3, 4, 5], dtype=np.int64)))
+    assert tokens.prompt == [3, 4, 5] and not tokens.prepend_input and tokens.outputs == {"output_ids"}
+
+
+def test_parse_inputs_flags_and_sampling_sources():
+    request = _request(parameters={"stream": True, "max_tokens": 4, "return_finish_reason": True,
+                                   "sequence_id": 0, "temperature": 0.5},
+                       outputs=["num_output_tokens"], text_input="hi",
+                       sampling_parameters=json.dumps({"temperature": 0}), return_logprobs=[True])
+    inputs = parse_inputs(request)
+    assert inputs.stream
+    assert inputs.sampling == {"max_tokens": 4, "temperature": 0}  # the tensor wins
+    assert inputs.outputs == {"text_output", "finish_reason", "logprobs", "num_output_tokens"}
+
+
+@pytest.mark.parametrize("request_, words", [
+    (lambda: _request(), "exactly one"),
+    (lambda: _request(text_input="a", input_ids=np.array([1], dtype=np.int32)), "exactly one"),
+    (lambda: _request(input_ids=np.array([], dtype=np.int32)), "empty"),
+    (lambda: _request(text_input="a", sampling_parameters="[1, 2]"), "JSON object"),
+    (lambda: _request(text_input="a", sampling_parameters="{oops"), "not valid JSON"),
+    (lambda: _request(text_input="a", parameters={"stream": 3}), "'stream'"),
+])
+def test_parse_inputs_errors(request_, words):
+    with pytest.raises(InvalidArgument, match=words):
+        parse_inputs(request_())
+
+
+# -- responses ----------------------------------------------------------------------------------
+def _output(texts, ids, finished=False, reasons=None, prompt="Hi", prompt_ids=(7, 8)):
+    outs = [SimpleNamespace(index=i, text=t, token_ids=list(ids[i]), logprobs=None, cumulative_logprob=None,
+                            finish_reason=(reasons or [None] * len(texts))[i]) for i, t in enumerate(texts)]
+    return SimpleNamespace(outputs=outs, finished=finished, prompt=prompt, prompt_token_ids=list(prompt_ids))
+
+
+def test_response_builder_streams_deltas_and_accumulates():
+    inputs = parse_inputs(_request(text_input="Hi", return_num_output_tokens=[True], return_finish_reason=[True],
+                                   return_num_input_tokens=[True], return_cumulative_logprob=[True]))
+    builder = ResponseBuilder(inputs, 1, {})
+    first = builder.delta(_output([" a"], [[1]]))
+    assert first.output("text_output").data.tolist() == [b" a"]
+    assert first.output("finish_reason").data.tolist() == [b"None"]
+    assert first.output("num_input_tokens").data.tolist() == [2]
+    assert np.isnan(first.output("cumulative_logprob").data[0])
+
+    builder = ResponseBuilder(inputs, 1, {})
+    builder.add(_output([" a"], [[1]]))
+    builder.add(_output([" b c"], [[2, 3]], finished=True, reasons=["length"]))
+    whole = builder.whole()
+    assert whole.output("text_output").data.tolist() == [b"Hi a b c"]  # the prompt, then the text
+    assert whole.output("num_output_tokens").data.tolist() == [3]
+    assert whole.output("finish_reason").data.tolist() == [b"length"]
+
+
+def test_response_builder_n_completions_and_token_ids():
+    inputs = parse_inputs(_request(text_input="Hi", exclude_input_in_output=[True]))
+    builder = ResponseBuilder(inputs, 2, {})
+    step = SimpleNamespace(outputs=[_output(["x"], [[1]]).outputs[0]], finished=False, prompt="Hi",
+                           prompt_token_ids=[7])
+    step.outputs[0].index = 1  # only the second completion moved this step
+    assert builder.delta(step).output("text_output").data.tolist() == [b"", b"x"]
+
+    inputs = parse_inputs(_request(input_ids=np.array([7, 8], dtype=np.int32), exclude_input_in_output=[False]))
+    builder = ResponseBuilder(inputs, 1, {"output_ids": np.dtype(np.int64)})
+    builder.add(_output(["a"], [[1, 2]], prompt=None))
+    tensor = builder.whole().output("output_ids")
+    assert tensor.datatype == "INT64" and tensor.data.tolist() == [7, 8, 1, 2]
+    with pytest.raises(InvalidArgument, match="n = 1"):
+        ResponseBuilder(inputs, 2, {})
+
+
+# -- sampling parameters ------------------------------------------------------------------------
+@needs_vllm
+def test_sampling_parameters_convert_and_name_bad_fields():
+    from vllm.sampling_params import RequestOutputKind
+
+    from llm_backends.vllm.sampling import make_sampling_params
+
+    params = make_sampling_params({"temperature": "0.5", "max_tokens": "7", "stop": "END", "ignore_eos": "true"})
+    assert (params.temperature, params.max_tokens, params.stop, params.ignore_eos) == (0.5, 7, ["END"], True)
+    assert params.output_kind == RequestOutputKind.DELTA
+    for raw, field in [({"temperature": -1}, "temperature"), ({"max_tokens": 0}, "max_tokens"),
+                       ({"max_tokens": 2.5}, "max_tokens"), ({"bogus": 1}, "bogus"), ({"min_p": 3}, "min_p"),
+                       ({"output_kind": 2}, "output_kind"), ({"lora_name": "x"}, "lora_name"),
+                       ({"_eos_token_id": 1}, "_eos_token_id")]:
+        with pytest.raises(InvalidArgument, match=f"'{field}'"):
+            make_sampling_params(raw)
+
+
+# -- the scheduler ------------------------------------------------------------------------------
+async def test_pass_through_scheduler_runs_requests_concurrently():
+    from llm_backends.vllm.backend import PassThroughScheduler
+
+    started, release = [], asyncio.Event()
+
+    class Runtime:
+        slots = ("slot",)
+        model = None
+
+        async def execute(self, slot, requests):
+            started.extend(requests)
+            await release.wait()
+
+    scheduler = PassThroughScheduler(Runtime())
+    await scheduler.start()
+    requests = [_request(text_input="x") for _ in range(5)]
+    for request in requests:
+        scheduler.enqueue(request)
+    await asyncio.sleep(0.01)
+    assert started == requests  # all running at once, none waiting for another
+    release.set()
+    await scheduler.stop()
