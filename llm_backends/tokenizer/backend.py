@@ -1,0 +1,93 @@
+"""The ``tokenizer`` backend: a Hugging Face tokenizer as a preprocess or postprocess model.
+
+Each instance loads its own tokenizer (``AutoTokenizer``, offline) on its worker thread and answers
+each request of a batch on its own (an error answers that request only). A postprocess model's
+streaming state lives in one :class:`SequenceTable` shared by its instances; with more than one
+instance the :class:`SequenceRouter` runs every piece of a sequence on the same instance, in order.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from server.backend import Backend, Model, ModelContext, ModelInstance
+from server.errors import ServerError, Unavailable, as_server_error
+from server.schedulers import DirectScheduler, DynamicBatcher, Scheduler
+from server.types import InferenceRequest, InferenceResponse
+
+from . import config as tokenizer_config
+from .config import Mode, Settings
+from .detokenizer import SequenceTable
+from .postprocess import Postprocessor
+from .preprocess import Preprocessor
+from .routing import SequenceRouter
+from .tensors import OutputBuilder
+
+if TYPE_CHECKING:
+    from server.runtime import ModelRuntime
+
+log = logging.getLogger(__name__)
+
+
+def load_tokenizer(settings: Settings, model_name: str):
+    """``AutoTokenizer`` from the settings' directory, without touching the network."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(settings.tokenizer_dir), local_files_only=True,
+                                             trust_remote_code=settings.trust_remote_code)
+    except Exception as exc:  # transformers raises OSError, ValueError, ... for a directory it cannot read
+        raise Unavailable(f"model '{model_name}': cannot load a tokenizer from {settings.tokenizer_dir}: "
+                          f"{type(exc).__name__}: {exc}") from exc
+
+
+class TokenizerInstance(ModelInstance):
+    model: TokenizerModel
+    processor: Preprocessor | Postprocessor
+
+    def initialize(self) -> None:
+        model = self.model
+        tokenizer = load_tokenizer(model.settings, model.ctx.name)
+        outputs = OutputBuilder(model.config)
+        batched = model.config.max_batch_size > 0
+        if model.settings.mode is Mode.PREPROCESS:
+            self.processor = Preprocessor(tokenizer, model.settings, outputs, batched)
+        else:
+            self.processor = Postprocessor(tokenizer, model.settings, model.sequences, outputs, batched)
+
+    def execute(self, requests: list[InferenceRequest]) -> list[InferenceResponse]:
+        return [self._respond(request) for request in requests]
+
+    def _respond(self, request: InferenceRequest) -> InferenceResponse:
+        try:
+            return self.processor.respond(request)
+        except ServerError as exc:
+            return InferenceResponse(error=exc)
+        except Exception as exc:  # a tokenizer error answers this request; the batch's others still run
+            log.warning("model '%s': request failed", self.model.ctx.name, exc_info=True)
+            return InferenceResponse(error=as_server_error(exc))
+
+
+class TokenizerModel(Model):
+    instance_class = TokenizerInstance
+
+    def __init__(self, backend: Backend, ctx: ModelContext) -> None:
+        super().__init__(backend, ctx)
+        self.settings = Settings.from_context(ctx)
+        self.sequences = SequenceTable(self.settings.max_sequences, self.settings.sequence_idle_timeout_s)
+
+    def auto_complete_config(self) -> None:
+        tokenizer_config.auto_complete(self.config, self.settings.mode)
+
+    def create_scheduler(self, runtime: ModelRuntime) -> Scheduler:
+        if self.settings.mode is Mode.POSTPROCESS and len(runtime.slots) > 1:
+            return SequenceRouter(runtime)
+        if self.config.HasField("dynamic_batching"):
+            return DynamicBatcher(runtime)
+        return DirectScheduler(runtime)
+
+
+class TokenizerBackend(Backend):
+    name = "tokenizer"
+    model_class = TokenizerModel
