@@ -73,6 +73,11 @@ def select_versions(policy: mc.ModelVersionPolicy, versions: list[int]) -> list[
     return versions[-count:] if count else []
 
 
+def composing_models(config: mc.ModelConfig) -> list[str]:
+    """The models an ensemble's steps run (none for other models)."""
+    return list(dict.fromkeys(s.model_name for s in config.ensemble_scheduling.step if s.model_name))
+
+
 def _signature(model_dir: Path) -> tuple:
     """Modification state of a model directory two levels deep (what polling watches)."""
     items = []
@@ -132,7 +137,8 @@ class ModelRepository:
             names = self.model_names() if "*" in self.startup_models else self.startup_models
         else:
             names = self.model_names()
-        await asyncio.gather(*(self._load_quietly(name) for name in names))
+        for wave in self.load_order(names):
+            await asyncio.gather(*(self._load_quietly(name) for name in wave))
 
     async def _load_quietly(self, name: str) -> None:
         try:
@@ -143,13 +149,68 @@ class ModelRepository:
     async def poll(self) -> None:
         """Load new or changed models, unload removed ones (``--model-control-mode=poll``)."""
         names = set(self.model_names())
-        for name in names:
-            entry = self.entries.get(name)
-            if entry is None or _signature(self.model_dir(name)) != entry.signature:
+        changed = {name for name in names if name not in self.entries
+                   or _signature(self.model_dir(name)) != self.entries[name].signature}
+        composing = {name: set(self._composing(name)) for name in names}
+        while True:  # an ensemble reloads with its composing models (and loads once they appear)
+            dependents = {name for name, uses in composing.items() if uses & changed} - changed
+            if not dependents:
+                break
+            changed |= dependents
+        for wave in self.load_order(sorted(changed)):
+            for name in wave:
                 await self._load_quietly(name)
         for name in list(self.entries):
             if name not in names and self.entries[name].versions:
                 await self.unload(name, _internal=True)
+
+    # -- ensembles: composing models first ----------------------------------------------------
+    def _composing(self, name: str) -> list[str]:
+        """The models ``name`` runs as an ensemble, from its config on disk ([] if unreadable)."""
+        try:
+            return composing_models(config_module.read_config(self.model_dir(name)))
+        except ServerError:
+            return []
+
+    def load_order(self, names: list[str]) -> list[list[str]]:
+        """``names`` in waves that load each ensemble after the composing models among ``names``."""
+        pending = {name: set(self._composing(name)) & set(names) for name in names}
+        waves = []
+        while pending:
+            wave = sorted(name for name, needs in pending.items() if not needs & pending.keys())
+            if not wave:  # a cycle: each of those ensembles fails to load and says why
+                wave = sorted(pending)
+            waves.append(wave)
+            for name in wave:
+                del pending[name]
+        return waves
+
+    def _check_cycle(self, name: str, composing: list[str]) -> None:
+        """Refuse an ensemble that (through other ensembles) runs itself."""
+        path, seen = [name], set()
+
+        def visit(models: list[str]) -> list[str] | None:
+            for model in models:
+                if model == name:
+                    return path + [model]
+                if model in seen:
+                    continue
+                seen.add(model)
+                path.append(model)
+                found = visit(self._composing(model))
+                if found:
+                    return found
+                path.pop()
+            return None
+
+        cycle = visit(composing)
+        if cycle:
+            raise InvalidArgument(f"circular dependency between ensembles: {' -> '.join(cycle)}")
+
+    async def _load_composing(self, composing: list[str]) -> None:
+        """Explicit mode: loading an ensemble loads the composing models that are not loaded (as Triton)."""
+        missing = [m for m in composing if m not in self.entries or not self.entries[m].versions]
+        await asyncio.gather(*(self._load_quietly(model) for model in missing))
 
     async def poll_forever(self, interval_s: float) -> None:
         while True:
@@ -193,6 +254,11 @@ class ModelRepository:
         else:
             config = config_module.read_config(model_dir)
         config = config_module.normalize(config, name, model_dir)
+        composing = composing_models(config)
+        if composing:
+            self._check_cycle(name, composing)
+            if self.control_mode is ControlMode.EXPLICIT:
+                await self._load_composing(composing)
         backend = await self.backends.get(config.backend)
         versions = select_versions(config.version_policy, available_versions(model_dir))
         if not versions:
