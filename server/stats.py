@@ -89,9 +89,10 @@ class ModelStats:
                          output_ns: int) -> None:
         self.execution_count += 1
         self.inference_count += batch_size
-        self.compute_input.add(input_ns, requests)
-        self.compute_infer.add(infer_ns, requests)
-        self.compute_output.add(output_ns, requests)
+        # Per request, as Triton counts them: every request of the batch spent the batch's time.
+        self.compute_input.add(input_ns * requests, requests)
+        self.compute_infer.add(infer_ns * requests, requests)
+        self.compute_output.add(output_ns * requests, requests)
         stat = self.batch_stats.get(batch_size)
         if stat is None:
             stat = self.batch_stats[batch_size] = BatchStat()
