@@ -42,6 +42,7 @@ class ServerOptions:
     strict_readiness: bool = True
     http_max_input_size: int = 64 * 1024 * 1024
     log_verbose: int = 0
+    api_key: str | None = None  # required (Bearer) by the OpenAI /v1 routes; /v2 and /metrics stay open
 
 
 class _EmbeddedUvicorn(uvicorn.Server):
@@ -73,8 +74,8 @@ class Server:
             self._background.append(asyncio.create_task(self.repository.poll_forever(opts.repository_poll_secs)))
         if opts.allow_http:
             from .http import create_app
-            await self._start_uvicorn(create_app(self.dataplane, max_input_size=opts.http_max_input_size),
-                                      opts.http_port)
+            await self._start_uvicorn(create_app(self.dataplane, max_input_size=opts.http_max_input_size,
+                                                 api_key=opts.api_key), opts.http_port)
         if opts.allow_grpc:
             from .grpc import start_grpc_server
             self._grpc = await start_grpc_server(self.dataplane, opts.host, opts.grpc_port)

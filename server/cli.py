@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ready only when every model is ready (default true)")
     p.add_argument("--http-max-input-size", type=int, default=64 * 1024 * 1024,
                    help="largest HTTP request body in bytes")
+    p.add_argument("--api-key", default=os.environ.get("TIDESERVE_API_KEY") or None,
+                   help="API key the OpenAI /v1 routes require as 'Authorization: Bearer <key>' (default: "
+                        "$TIDESERVE_API_KEY; none: open). /v2, /health and /metrics do not ask for it")
     p.add_argument("--log-verbose", type=int, default=0, help="0: info, 1 or more: debug")
     p.add_argument("--version", action="version", version=f"tideserve {__version__}")
     return p
@@ -60,7 +63,7 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
         model_control_mode=ControlMode(args.model_control_mode), load_models=args.load_model,
         repository_poll_secs=args.repository_poll_secs, exit_timeout_secs=args.exit_timeout_secs,
         strict_readiness=args.strict_readiness, http_max_input_size=args.http_max_input_size,
-        log_verbose=args.log_verbose)
+        log_verbose=args.log_verbose, api_key=args.api_key)
 
 
 def main(argv: list[str] | None = None) -> int:

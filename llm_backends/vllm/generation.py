@@ -10,6 +10,7 @@ KV-cache blocks.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import Any
 
@@ -84,7 +85,7 @@ class Generator:
             return
         streaming = inputs.stream and request.streaming
         try:
-            prompt = await self._render(inputs.prompt)
+            prompt = await self._render(inputs.prompt, inputs.add_special_tokens)
         except Exception as exc:  # the prompt does not fit the model (too long, bad token ids...)
             sender.send_error(exc if isinstance(exc, ServerError) else InvalidArgument(f"invalid prompt: {exc}"))
             return
@@ -122,11 +123,15 @@ class Generator:
         elif not streaming:
             sender.send(builder.whole(), final=True)
 
-    async def _render(self, prompt: str | list[int]):
+    async def _render(self, prompt: str | list[int], add_special_tokens: bool = True):
         """Tokenize (off the loop, in the engine's renderer) and check the prompt against the model."""
         raw = prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}
         parsed = parse_model_prompt(self.engine.model_config, raw)
-        (engine_input,) = await self.engine.renderer.render_cmpl_async([parsed])
+        renderer = self.engine.renderer
+        tok_params = None
+        if not add_special_tokens:
+            tok_params = dataclasses.replace(renderer.default_cmpl_tok_params, add_special_tokens=False)
+        (engine_input,) = await renderer.render_cmpl_async([parsed], tok_params)
         return engine_input
 
     @staticmethod

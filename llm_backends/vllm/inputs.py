@@ -28,8 +28,11 @@ RETURN_FLAGS = {
 }
 STREAM = "stream"
 EXCLUDE_INPUT = "exclude_input_in_output"
+# Request parameter (no tensor): false tokenizes the prompt without BOS / special tokens (a prompt
+# rendered from a chat template carries its own).
+ADD_SPECIAL_TOKENS = "add_special_tokens"
 # Request parameters that are not sampling parameters.
-NOT_SAMPLING = frozenset({STREAM, EXCLUDE_INPUT, *RETURN_FLAGS.values(),
+NOT_SAMPLING = frozenset({STREAM, EXCLUDE_INPUT, ADD_SPECIAL_TOKENS, *RETURN_FLAGS.values(),
                           "sequence_id", "sequence_start", "sequence_end"})
 
 
@@ -40,6 +43,7 @@ class GenerateInputs:
     prepend_input: bool  # the whole (non-streamed) answer starts with the prompt
     sampling: dict[str, Any]
     outputs: set[str] = field(default_factory=set)  # the output tensors to build
+    add_special_tokens: bool = True
 
     @property
     def token_interface(self) -> bool:
@@ -59,10 +63,13 @@ def parse_inputs(request: InferenceRequest) -> GenerateInputs:
         prepend = not exclude
     if prepend and stream:
         raise InvalidArgument(f"when streaming, '{EXCLUDE_INPUT}' = false is not allowed")
-    outputs = {"output_ids"} if token_interface else {"text_output"}
+    requested = request.requested_output_names()
+    # token ids in: output_ids out, unless the client asks for text_output (then n > 1 works too)
+    outputs = {"output_ids"} if token_interface and "text_output" not in requested else {"text_output"}
     outputs.update(name for name, flag in RETURN_FLAGS.items() if _flag(request, flag, False))
-    outputs.update(request.requested_output_names())
-    return GenerateInputs(prompt, stream, prepend, _sampling(request), outputs)
+    outputs.update(requested)
+    return GenerateInputs(prompt, stream, prepend, _sampling(request), outputs,
+                          bool(_flag(request, ADD_SPECIAL_TOKENS, True)))
 
 
 def _prompt(request: InferenceRequest) -> str | list[int]:

@@ -372,7 +372,9 @@ class HttpApp(FastAPI):
         await super().__call__(scope, receive, send)
 
 
-def create_app(dataplane, *, max_input_size: int = 64 * 1024 * 1024) -> HttpApp:
+def create_app(dataplane, *, max_input_size: int = 64 * 1024 * 1024, api_key: str | None = None) -> HttpApp:
+    """The HTTP app: KServe v2 and Triton's extensions, plus the OpenAI routes (``api_key``: required by
+    the ``/v1`` routes only)."""
     frontend = HttpFrontend(dataplane, max_input_size)
     app = HttpApp(title="tideserve", docs_url=None, redoc_url=None, openapi_url=None)
     app.frontend = frontend
@@ -451,6 +453,11 @@ def create_app(dataplane, *, max_input_size: int = 64 * 1024 * 1024) -> HttpApp:
         app.router.routes.append(Route("/v2/models/{model_name}" + suffix, generate_route, methods=["POST"]))
         app.router.routes.append(Route("/v2/models/{model_name}/versions/{model_version}" + suffix,
                                        generate_route, methods=["POST"]))
+
+    # -- OpenAI-compatible API (server/openai/) --------------------------------------------
+    from ..openai import mount as mount_openai
+
+    mount_openai(app, frontend, api_key)
 
     # -- model repository -----------------------------------------------------------------
     @app.post("/v2/repository/index")

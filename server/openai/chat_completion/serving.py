@@ -1,0 +1,203 @@
+"""``POST /v1/chat/completions``: messages rendered with the model's chat template, one DataPlane request.
+
+Streaming sends, per choice, a first chunk with the role, then one ``chat.completion.chunk`` per model
+response that adds something (the last carries ``finish_reason``), then a usage chunk when
+``stream_options.include_usage``, then ``data: [DONE]``. A named tool streams its arguments as
+``tool_calls`` deltas; ``required`` tool calls come whole in the finishing chunk (they are parsed from
+the complete JSON array).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import orjson
+
+from ...errors import ServerError
+from ..chat_template import ChatTemplate, TemplateError, special_tokens
+from ..errors import BadRequest, from_server_error
+from ..generation import Run, Usage, close_all, collect, merged
+from ..http import DONE, EventStream, event
+from ..llm import LLMModel
+from ..logprobs import chat_content
+from ..protocol import parse
+from .protocol import ChatCompletionRequest
+
+OBJECT, CHUNK = "chat.completion", "chat.completion.chunk"
+ROLE = "assistant"
+
+
+async def create_chat_completion(server, doc, _scope) -> bytes | EventStream:
+    request: ChatCompletionRequest = parse(ChatCompletionRequest, doc)
+    catalog = server.catalog
+    llm = catalog.get(request.model) if request.model else catalog.default()
+    request.check_chat()
+    mode = request.tool_mode
+    constraint = request.constraint()
+    if constraint is not None and not llm.structured_outputs:
+        raise BadRequest(f"model '{llm.name}' has no structured output, which "
+                         f"{'tool_choice' if mode != 'none' else 'response_format'} needs (a vLLM model has it)",
+                         "tool_choice" if mode != "none" else "response_format")
+    prompt = _render(request, llm)
+    max_tokens, max_field = request.max_output
+    sampling = request.sampling(max_tokens, (request.top_logprobs or 0) if request.logprobs else None)
+    fields = {"max_tokens": max_field, "logprobs": "top_logprobs",
+              "structured_outputs": "tool_choice" if mode != "none" else "response_format"}
+    stream = bool(request.stream)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    run = None
+    try:
+        inference = llm.request(prompt, sampling, stream=stream, logprobs=bool(request.logprobs),
+                                add_special_tokens=False, request_id=request_id)
+        run = Run(server.dataplane, llm, inference, request.n)
+        if stream:
+            await run.peek()
+        else:
+            choices = await collect(run, request.n)
+    except BaseException as exc:
+        if run is not None:
+            await run.close()
+        if isinstance(exc, ServerError):
+            raise from_server_error(exc, fields, "messages") from None
+        raise
+    if not stream:
+        await run.close()
+    header = {"id": request_id, "object": CHUNK if stream else OBJECT, "created": int(time.time()),
+              "model": llm.name}
+    if stream:
+        return EventStream(_events(request, header, llm, run, prompt, fields), lambda: close_all([run]))
+    usage = Usage(llm)
+    usage.add_prompt(run, prompt)
+    out = []
+    for i, choice in enumerate(choices):
+        usage.add_choice(choice)
+        message, reason = _message(request, choice.text, choice.finish_reason)
+        out.append({"index": i, "message": message,
+                    "logprobs": {"content": chat_content(choice.logprobs, request.top_logprobs or 0)}
+                    if request.logprobs else None,
+                    "finish_reason": reason, "stop_reason": None})
+    return orjson.dumps({**header, "choices": out, "usage": usage.doc()})
+
+
+def _render(request: ChatCompletionRequest, llm: LLMModel) -> str:
+    template = llm.template
+    if request.chat_template is not None:
+        special = template.special_tokens if template is not None else (
+            special_tokens(llm.tokenizer_dir) if llm.tokenizer_dir is not None else {})
+        try:
+            template = ChatTemplate(request.chat_template, special, "request")
+        except TemplateError as exc:
+            raise BadRequest(str(exc), "chat_template") from None
+    if template is None:
+        raise BadRequest(f"model '{llm.name}' has no chat template: its tokenizer files define none and its config "
+                         "sets no 'chat_template' parameter; send 'chat_template' with the request or use "
+                         "/v1/completions")
+    try:
+        return template.render(request.template_messages(), tools=request.template_tools(),
+                               add_generation_prompt=request.add_generation_prompt,
+                               continue_final_message=request.continue_final_message,
+                               extra=request.chat_template_kwargs)
+    except TemplateError as exc:
+        raise BadRequest(str(exc), "messages") from None
+
+
+def _tool_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _required_calls(text: str) -> list[dict] | None:
+    """The calls of a ``required`` tool choice's JSON array (None when the text is not one)."""
+    try:
+        calls = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(calls, list) or not all(isinstance(c, dict) and "name" in c for c in calls):
+        return None
+    return [{"id": _tool_call_id(), "type": "function",
+             "function": {"name": c["name"], "arguments": json.dumps(c.get("parameters", {}), ensure_ascii=False)}}
+            for c in calls]
+
+
+def _message(request: ChatCompletionRequest, text: str, reason: str | None) -> tuple[dict, str]:
+    reason = reason or "stop"
+    mode = request.tool_mode
+    if mode == "named":
+        call = {"id": _tool_call_id(), "type": "function",
+                "function": {"name": request.tool_choice.function.name, "arguments": text}}
+        return {"role": ROLE, "content": None, "tool_calls": [call]}, reason
+    if mode == "required":
+        calls = _required_calls(text)
+        if calls is not None:
+            return {"role": ROLE, "content": None, "tool_calls": calls}, "tool_calls" if reason == "stop" else reason
+    return {"role": ROLE, "content": text}, reason
+
+
+async def _events(request: ChatCompletionRequest, header: dict, llm: LLMModel, run: Run, prompt: str,
+                  fields: dict):
+    n = request.n
+    options = request.stream_options
+    include_usage = bool(options and options.include_usage)
+    continuous = bool(options and options.continuous_usage_stats)
+    top = request.top_logprobs or 0
+    mode = request.tool_mode
+    usage = Usage(llm)
+    usage.add_prompt(run, prompt)
+    finished = [False] * n
+    started = [False] * n        # a named tool's first delta carries its id and name
+    buffers = [""] * n           # required tool calls are parsed whole at the end
+    for i in range(n):
+        chunk = {**header, "choices": [{"index": i, "delta": {"role": ROLE, "content": ""}, "logprobs": None,
+                                        "finish_reason": None}]}
+        if continuous:
+            chunk["usage"] = usage.doc()
+        yield event(chunk)
+    try:
+        async for _, step in merged([run]):
+            usage.add_step(step)
+            for i in range(n):
+                if finished[i]:
+                    continue
+                text, reason = step.texts[i], step.finish[i]
+                entries = step.logprobs[i] if step.logprobs is not None else None
+                if not text and reason is None and not entries:
+                    continue
+                if mode == "none":
+                    delta = {"content": text}
+                elif mode == "named":
+                    delta = {}
+                    if not started[i]:
+                        started[i] = True
+                        delta = {"tool_calls": [{"index": 0, "id": _tool_call_id(), "type": "function", "function": {
+                            "name": request.tool_choice.function.name, "arguments": text}}]}
+                    elif text:
+                        delta = {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
+                else:
+                    buffers[i] += text
+                    delta = {}
+                    if reason is not None:
+                        message, reason = _message(request, buffers[i], reason)
+                        delta = ({"tool_calls": [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]}
+                                 if message.get("tool_calls") else {"content": buffers[i]})
+                choice = {"index": i, "delta": delta,
+                          "logprobs": {"content": chat_content(entries, top)} if request.logprobs else None,
+                          "finish_reason": reason}
+                chunk = {**header, "choices": [choice]}
+                if continuous:
+                    chunk["usage"] = usage.doc()
+                yield event(chunk)
+                if reason is not None:
+                    finished[i] = True
+    except ServerError as exc:
+        raise from_server_error(exc, fields, "messages") from None
+    for i in range(n):  # a model that reports no finish reason ends its choices here
+        if not finished[i]:
+            delta = {"content": buffers[i]} if mode == "required" and buffers[i] else {}
+            chunk = {**header, "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": "stop"}]}
+            if continuous:
+                chunk["usage"] = usage.doc()
+            yield event(chunk)
+    if include_usage:
+        yield event({**header, "choices": [], "usage": usage.doc()})
+    yield DONE

@@ -1,0 +1,46 @@
+"""The completions request (OpenAI's legacy ``/v1/completions`` plus vLLM's sampling extensions)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field
+
+from ..errors import BadRequest
+from ..protocol import MAX_LOGPROBS, SamplingRequest
+
+TokenId = Annotated[int, Field(ge=0)]
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]] | None = None
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+    add_special_tokens: bool = True  # vLLM extension: BOS and the like when tokenizing the prompt
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: text, or token ids."""
+        prompt = self.prompt
+        if prompt is None or prompt == "" or prompt == []:
+            raise BadRequest("'prompt' must be a non-empty string, list of strings, or token ids", "prompt")
+        if isinstance(prompt, str):
+            return [prompt]
+        if isinstance(prompt[0], int):
+            return [list(prompt)]
+        for item in prompt:
+            if len(item) == 0:
+                raise BadRequest("'prompt' must not hold an empty prompt", "prompt")
+        return list(prompt)
+
+    def check_completion(self) -> None:
+        self.check(self.max_tokens, "max_tokens")
+        if self.suffix:
+            raise BadRequest("'suffix' is not supported", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise BadRequest("'best_of' other than n is not supported", "best_of")
+        if self.echo and self.logprobs is not None:
+            raise BadRequest("'echo' with 'logprobs' is not supported: the prompt's log probabilities are not "
+                             "returned", "echo")

@@ -1,0 +1,137 @@
+"""``POST /v1/completions``: one DataPlane request per prompt, ``n`` choices each.
+
+Choice ``index`` is ``prompt_index * n + i`` (as vLLM numbers them). Streaming sends one
+``text_completion`` chunk per choice and model response that adds text (the last one carries
+``finish_reason``), then a usage chunk when ``stream_options.include_usage``, then ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import orjson
+
+from ...errors import ServerError
+from ..errors import BadRequest, from_server_error
+from ..generation import Choice, Run, Usage, close_all, collect, merged, peek_all
+from ..http import DONE, EventStream, event
+from ..logprobs import CompletionLogprobs
+from ..protocol import parse
+from .protocol import CompletionRequest
+
+OBJECT = "text_completion"
+FIELDS = {"structured_outputs": "response_format"}
+DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default, also for an explicit null
+
+
+async def create_completion(server, doc, _scope) -> bytes | EventStream:
+    request: CompletionRequest = parse(CompletionRequest, doc)
+    catalog = server.catalog
+    llm = catalog.get(request.model) if request.model else catalog.default()
+    request.check_completion()
+    prompts = request.prompts()
+    if request.constraint() is not None and not llm.structured_outputs:
+        raise BadRequest(f"model '{llm.name}' has no structured output (response_format needs a vLLM model)",
+                         "response_format" if request.response_format is not None else "structured_outputs")
+    sampling = request.sampling(request.max_tokens if request.max_tokens is not None else DEFAULT_MAX_TOKENS,
+                                request.logprobs)
+    stream = bool(request.stream)
+    n = request.n
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    echoes = [(p if isinstance(p, str) else llm.decode(p)) if request.echo else "" for p in prompts]
+    runs: list[Run] = []
+    try:
+        for k, prompt in enumerate(prompts):
+            inference = llm.request(prompt, sampling, stream=stream, logprobs=request.logprobs is not None,
+                                    add_special_tokens=request.add_special_tokens, request_id=f"{request_id}-{k}")
+            runs.append(Run(server.dataplane, llm, inference, n, index=k * n))
+        if stream:
+            await peek_all(runs)
+        else:
+            results = [await collect(runs[0], n)] if len(runs) == 1 else await _gather(runs, n)
+    except ServerError as exc:
+        await close_all(runs)
+        raise from_server_error(exc, FIELDS) from None
+    except BaseException:
+        await close_all(runs)
+        raise
+    header = {"id": request_id, "object": OBJECT, "created": int(time.time()), "model": llm.name}
+    if stream:
+        return EventStream(_events(request, header, llm, runs, prompts, echoes), lambda: close_all(runs))
+    await close_all(runs)
+    return _response(request, header, llm, runs, prompts, echoes, results)
+
+
+async def _gather(runs: list[Run], n: int) -> list[list[Choice]]:
+    return list(await asyncio.gather(*(collect(run, n) for run in runs)))
+
+
+def _finish(reason: str | None) -> str:
+    return reason if reason is not None else "stop"
+
+
+def _response(request: CompletionRequest, header: dict, llm, runs, prompts, echoes, results) -> bytes:
+    usage = Usage(llm)
+    choices = []
+    for k, (run, result) in enumerate(zip(runs, results)):
+        usage.add_prompt(run, prompts[k])
+        for i, choice in enumerate(result):
+            usage.add_choice(choice)
+            logprobs = None
+            if request.logprobs is not None:
+                logprobs = CompletionLogprobs(request.logprobs, len(echoes[k])).piece(choice.logprobs)
+            choices.append({"index": run.index + i, "text": echoes[k] + choice.text, "logprobs": logprobs,
+                            "finish_reason": _finish(choice.finish_reason), "stop_reason": None})
+    return orjson.dumps({**header, "choices": choices, "usage": usage.doc()})
+
+
+async def _events(request: CompletionRequest, header: dict, llm, runs, prompts, echoes):
+    n = request.n
+    options = request.stream_options
+    include_usage = bool(options and options.include_usage)
+    continuous = bool(options and options.continuous_usage_stats)
+    usage = Usage(llm)
+    for k, run in enumerate(runs):
+        usage.add_prompt(run, prompts[k])
+    total = len(runs) * n
+    finished = [False] * total
+    echoed = [not request.echo] * total
+    logprobs = ([CompletionLogprobs(request.logprobs, len(echoes[j // n])) for j in range(total)]
+                if request.logprobs is not None else None)
+    try:
+        async for run, step in merged(runs):
+            usage.add_step(step)
+            for i in range(n):
+                index = run.index + i
+                if finished[index]:
+                    continue
+                text, reason = step.texts[i], step.finish[i]
+                entries = step.logprobs[i] if step.logprobs is not None else None
+                if not echoed[index]:
+                    text = echoes[index // n] + text
+                    echoed[index] = True
+                if not text and reason is None and not entries:
+                    continue
+                choice = {"index": index, "text": text,
+                          "logprobs": logprobs[index].piece(entries) if logprobs is not None else None,
+                          "finish_reason": reason, "stop_reason": None}
+                chunk = {**header, "choices": [choice]}
+                if continuous:
+                    chunk["usage"] = usage.doc()
+                yield event(chunk)
+                if reason is not None:
+                    finished[index] = True
+    except ServerError as exc:
+        raise from_server_error(exc, FIELDS) from None
+    for index in range(total):  # a model that reports no finish reason ends its choices here
+        if not finished[index]:
+            chunk = {**header, "choices": [{"index": index, "text": "", "logprobs": None, "finish_reason": "stop",
+                                            "stop_reason": None}]}
+            if continuous:
+                chunk["usage"] = usage.doc()
+            yield event(chunk)
+    if include_usage:
+        yield event({**header, "choices": [], "usage": usage.doc()})
+    yield DONE

@@ -1,0 +1,92 @@
+"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+``type`` is the name of the exception class OpenAI's Python client raises for the status (as vLLM's
+server sends it), ``code`` is the HTTP status, ``param`` names the request field that is wrong (or
+null). Messages are meant for the client: they never carry a stack trace.
+"""
+
+from __future__ import annotations
+
+import re
+
+import orjson
+
+from ..errors import ServerError, Status
+
+_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    409: "ConflictError",
+    422: "UnprocessableEntityError",
+    429: "RateLimitError",
+    499: "ClientClosedRequest",
+    500: "InternalServerError",
+    501: "NotImplementedError",
+    503: "ServiceUnavailableError",
+    504: "TimeoutError",
+}
+
+
+class OpenAIError(Exception):
+    """A request that fails with ``status``; ``param`` is the request field at fault, if any."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+
+    @property
+    def type(self) -> str:
+        return _TYPES.get(self.status, "InternalServerError" if self.status >= 500 else "BadRequestError")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
+
+    def json(self) -> bytes:
+        return orjson.dumps(self.body())
+
+
+class BadRequest(OpenAIError):
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message, 400, param)
+
+
+class ModelNotFound(OpenAIError):
+    def __init__(self, model: str, why: str = "") -> None:
+        super().__init__(f"The model `{model}` does not exist.{(' ' + why) if why else ''}", 404, "model")
+
+
+# A backend message that names the field at fault: "invalid sampling parameter 'top_p': ...",
+# "unknown sampling parameter 'x'" (vLLM), "sampling_parameters: 'temperature': ...",
+# "sampling_parameters: unknown key 'x'" (TensorRT-LLM).
+_NAMED = re.compile(r"(?:sampling parameter|sampling_parameters:(?: unknown key)?) '([A-Za-z0-9_]+)'")
+# ... or one about the prompt: too long for the context, a token id out of the vocabulary
+_PROMPT_WORDS = ("prompt", "context length", "token id", "vocabulary")
+
+
+def from_server_error(exc: BaseException, fields: dict[str, str] | None = None,
+                      prompt_param: str = "prompt") -> OpenAIError:
+    """The OpenAI error for a DataPlane / backend error.
+
+    ``fields`` maps engine sampling names to the request's field names (``max_tokens`` may have come
+    from ``max_completion_tokens``); a prompt the engine rejects (too long for the context, bad token
+    ids) is blamed on ``prompt_param``.
+    """
+    if isinstance(exc, OpenAIError):
+        return exc
+    if not isinstance(exc, ServerError):
+        return OpenAIError(f"internal error: {type(exc).__name__}: {exc}", 500)
+    status = exc.status.http_code
+    param = None
+    if exc.status is Status.INVALID_ARG:
+        match = _NAMED.search(exc.message)
+        if match:
+            param = (fields or {}).get(match.group(1), match.group(1))
+        elif any(word in exc.message.lower() for word in _PROMPT_WORDS):
+            param = prompt_param
+    elif exc.status is Status.NOT_FOUND:
+        param = "model"
+    return OpenAIError(exc.message, status, param)

@@ -1,0 +1,174 @@
+"""One prompt's generation through the DataPlane (a :class:`Run`), several runs merged, totals per choice.
+
+A run is started with :meth:`DataPlane.infer`; its responses become :class:`~.llm.Step` s. Closing a
+run (or cancelling the task awaiting it: the client went away) closes its InferenceStream, which
+cancels the request: an LLM backend aborts the engine request and frees its KV cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from ..errors import as_server_error
+from .llm import LLMModel, Step, StepReader
+
+
+class Run:
+    """The responses of one prompt, as Steps; ``index`` places its choices among the request's."""
+
+    __slots__ = ("_done", "_pending", "index", "prompt_tokens", "reader", "stream")
+
+    def __init__(self, dataplane, llm: LLMModel, request, n: int, index: int = 0) -> None:
+        self.stream = dataplane.infer(request)  # raises ServerError when the request is refused
+        self.reader = StepReader(llm, n)
+        self.index = index
+        self.prompt_tokens: int | None = None
+        self._pending: Step | None = None
+        self._done = False
+
+    async def step(self) -> Step | None:
+        """The next Step (None after the last); a model error raises it as a ServerError."""
+        if self._pending is not None:
+            step, self._pending = self._pending, None
+            return step
+        while not self._done:
+            try:
+                response = await self.stream.__anext__()
+            except StopAsyncIteration:
+                self._done = True
+                break
+            if response.final:
+                self._done = True
+            if response.error is not None:
+                self._done = True
+                raise as_server_error(response.error)
+            if response.empty:
+                continue
+            step = self.reader.read(response)
+            if step.prompt_tokens is not None:
+                self.prompt_tokens = step.prompt_tokens
+            return step
+        return None
+
+    async def peek(self) -> None:
+        """Wait for the first Step (keeping it for :meth:`step`): an error the model raises at once
+        (a prompt too long, a bad sampling value) then fails the request before any byte is sent."""
+        self._pending = await self.step()
+
+    async def close(self) -> None:
+        await self.stream.aclose()
+
+
+async def peek_all(runs: list[Run]) -> None:
+    if len(runs) == 1:
+        await runs[0].peek()
+    else:
+        await asyncio.gather(*(run.peek() for run in runs))
+
+
+async def close_all(runs: list[Run]) -> None:
+    for run in runs:
+        await run.close()
+
+
+async def merged(runs: list[Run]) -> AsyncIterator[tuple[Run, Step]]:
+    """Steps of all runs as they come (one run: directly; several: through a queue)."""
+    if len(runs) == 1:
+        run = runs[0]
+        while (step := await run.step()) is not None:
+            yield run, step
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(run: Run) -> None:
+        try:
+            while (step := await run.step()) is not None:
+                queue.put_nowait((run, step, None))
+        except Exception as exc:  # a model error (ServerError) or a bug: the merged stream ends with it
+            queue.put_nowait((run, None, as_server_error(exc)))
+            return
+        queue.put_nowait((run, None, None))
+
+    tasks = [asyncio.ensure_future(pump(run)) for run in runs]
+    try:
+        remaining = len(runs)
+        while remaining:
+            run, step, error = await queue.get()
+            if error is not None:
+                raise error
+            if step is None:
+                remaining -= 1
+                continue
+            yield run, step
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@dataclass(slots=True)
+class Choice:
+    """One choice's totals over its steps."""
+
+    text: str = ""
+    finish_reason: str | None = None
+    tokens: int = 0
+    logprobs: list = field(default_factory=list)
+    counted: bool = False  # the model reported token counts
+
+    def add(self, step: Step, i: int) -> None:
+        self.text += step.texts[i]
+        if step.finish[i] is not None:
+            self.finish_reason = step.finish[i]
+        if step.tokens is not None:
+            self.tokens += step.tokens[i]
+            self.counted = True
+        if step.logprobs is not None and step.logprobs[i]:
+            self.logprobs.extend(step.logprobs[i])
+
+
+async def collect(run: Run, n: int) -> list[Choice]:
+    """Every step of a run, added up per choice."""
+    choices = [Choice() for _ in range(n)]
+    while (step := await run.step()) is not None:
+        for i, choice in enumerate(choices):
+            choice.add(step, i)
+    return choices
+
+
+class Usage:
+    """A request's token counts: the model's own when it reports them, else its tokenizer's count."""
+
+    __slots__ = ("_uncounted", "completion_tokens", "llm", "prompt_tokens")
+
+    def __init__(self, llm: LLMModel) -> None:
+        self.llm = llm
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self._uncounted: list[str] = []
+
+    def add_prompt(self, run: Run, prompt: str | list[int]) -> None:
+        if run.prompt_tokens is not None:
+            self.prompt_tokens += run.prompt_tokens
+        elif isinstance(prompt, list):
+            self.prompt_tokens += len(prompt)
+        else:
+            self.prompt_tokens += self.llm.count_tokens(prompt)
+
+    def add_step(self, step: Step) -> None:
+        if step.tokens is not None:
+            self.completion_tokens += sum(step.tokens)
+        else:
+            self._uncounted.extend(t for t in step.texts if t)
+
+    def add_choice(self, choice: Choice) -> None:
+        self.completion_tokens += choice.tokens if choice.counted else self.llm.count_tokens(choice.text)
+
+    def doc(self) -> dict:
+        if self._uncounted:
+            self.completion_tokens += self.llm.count_tokens("".join(self._uncounted))
+            self._uncounted = []
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}

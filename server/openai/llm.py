@@ -1,0 +1,346 @@
+"""The LLM models the OpenAI frontend serves, and how a generation is asked of one through the DataPlane.
+
+A model is served on ``/v1`` when its config has a ``text_input`` (BYTES) input and a ``text_output``
+(BYTES) output: the vLLM and TensorRT-LLM backends, and any ensemble or Python model with that
+interface. What else it declares decides what a request may ask for:
+
+* ``sampling_parameters`` (a JSON object of vLLM ``SamplingParams`` names): every sampling field, ``n``;
+  otherwise sampling fields go to inputs of the same (or Triton's TensorRT-LLM) name, and a field the
+  model has no input for is a 400 naming it;
+* ``stream`` (BOOL): deltas as the engine makes them (otherwise the model's responses are taken as
+  successive pieces of the text);
+* ``exclude_input_in_output``: always set true (the frontend adds the prompt itself for ``echo``);
+* ``return_finish_reason`` / ``return_num_input_tokens`` / ``return_num_output_tokens`` /
+  ``return_logprobs`` with their outputs: finish reasons, usage and log probabilities; without them
+  usage is counted with the tokenizer files when there are any, and logprobs are a 400;
+* ``backend: "vllm"``: structured outputs (``response_format``, named tools; also through an ensemble
+  whose ``sampling_parameters`` go to a vLLM step), token-id prompts (``input_ids``), prompts rendered
+  from a chat template tokenized without special tokens.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import logging
+import math
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+from tritonclient.grpc import model_config_pb2 as mc
+
+from ..datatypes import config_to_datatype, numpy_dtype
+from ..errors import InvalidArgument, NotFound, ServerError, Unavailable
+from ..types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
+from . import chat_template
+from .errors import BadRequest, ModelNotFound, OpenAIError
+
+log = logging.getLogger(__name__)
+
+TEXT_INPUT, TEXT_OUTPUT = "text_input", "text_output"
+# output -> the BOOL input that asks for it
+_FLAGS = {"finish_reason": "return_finish_reason", "num_input_tokens": "return_num_input_tokens",
+          "num_output_tokens": "return_num_output_tokens", "logprobs": "return_logprobs"}
+# sampling field -> input names that take it, for models without a sampling_parameters input
+_KNOBS = {
+    "max_tokens": ("max_tokens", "request_output_len"),
+    "temperature": ("temperature",),
+    "top_p": ("top_p", "runtime_top_p"),
+    "top_k": ("top_k", "runtime_top_k"),
+    "seed": ("seed", "random_seed"),
+    "presence_penalty": ("presence_penalty",),
+    "frequency_penalty": ("frequency_penalty",),
+    "repetition_penalty": ("repetition_penalty",),
+    "min_tokens": ("min_tokens", "min_length"),
+    "stop": ("stop", "stop_words"),
+}
+
+
+@dataclass(eq=False)
+class LLMModel:
+    """One loaded model version as the OpenAI frontend sees it (built once per version)."""
+
+    name: str
+    backend: str
+    batched: bool
+    sampling_backend: str            # the backend reading sampling_parameters (an ensemble's step's)
+    input_types: dict[str, str]      # input name -> datatype
+    outputs: frozenset[str]
+    template: chat_template.ChatTemplate | None
+    tokenizer_dir: Path | None
+    _tokenizer: Any = field(default=None, repr=False)
+
+    @property
+    def sampling_json(self) -> bool:
+        return "sampling_parameters" in self.input_types
+
+    @property
+    def structured_outputs(self) -> bool:
+        return self.sampling_backend == "vllm" and self.sampling_json
+
+    @property
+    def token_prompts(self) -> bool:
+        return self.backend == "vllm" and "input_ids" in self.input_types
+
+    @property
+    def logprobs(self) -> bool:
+        return "return_logprobs" in self.input_types and "logprobs" in self.outputs
+
+    def has_flag(self, output: str) -> bool:
+        return _FLAGS[output] in self.input_types and output in self.outputs
+
+    # -- requests -------------------------------------------------------------------------
+    def request(self, prompt: str | list[int], sampling: dict[str, Any], *, stream: bool, logprobs: bool,
+                add_special_tokens: bool = True, request_id: str = "") -> InferenceRequest:
+        """The DataPlane request of one prompt; raises BadRequest for what the model cannot take."""
+        inputs: dict[str, Tensor] = {}
+        outputs = None
+        if isinstance(prompt, str):
+            inputs[TEXT_INPUT] = self._bytes(TEXT_INPUT, prompt.encode("utf-8"))
+        else:
+            if not self.token_prompts:
+                raise BadRequest(f"model '{self.name}' takes text prompts only (token-id prompts need a vLLM "
+                                 "model)", "prompt")
+            inputs["input_ids"] = self._array("input_ids", prompt)
+            outputs = [TEXT_OUTPUT]  # text, not the token interface's output_ids
+        types = self.input_types
+        if "stream" in types:
+            inputs["stream"] = self._array("stream", [stream])
+        if "exclude_input_in_output" in types:
+            inputs["exclude_input_in_output"] = self._array("exclude_input_in_output", [True])
+        for output, flag in _FLAGS.items():
+            if (output != "logprobs" or logprobs) and self.has_flag(output):
+                inputs[flag] = self._array(flag, [True])
+                if outputs is not None:
+                    outputs.append(output)
+        if logprobs and not self.logprobs:
+            raise BadRequest(f"model '{self.name}' does not return log probabilities", "logprobs")
+        if self.sampling_json:
+            inputs["sampling_parameters"] = self._bytes("sampling_parameters", orjson.dumps(sampling))
+        else:
+            self._sampling_inputs(sampling, inputs)
+        parameters = {}
+        if not add_special_tokens and self.backend == "vllm":
+            parameters["add_special_tokens"] = False
+        request = InferenceRequest(self.name, inputs, id=request_id, parameters=parameters,
+                                   outputs=[RequestedOutput(o) for o in outputs] if outputs else None)
+        request.streaming = stream
+        return request
+
+    def _sampling_inputs(self, sampling: dict[str, Any], inputs: dict[str, Tensor]) -> None:
+        for key, value in sampling.items():
+            if value is None or (key == "n" and value == 1):
+                continue
+            name = next((n for n in _KNOBS.get(key, ()) if n in self.input_types), None)
+            if name is None:
+                raise BadRequest(f"model '{self.name}' does not take '{key}' (it has no sampling_parameters input "
+                                 f"and no input for it)", key)
+            if isinstance(value, str):
+                value = [value]
+            inputs[name] = (self._bytes(name, *[v.encode("utf-8") for v in value])
+                            if self.input_types[name] == "BYTES" else self._array(name, np.ravel(value)))
+
+    def _bytes(self, name: str, *values: bytes) -> Tensor:
+        data = np.empty(len(values), dtype=np.object_)
+        data[:] = values
+        if self.batched:
+            data = data.reshape(1, -1)
+        return Tensor(name, "BYTES", data.shape, data)
+
+    def _array(self, name: str, values) -> Tensor:
+        datatype = self.input_types[name]
+        try:
+            data = np.asarray(values, dtype=numpy_dtype(datatype))
+        except (OverflowError, ValueError, TypeError) as exc:
+            raise BadRequest(f"a value does not fit input '{name}' ({datatype}) of model '{self.name}': {exc}")
+        if self.batched:
+            data = data.reshape(1, -1)
+        return Tensor(name, datatype, data.shape, data)
+
+    # -- tokens ---------------------------------------------------------------------------
+    def tokenizer(self):
+        """The ``tokenizers`` tokenizer of the model's ``tokenizer.json`` (None when there is none)."""
+        if self._tokenizer is None:
+            self._tokenizer = False
+            path = self.tokenizer_dir / "tokenizer.json" if self.tokenizer_dir is not None else None
+            if path is not None and path.is_file():
+                try:
+                    from tokenizers import Tokenizer
+
+                    self._tokenizer = Tokenizer.from_file(str(path))
+                except Exception as exc:  # an optional extra: usage counts fall back to 0
+                    log.warning("model '%s': cannot load '%s': %s", self.name, path, exc)
+        return self._tokenizer or None
+
+    def count_tokens(self, text: str) -> int:
+        tokenizer = self.tokenizer()
+        return len(tokenizer.encode(text, add_special_tokens=False).ids) if tokenizer is not None and text else 0
+
+    def decode(self, ids: list[int]) -> str:
+        tokenizer = self.tokenizer()
+        if tokenizer is None:
+            raise BadRequest(f"echo of a token-id prompt needs the tokenizer files of model '{self.name}'", "echo")
+        return tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def describe(runtime, lookup) -> LLMModel | None:
+    """``runtime``'s LLMModel, or None when it is no text-generation model."""
+    config = runtime.config
+    input_types = {t.name: config_to_datatype(mc.DataType.Name(t.data_type)) for t in config.input}
+    outputs = {t.name: config_to_datatype(mc.DataType.Name(t.data_type)) for t in config.output}
+    if input_types.get(TEXT_INPUT) != "BYTES" or outputs.get(TEXT_OUTPUT) != "BYTES":
+        return None
+    try:
+        template = chat_template.load_template(runtime, lookup)
+    except Exception as exc:  # a template that does not compile: chat requests say so
+        log.warning("model '%s': its chat template is unusable: %s", runtime.name, exc)
+        template = None
+    return LLMModel(runtime.name, config.backend, config.max_batch_size > 0, _sampling_backend(runtime, lookup),
+                    input_types, frozenset(outputs), template, chat_template.tokenizer_dir(runtime, lookup))
+
+
+def _sampling_backend(runtime, lookup) -> str:
+    """The backend that reads ``runtime``'s ``sampling_parameters``: its own, or for an ensemble the backend of
+    the step its ``sampling_parameters`` input goes to."""
+    config = runtime.config
+    if not config.HasField("ensemble_scheduling"):
+        return config.backend
+    for step in config.ensemble_scheduling.step:
+        if "sampling_parameters" in step.input_map.values():
+            try:
+                return lookup(step.model_name).config.backend
+            except ServerError:
+                return ""
+    return ""
+
+
+class Catalog:
+    """Finds the LLM models among the DataPlane's ready models (one LLMModel per loaded version)."""
+
+    def __init__(self, dataplane) -> None:
+        self.dataplane = dataplane
+        self._known: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def _describe(self, runtime) -> LLMModel | None:
+        found = self._known.get(runtime)
+        if found is None:
+            found = describe(runtime, self.dataplane.model) or False
+            self._known[runtime] = found
+        return found or None
+
+    def get(self, name: str) -> LLMModel:
+        try:
+            runtime = self.dataplane.model(name)
+        except NotFound:
+            raise ModelNotFound(name) from None
+        except Unavailable as exc:
+            raise OpenAIError(f"The model `{name}` is not ready: {exc.message}", 503, "model") from None
+        except InvalidArgument as exc:
+            raise BadRequest(exc.message, "model") from None
+        llm = self._describe(runtime)
+        if llm is None:
+            raise ModelNotFound(name, "It is not a text-generation model (text_input -> text_output).")
+        return llm
+
+    def ready(self) -> list[LLMModel]:
+        found = []
+        for row in self.dataplane.repository_index(ready_only=True):
+            name = row["name"]
+            if any(m.name == name for m in found):
+                continue
+            try:
+                llm = self._describe(self.dataplane.model(name))
+            except ServerError:
+                continue
+            if llm is not None:
+                found.append(llm)
+        return found
+
+    def default(self) -> LLMModel:
+        """The model a request without ``model`` goes to: the only LLM model served."""
+        ready = self.ready()
+        if len(ready) != 1:
+            raise BadRequest("the request names no 'model' and the server serves "
+                             f"{'no' if not ready else len(ready)} text-generation models", "model")
+        return ready[0]
+
+
+# -- responses ---------------------------------------------------------------------------------
+@dataclass(slots=True)
+class Step:
+    """What one response added, per choice (``n`` entries each)."""
+
+    texts: list[str]
+    finish: list[str | None]
+    tokens: list[int] | None        # new output tokens per choice (None: the model does not say)
+    prompt_tokens: int | None
+    logprobs: list[list[dict] | None] | None
+
+
+class StepReader:
+    """Turns one request's responses into Steps (a UTF-8 character split across responses is kept whole)."""
+
+    __slots__ = ("_decoders", "llm", "n")
+
+    def __init__(self, llm: LLMModel, n: int) -> None:
+        self.llm = llm
+        self.n = n
+        self._decoders: list | None = None
+
+    def read(self, response: InferenceResponse) -> Step:
+        n = self.n
+        texts = [""] * n
+        finish: list[str | None] = [None] * n
+        tokens = prompt_tokens = logprobs = None
+        for tensor in response.outputs:
+            name = tensor.name
+            if name == TEXT_OUTPUT:
+                values = tensor.data.reshape(-1)
+                for i in range(min(n, values.size)):
+                    texts[i] = self._text(i, values[i])
+            elif name == "finish_reason":
+                values = tensor.data.reshape(-1)
+                for i in range(min(n, values.size)):
+                    value = _str(values[i])
+                    finish[i] = None if value in ("None", "") else value
+            elif name == "num_output_tokens":
+                tokens = [int(v) for v in tensor.data.reshape(-1)[:n]]
+            elif name == "num_input_tokens":
+                prompt_tokens = int(tensor.data.reshape(-1)[0])
+            elif name == "logprobs":
+                logprobs = [_logprobs(v) for v in tensor.data.reshape(-1)[:n]]
+        return Step(texts, finish, tokens, prompt_tokens, logprobs)
+
+    def _text(self, i: int, value) -> str:
+        if isinstance(value, str):
+            return value
+        raw = bytes(value)
+        if self._decoders is None:
+            try:
+                return raw.decode("utf-8")
+            except UnicodeDecodeError:
+                self._decoders = [codecs.getincrementaldecoder("utf-8")("replace") for _ in range(self.n)]
+        return self._decoders[i].decode(raw)
+
+
+def _str(value) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, (bytes, np.bytes_)) else str(value)
+
+
+def _logprobs(value) -> list[dict] | None:
+    try:
+        parsed = json.loads(_str(value))
+    except ValueError:
+        return None
+    return parsed if isinstance(parsed, list) else None
+
+
+def clamp_logprob(value) -> float:
+    """A log probability JSON can carry (-inf and NaN become -9999.0, as vLLM sends them)."""
+    if value is None or not isinstance(value, (int, float)) or math.isnan(value):
+        return -9999.0
+    return max(float(value), -9999.0)

@@ -1,0 +1,5 @@
+"""``GET /v1/models`` and ``GET /v1/models/{model}``."""
+
+from .serving import get_model, list_models
+
+__all__ = ["get_model", "list_models"]

