@@ -54,16 +54,29 @@ def train_tokenizer(vocab_size: int):
     return fast
 
 
+def _spec(size: str, seed: int) -> dict:
+    return {"size": size, "seed": seed, "corpus_bytes": CORPUS.stat().st_size, "dims": SIZES[size]}
+
+
+def is_made(out_dir: Path, size: str = "tiny", seed: int = 0) -> bool:
+    """Whether ``out_dir`` holds the model :func:`make_model` would make (its marker file says so)."""
+    marker = Path(out_dir) / "tideserve-model.json"
+    try:
+        return json.loads(marker.read_text()) == _spec(size, seed)
+    except (OSError, ValueError):
+        return False
+
+
 def make_model(out_dir: Path, size: str = "tiny", seed: int = 0) -> Path:
     """Write ``config.json``, ``model.safetensors`` and the tokenizer files into ``out_dir``."""
+    out_dir = Path(out_dir)
+    if is_made(out_dir, size, seed):
+        return out_dir
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    out_dir = Path(out_dir)
     marker = out_dir / "tideserve-model.json"
-    spec = {"size": size, "seed": seed, "corpus_bytes": CORPUS.stat().st_size, "dims": SIZES[size]}
-    if marker.exists() and json.loads(marker.read_text()) == spec:
-        return out_dir
+    spec = _spec(size, seed)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(SIZES[size]["vocab_size"])
     dims = dict(SIZES[size], vocab_size=len(tokenizer))

@@ -1,60 +1,113 @@
-"""The README's commands and code, run as a user would run them (against the example repository)."""
+"""The README's commands and code, run as a user would run them (against the example repository, prepared
+as ``make serve`` prepares it)."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
 import subprocess
-import urllib.request
 from pathlib import Path
 
 import pytest
-
-from conftest import start_server
+from example_fixtures import (
+    EXAMPLE_MODELS,
+    missing_requirement,
+    prepare_repository,
+    repository_index,
+    start_example_server,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
+TALKING = README.split("## Talking to it", 1)[1].split("\n## ", 1)[0]
+
+needs_the_example = [
+    pytest.mark.slow,  # a vLLM engine starts
+    pytest.mark.timeout(600),
+    pytest.mark.skipif(missing_requirement() is not None, reason=str(missing_requirement())),
+]
 
 
 @pytest.fixture(scope="module")
 def example_server(tmp_path_factory):
-    server = start_server([ROOT / "model_repository"], tmp_dir=tmp_path_factory.mktemp("readme"))
+    prepare_repository()
+    server = start_example_server(tmp_path_factory.mktemp("readme"))
     yield server
     server.stop()
 
 
+def python_block(marker: str) -> str:
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", TALKING, re.DOTALL) if marker in b]
+    assert len(blocks) == 1, f"one python block of '## Talking to it' uses {marker}"
+    return blocks[0]
+
+
 def test_readme_has_exactly_the_two_setup_commands():
-    block = re.search(r"## Set-up: the two commands\s+```sh\n(.*?)```", README, re.S).group(1)
+    block = re.search(r"## Set-up: the two commands\s+```sh\n(.*?)```", README, re.DOTALL).group(1)
     commands = [line.split("#")[0].strip() for line in block.strip().splitlines()]
     assert commands == ["make serve", "make test"]
     makefile = (ROOT / "Makefile").read_text()
-    assert "model_repository" in makefile.split("serve:")[1].split("\n\n")[0]
+    serve = makefile.split("\nserve:")[1].split("\n\n")[0]
+    assert "server.examples.prepare model_repository" in serve  # the models git does not hold
+    assert "--model-repository model_repository" in serve
     assert "pytest" in makefile.split("test:")[1].split("\n\n")[0]
     assert "make test" in (ROOT / ".ci" / "run").read_text()
 
 
-def test_readme_curl_commands_work(example_server):
-    block = re.search(r"```sh\n(curl .*?)```", README, re.S).group(1)
-    ports = {"8000": str(example_server.http_port), "8002": str(example_server.metrics_port)}
-    script = re.sub(r"localhost:(800[02])", lambda m: f"127.0.0.1:{ports[m.group(1)]}", block)
-    # run the metrics line after one inference so the counter exists
-    out = subprocess.run(["bash", "-euo", "pipefail", "-c", script], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    lines = out.stdout.splitlines()
-    assert lines[0] == "200"
-    answer = json.loads(lines[1])
-    assert {o["name"]: o["data"] for o in answer["outputs"]}["OUTPUT0"] == [2, 3, 4, 5]
-    assert any(line.startswith('nv_inference_count{model="add_sub"') for line in lines[2:])
+@pytest.mark.parametrize("model", EXAMPLE_MODELS)
+def test_readme_describes_every_example_model(model):
+    assert f"`{model}`" in TALKING
 
 
-def test_readme_python_client_snippet_works(example_server, capsys):
-    code = re.search(r"```python\n(.*?)```", README, re.S).group(1)
-    exec(code.replace("127.0.0.1:8001", example_server.grpc_url), {})
-    assert "[[2. 4. 6. 8.]]" in capsys.readouterr().out
+class TestAgainstTheExampleServer:
+    pytestmark = needs_the_example
 
+    def test_example_repository_models_are_ready(self, example_server):
+        index = repository_index(example_server)
+        assert {name: row["state"] for name, row in index.items()} == dict.fromkeys(EXAMPLE_MODELS, "READY")
 
-def test_example_repository_models_are_ready(example_server):
-    with urllib.request.urlopen(urllib.request.Request(f"{example_server.base_url}/v2/repository/index",
-                                                       data=b"{}", method="POST")) as r:
-        index = json.loads(r.read())
-    assert {m["name"]: m["state"] for m in index} == {"add_sub": "READY", "repeat": "READY"}
+    def test_readme_curl_commands_work(self, example_server):
+        block = re.search(r"```sh\n(.*?)```", TALKING, re.DOTALL).group(1)
+        ports = {"8000": str(example_server.http_port), "8002": str(example_server.metrics_port)}
+        script = re.sub(r"localhost:(800[02])", lambda m: f"127.0.0.1:{ports[m.group(1)]}", block)
+        out = subprocess.run(["bash", "-euo", "pipefail", "-c", script], capture_output=True, text=True, timeout=120,
+                             check=False)
+        assert out.returncode == 0, out.stderr
+        lines = [line for line in out.stdout.splitlines() if line.strip()]
+        assert lines[0] == "200"
+        answers = {}
+        for line in lines[1:]:
+            if line.startswith("{"):
+                answer = json.loads(line)
+                answers[answer["model_name"]] = answer
+        events = [json.loads(line[5:]) for line in lines if line.startswith("data:")]
+
+        ensemble = answers["llm_ensemble"]
+        assert ensemble["text_output"] and ensemble["num_output_tokens"] == 16
+        assert events and all(event["model_name"] == "llm" for event in events)
+        assert "".join(event["text_output"] for event in events) == ensemble["text_output"]  # one engine, greedy
+
+        tabular = answers["tabular"]["outputs"][0]
+        assert tabular["name"] == "output__0" and tabular["shape"] == [1, 2]
+        assert [entry.split(":")[2] for entry in tabular["data"]] == ["malignant", "benign"]
+        assert float(tabular["data"][0].split(":")[0]) > 0.9  # the first row of the data set is malignant
+
+        metrics = [line for line in lines if line.startswith(("nv_inference_count", "tideserve:"))]
+        assert any(line.startswith('nv_inference_count{model="llm_ensemble"') for line in metrics)
+        assert any(line.startswith('tideserve:generation_tokens_total{model_name="llm"') for line in metrics)
+
+    def test_readme_triton_client_snippet_works(self, example_server, capsys):
+        code = python_block("tritonclient")
+        exec(code.replace("127.0.0.1:8001", example_server.grpc_url), {})  # noqa: S102 (the README's code, run as a user would)
+        printed = capsys.readouterr().out
+        assert ":shipping" in printed and ":technical" in printed
+
+    def test_readme_openai_snippet_works(self, example_server, capsys):
+        connection = http.client.HTTPConnection("127.0.0.1", example_server.http_port, timeout=30)
+        connection.request("GET", "/v1/models")
+        if connection.getresponse().status == 404:
+            pytest.skip("this server has no OpenAI frontend yet")
+        code = python_block("openai")
+        exec(code.replace("localhost:8000", f"127.0.0.1:{example_server.http_port}"), {})  # noqa: S102
+        assert capsys.readouterr().out.strip()  # the tiny random model's words

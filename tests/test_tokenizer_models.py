@@ -91,6 +91,9 @@ def _write_repository(root, tokenizer_files) -> None:
     model("postprocess_single", _config("postprocess_single", "postprocess", str(tokenizer_files)))
     model("postprocess_batched", _config("postprocess_batched", "postprocess", str(tokenizer_files),
                                          "max_batch_size: 4\n"))
+    model("postprocess_drop_tail", _config(
+        "postprocess_drop_tail", "postprocess", str(tokenizer_files),
+        'parameters { key: "drop_incomplete_tail" value { string_value: "true" } }\n'))
     model("postprocess_small", _config(
         "postprocess_small", "postprocess", str(tokenizer_files),
         'parameters { key: "max_sequences" value { string_value: "3" } }\n'
@@ -410,6 +413,20 @@ def test_a_stream_that_ends_inside_a_character_is_flushed(client, tokenizer, dec
     pieces = stream(client, ids[:cut], [1] * cut, sequence_id=77)
     assert "".join(pieces) == decode(ids[:cut])  # the held-back bytes come out at the end
     assert not any("\ufffd" in p for p in pieces[:-1])
+
+
+def test_drop_incomplete_tail_ends_without_the_partial_character(client, tokenizer, decode):
+    """As vLLM's detokenizer: a text cut inside a character ends before it, streamed or whole."""
+    ids = tokenizer.encode("ok 👍🏽 done")
+    cut = next(k for k in range(1, len(ids)) if decode(ids[:k]).endswith("\ufffd"))
+    expected = decode(ids[:cut]).rstrip("\ufffd")
+    assert expected and expected != decode(ids[:cut])
+    pieces = stream(client, ids[:cut], [1] * cut, sequence_id=78, model="postprocess_drop_tail")
+    assert "".join(pieces) == expected
+    assert postprocess(client, ids[:cut], model="postprocess_drop_tail") == expected
+    # a text that ends whole is untouched, and its streamed pieces still concatenate to it
+    pieces = stream(client, ids, [1] * len(ids), sequence_id=79, model="postprocess_drop_tail")
+    assert "".join(pieces) == decode(ids) == "ok 👍🏽 done"
 
 
 def test_state_is_freed_after_sequence_end(tideserve, client, tokenizer):

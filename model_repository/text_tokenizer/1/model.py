@@ -1,0 +1,36 @@
+"""MiniLM's tokenizer as a Triton Python model: ``text`` (BYTES [batch, 1]) -> ``input_ids`` and
+``attention_mask`` (INT64 [batch, length]), padded to the longest sentence of the request and
+truncated at the ``max_length`` parameter, as sentence-transformers tokenizes for this model."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        parameters = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        path = Path(args["model_repository"]) / args["model_version"] / "tokenizer.json"
+        if not path.is_file():
+            raise pb_utils.TritonModelException(
+                f"{path} is missing: run `python -m server.examples.prepare` (make serve does) first")
+        self.tokenizer = Tokenizer.from_file(str(path))
+        self.tokenizer.enable_truncation(int(parameters.get("max_length", "256")))
+        self.tokenizer.enable_padding(pad_id=0, pad_token="[PAD]")
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            texts = pb_utils.get_input_tensor_by_name(request, "text").as_numpy().reshape(-1)
+            encodings = self.tokenizer.encode_batch(
+                [t.decode("utf-8") if isinstance(t, bytes) else str(t) for t in texts])
+            ids = np.array([e.ids for e in encodings], dtype=np.int64).reshape(len(texts), -1)
+            mask = np.array([e.attention_mask for e in encodings], dtype=np.int64).reshape(len(texts), -1)
+            responses.append(pb_utils.InferenceResponse(output_tensors=[
+                pb_utils.Tensor("input_ids", ids), pb_utils.Tensor("attention_mask", mask)]))
+        return responses
