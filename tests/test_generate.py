@@ -22,8 +22,9 @@ import aiohttp
 import numpy as np
 import pytest
 from conftest import free_port
+from in_process import InProcessServer
 
-from server.app import Server, ServerOptions
+from server.app import ServerOptions
 from server.backend import Backend, BackendRegistry, Model, ModelInstance
 from server.errors import InvalidArgument
 from server.http.generate import fit_shape
@@ -165,45 +166,17 @@ def write_repository(root: Path) -> Path:
     return root
 
 
-class ServerThread:
-    """A tideserve Server on its own event loop thread (the pattern of test_http.py)."""
-
-    def __init__(self, repo: Path) -> None:
-        self.port = free_port()
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name=f"tideserve-{self.port}", daemon=True)
-        self.thread.start()
-        registry = BackendRegistry()
-        registry.register("toy", ToyBackend)
-        options = ServerOptions(model_repositories=[repo], http_port=self.port, allow_grpc=False,
-                                allow_metrics=False, exit_timeout_secs=2, http_max_input_size=MAX_INPUT)
-
-        async def start():
-            server = Server(options, registry)
-            await server.start()
-            return server
-
-        self.server = self.call(start())
-
-    def call(self, coro, timeout: float = 30):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    @property
-    def base(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        try:
-            self.call(self.server.stop())
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(10)
-            self.loop.close()
+def start_server(repo: Path) -> InProcessServer:
+    registry = BackendRegistry()
+    registry.register("toy", ToyBackend)
+    options = ServerOptions(model_repositories=[repo], http_port=free_port(), allow_grpc=False,
+                            allow_metrics=False, exit_timeout_secs=2, http_max_input_size=MAX_INPUT)
+    return InProcessServer(options, registry)
 
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    server = ServerThread(write_repository(tmp_path_factory.mktemp("generate_repo")))
+    server = start_server(write_repository(tmp_path_factory.mktemp("generate_repo")))
     yield server
     server.stop()
 
@@ -523,7 +496,7 @@ async def test_generate_stream_disconnect_cancels(srv):
 
 async def test_generate_stream_during_shutdown(tmp_path):
     """Server stop drains, then ends a stream still running with an error event (not a cut connection)."""
-    server = ServerThread(write_repository(tmp_path))
+    server = start_server(write_repository(tmp_path))
     try:
         async with aiohttp.ClientSession() as session:
             doc = {"id": "shutdown", "text_input": " ".join(["w"] * 100), "delay_ms": 100}
@@ -542,7 +515,7 @@ async def test_generate_stream_during_shutdown(tmp_path):
 
 def test_generate_disconnect_cancels(srv):
     doc = {"id": "gone-unary", "text_input": "a b c", "delay_ms": 2000}
-    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=10)
+    conn = http.client.HTTPConnection("127.0.0.1", srv.http_port, timeout=10)
     conn.request("POST", "/v2/models/words/generate", json.dumps(doc).encode(), {"Content-Type": "application/json"})
     time.sleep(0.3)
     conn.close()

@@ -20,11 +20,12 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aioclient
 from conftest import free_port
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from in_process import InProcessServer
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from server.app import Server, ServerOptions
+from server.app import ServerOptions
 from server.backend import Backend, BackendRegistry, Model, ModelInstance
 from server.errors import InvalidArgument
 from server.repository import ControlMode
@@ -157,63 +158,35 @@ def _write_repository(root):
     (root / "add_sub" / "labels.txt").write_text("a\nb\nc\nd\n")
 
 
-class ServerThread:
-    """A tideserve Server on its own asyncio loop in a background thread."""
-
-    def __init__(self, options: ServerOptions, backends: BackendRegistry) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="tideserve-loop", daemon=True)
-        self.thread.start()
-        self.server = self.call(self._make(options, backends))
-        self.call(self.server.start())
-
-    @staticmethod
-    async def _make(options, backends):
-        return Server(options, backends)
-
-    def call(self, coro, timeout: float = 30):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def stop(self) -> None:
-        try:
-            self.call(self.server.stop())
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(10)
-
-
 @pytest.fixture(scope="module")
 def tideserve(tmp_path_factory):
     root = tmp_path_factory.mktemp("grpc_repo")
     _write_repository(root)
     registry = BackendRegistry()
     registry.register("toy", ToyBackend)
-    port = free_port()
-    options = ServerOptions(model_repositories=[root], grpc_port=port, allow_http=False, allow_metrics=False,
+    options = ServerOptions(model_repositories=[root], grpc_port=free_port(), allow_http=False, allow_metrics=False,
                             model_control_mode=ControlMode.EXPLICIT, load_models=["*"], exit_timeout_secs=2)
-    running = ServerThread(options, registry)
-    running.url = f"127.0.0.1:{port}"
-    running.repo = root
+    running = InProcessServer(options, registry)
     yield running
     running.stop()
 
 
 @pytest.fixture(scope="module")
 def client(tideserve):
-    with grpcclient.InferenceServerClient(tideserve.url) as c:
+    with grpcclient.InferenceServerClient(tideserve.grpc_url) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
 def stub(tideserve):
-    channel = grpc.insecure_channel(tideserve.url, options=[("grpc.max_receive_message_length", 2**31 - 1),
-                                                             ("grpc.max_send_message_length", 2**31 - 1)])
+    channel = grpc.insecure_channel(tideserve.grpc_url, options=[("grpc.max_receive_message_length", 2**31 - 1),
+                                                                  ("grpc.max_send_message_length", 2**31 - 1)])
     yield service_pb2_grpc.GRPCInferenceServiceStub(channel)
     channel.close()
 
 
 def tideserve_stub(server):
-    return service_pb2_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(server.url))
+    return service_pb2_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(server.grpc_url))
 
 
 def _input(name, array, datatype=None):
@@ -300,7 +273,7 @@ def test_statistics(client):
 
 
 def test_health_service(tideserve):
-    with grpc.insecure_channel(tideserve.url) as channel:
+    with grpc.insecure_channel(tideserve.grpc_url) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         for service in ("", "inference.GRPCInferenceService"):
             reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
@@ -789,7 +762,7 @@ def test_stream_triton_grpc_error_mode(client):
 
 # -- the asyncio client ---------------------------------------------------------------------------------
 async def test_aio_client(tideserve):
-    async with aioclient.InferenceServerClient(tideserve.url) as client:
+    async with aioclient.InferenceServerClient(tideserve.grpc_url) as client:
         assert await client.is_server_live()
         assert await client.is_server_ready()
         assert await client.is_model_ready("add_sub")
@@ -879,13 +852,12 @@ def test_shutdown_with_an_open_stream(tmp_path):
     _write_repository(tmp_path)
     registry = BackendRegistry()
     registry.register("toy", ToyBackend)
-    port = free_port()
-    options = ServerOptions(model_repositories=[tmp_path], grpc_port=port, allow_http=False, allow_metrics=False,
+    options = ServerOptions(model_repositories=[tmp_path], grpc_port=free_port(), allow_http=False, allow_metrics=False,
                             model_control_mode=ControlMode.EXPLICIT, load_models=["endless", "add_sub"],
                             exit_timeout_secs=0.5)
-    running = ServerThread(options, registry)
+    running = InProcessServer(options, registry)
     collector = StreamCollector()
-    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+    client = grpcclient.InferenceServerClient(running.grpc_url)
     try:
         client.start_stream(callback=collector)
         client.async_stream_infer("endless", [_input("IN", np.array([0], np.int32))], request_id="at-shutdown")

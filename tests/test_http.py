@@ -13,7 +13,6 @@ import gzip
 import http.client
 import json
 import struct
-import threading
 import time
 import zlib
 from pathlib import Path
@@ -23,9 +22,10 @@ import pytest
 import tritonclient.http as httpclient
 import tritonclient.http.aio as aiohttpclient
 from conftest import free_port
+from in_process import InProcessServer
 from tritonclient.utils import InferenceServerException
 
-from server.app import Server, ServerOptions
+from server.app import ServerOptions
 from server.backend import Backend, BackendRegistry, Model, ModelInstance
 from server.errors import InvalidArgument
 from server.repository import ControlMode
@@ -187,41 +187,13 @@ def write_repository(root: Path) -> Path:
 
 
 # -- the server in a background thread ------------------------------------------------------
-class ServerThread:
-    """A tideserve Server on its own event loop thread, so synchronous clients can call it."""
-
-    def __init__(self, repo: Path, mode: ControlMode = ControlMode.NONE, load: list[str] | None = None) -> None:
-        self.port = free_port()
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name=f"tideserve-{self.port}", daemon=True)
-        self.thread.start()
-        registry = BackendRegistry()
-        registry.register("toy", ToyBackend)
-        options = ServerOptions(model_repositories=[repo], http_port=self.port, allow_grpc=False,
-                                allow_metrics=False, model_control_mode=mode, load_models=load or [],
-                                exit_timeout_secs=2, http_max_input_size=MAX_INPUT)
-
-        async def start():
-            server = Server(options, registry)
-            await server.start()
-            return server
-
-        self.server = self.call(start())
-
-    def call(self, coro, timeout: float = 30):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    @property
-    def url(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        try:
-            self.call(self.server.stop())
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(10)
-            self.loop.close()
+def start_server(repo: Path, mode: ControlMode = ControlMode.NONE, load: list[str] | None = None) -> InProcessServer:
+    registry = BackendRegistry()
+    registry.register("toy", ToyBackend)
+    options = ServerOptions(model_repositories=[repo], http_port=free_port(), allow_grpc=False, allow_metrics=False,
+                            model_control_mode=mode, load_models=load or [], exit_timeout_secs=2,
+                            http_max_input_size=MAX_INPUT)
+    return InProcessServer(options, registry)
 
 
 @pytest.fixture(scope="module")
@@ -231,20 +203,20 @@ def repo(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def srv(repo):
-    server = ServerThread(repo)
+    server = start_server(repo)
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="module")
 def client(srv):
-    with httpclient.InferenceServerClient(srv.url) as c:
+    with httpclient.InferenceServerClient(srv.http_url) as c:
         yield c
 
 
 def raw(srv, method: str, path: str, body=None, headers: dict | None = None, chunked: bool = False):
     """One HTTP request exactly as given: (status, headers, body)."""
-    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
+    conn = http.client.HTTPConnection("127.0.0.1", srv.http_port, timeout=30)
     try:
         if chunked:
             conn.request(method, path, body=iter(body), headers=headers or {}, encode_chunked=True)
@@ -541,7 +513,7 @@ def test_classification(client):
 
 
 async def test_aio_client(srv):
-    async with aiohttpclient.InferenceServerClient(srv.url) as client:
+    async with aiohttpclient.InferenceServerClient(srv.http_url) as client:
         assert await client.is_server_live()
         assert await client.is_server_ready()
         assert await client.is_model_ready("add_sub")
@@ -589,7 +561,7 @@ def test_decoupled_model(client):
 
 def test_client_disconnect_cancels_the_request(srv, client):
     doc = {"id": "gone", "inputs": [{"name": "IN", "datatype": "INT32", "shape": [1], "data": [5000]}]}
-    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=10)
+    conn = http.client.HTTPConnection("127.0.0.1", srv.http_port, timeout=10)
     conn.request("POST", "/v2/models/slow/infer", json.dumps(doc).encode(), {"Content-Type": "application/json"})
     time.sleep(0.5)
     conn.close()
@@ -633,13 +605,13 @@ def test_statistics(srv, client):
 @pytest.fixture(scope="module")
 def explicit(tmp_path_factory):
     repo = write_repository(tmp_path_factory.mktemp("explicit_repo"))
-    server = ServerThread(repo, ControlMode.EXPLICIT, load=["scale"])
+    server = start_server(repo, ControlMode.EXPLICIT, load=["scale"])
     yield server
     server.stop()
 
 
 def test_repository_index_load_unload(explicit):
-    with httpclient.InferenceServerClient(explicit.url) as client:
+    with httpclient.InferenceServerClient(explicit.http_url) as client:
         index = {row["name"]: row for row in client.get_model_repository_index()}
         assert set(index) == set(CONFIGS)
         assert index["scale"]["state"] == "READY" and index["scale"]["version"] == "1"
@@ -662,7 +634,7 @@ def test_repository_index_load_unload(explicit):
 
 
 def test_repository_load_config_override(explicit):
-    with httpclient.InferenceServerClient(explicit.url) as client:
+    with httpclient.InferenceServerClient(explicit.http_url) as client:
         config = client.get_model_config("scale")
         config["max_batch_size"] = 2
         config["parameters"] = {"note": {"string_value": "override"}}
@@ -680,7 +652,7 @@ def test_repository_load_config_override(explicit):
 
 
 def test_repository_errors(explicit, srv):
-    with httpclient.InferenceServerClient(explicit.url) as client:
+    with httpclient.InferenceServerClient(explicit.http_url) as client:
         with pytest.raises(InferenceServerException) as info:
             client.load_model("missing_model")
         assert info.value.status() == "404" and "missing_model" in info.value.message()

@@ -8,7 +8,6 @@ cache directory that later sessions reuse. Outputs are compared byte for byte wi
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import os
 import subprocess
@@ -26,6 +25,7 @@ pytest.importorskip("onnx")
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from conftest import free_port
+from in_process import InProcessServer
 from model_factory import onnx_models
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import InferenceServerException
@@ -33,7 +33,7 @@ from tritonclient.utils import InferenceServerException
 from general_backends.onnxruntime.session import SessionSettings
 from general_backends.onnxruntime.signature import auto_complete, check_config
 from general_backends.onnxruntime.tensors import GraphTensor
-from server.app import Server, ServerOptions
+from server.app import ServerOptions
 from server.config import parse_text
 from server.errors import InvalidArgument, Unavailable
 
@@ -158,52 +158,24 @@ FAILING = {
 }
 
 
-class ServerThread:
-    """A tideserve Server (HTTP and gRPC) on its own event loop thread."""
-
-    def __init__(self, repo: Path) -> None:
-        self.http_port, self.grpc_port = free_port(), free_port()
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="tideserve-onnx", daemon=True)
-        self.thread.start()
-        options = ServerOptions(model_repositories=[repo], http_port=self.http_port, grpc_port=self.grpc_port,
-                                allow_metrics=False, exit_timeout_secs=2)
-
-        async def start():
-            server = Server(options)  # the default registry: the backend comes from its entry point
-            await server.start()
-            return server
-
-        self.server = self.call(start(), timeout=120)
-
-    def call(self, coro, timeout: float = 30):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def stop(self) -> None:
-        try:
-            self.call(self.server.stop())
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(10)
-            self.loop.close()
-
-
 @pytest.fixture(scope="module")
 def srv(repo):
-    server = ServerThread(repo)
+    options = ServerOptions(model_repositories=[repo], http_port=free_port(), grpc_port=free_port(),
+                            allow_metrics=False, exit_timeout_secs=2)
+    server = InProcessServer(options)  # the default registry: the backend comes from its entry point
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="module")
 def http(srv):
-    with httpclient.InferenceServerClient(f"127.0.0.1:{srv.http_port}", concurrency=16) as client:
+    with httpclient.InferenceServerClient(srv.http_url, concurrency=16) as client:
         yield client
 
 
 @pytest.fixture(scope="module")
 def grpc(srv):
-    with grpcclient.InferenceServerClient(f"127.0.0.1:{srv.grpc_port}") as client:
+    with grpcclient.InferenceServerClient(srv.grpc_url) as client:
         yield client
 
 

@@ -10,7 +10,6 @@ the TorchScript module itself returns for the same input. Everything runs on the
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from pathlib import Path
@@ -21,11 +20,12 @@ import torch
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from conftest import free_port
+from in_process import InProcessServer
 from tritonclient.utils import InferenceServerException
 
 from general_backends.pytorch.naming import Argument, bind_inputs, bind_outputs
 from general_backends.pytorch.options import DEFAULT_INTRA_OP_THREADS, TorchOptions
-from server.app import Server, ServerOptions
+from server.app import ServerOptions
 from server.backend import BackendRegistry, ModelContext
 from server.config import parse_text
 from server.errors import InvalidArgument
@@ -152,31 +152,6 @@ def write_repository(root: Path, modules: dict[str, Path]) -> None:
 
 
 # == the server =====================================================================================
-class ServerThread:
-    """A tideserve Server (HTTP and gRPC) on its own asyncio loop in a background thread."""
-
-    def __init__(self, options: ServerOptions) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="tideserve-loop", daemon=True)
-        self.thread.start()
-        self.server = self.call(self._make(options))
-        self.call(self.server.start(), timeout=60)
-
-    @staticmethod
-    async def _make(options):
-        return Server(options, BackendRegistry())  # "pytorch" comes from the package entry point
-
-    def call(self, coro, timeout: float = 30):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def stop(self) -> None:
-        try:
-            self.call(self.server.stop())
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(10)
-
-
 @pytest.fixture(scope="module")
 def modules(tmp_path_factory) -> dict[str, Path]:
     return make_modules(tmp_path_factory.mktemp("torchscript"))
@@ -186,11 +161,9 @@ def modules(tmp_path_factory) -> dict[str, Path]:
 def tideserve(tmp_path_factory, modules):
     root = tmp_path_factory.mktemp("pytorch_repo")
     write_repository(root, modules)
-    http_port, grpc_port = free_port(), free_port()
-    options = ServerOptions(model_repositories=[root], http_port=http_port, grpc_port=grpc_port,
+    options = ServerOptions(model_repositories=[root], http_port=free_port(), grpc_port=free_port(),
                             allow_metrics=False, strict_readiness=False, exit_timeout_secs=2)
-    running = ServerThread(options)
-    running.http_url, running.grpc_url = f"127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}"
+    running = InProcessServer(options, BackendRegistry())  # "pytorch" comes from the package entry point
     yield running
     running.stop()
 

@@ -20,12 +20,10 @@ CUDA buffers behave like the doubles (see docs/tensorrt.md).
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import importlib.util
 import itertools
 import json
-import threading
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +33,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from conftest import free_port
+from in_process import InProcessServer
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import InferenceServerException
 
@@ -48,7 +47,7 @@ from general_backends.tensorrt.binding import (
 )
 from general_backends.tensorrt.cuda import DeviceBuffer
 from general_backends.tensorrt.engine import describe_engine
-from server.app import Server, ServerOptions
+from server.app import ServerOptions
 from server.backend import Backend, BackendRegistry, Model, ModelInstance
 from server.config import parse_text
 from server.errors import InvalidArgument, Unsupported
@@ -367,31 +366,6 @@ def write_repository(root: Path, models: dict) -> Path:
     return root
 
 
-class ServerThread:
-    """A tideserve Server on its own asyncio loop in a background thread."""
-
-    def __init__(self, options: ServerOptions, registry: BackendRegistry) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="tideserve-loop", daemon=True)
-        self.thread.start()
-        self.server = self.call(self._make(options, registry))
-        self.call(self.server.start())
-
-    @staticmethod
-    async def _make(options, registry):
-        return Server(options, registry)
-
-    def call(self, coro, timeout: float = 30):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def stop(self) -> None:
-        try:
-            self.call(self.server.stop())
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(10)
-
-
 @pytest.fixture(scope="module")
 def fake():
     return FakeTensorRT()
@@ -402,11 +376,9 @@ def tideserve(tmp_path_factory, fake):
     root = write_repository(tmp_path_factory.mktemp("trt_repo"), REPOSITORY)
     registry = BackendRegistry()
     registry.register("tensorrt", TensorRTBackend.using(fake, fake.device))
-    http_port, grpc_port = free_port(), free_port()
-    options = ServerOptions(model_repositories=[root], http_port=http_port, grpc_port=grpc_port,
+    options = ServerOptions(model_repositories=[root], http_port=free_port(), grpc_port=free_port(),
                             allow_metrics=False, strict_readiness=False, exit_timeout_secs=2)
-    running = ServerThread(options, registry)
-    running.http_url, running.grpc_url = f"127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}"
+    running = InProcessServer(options, registry)
     yield running
     running.stop()
 
@@ -649,11 +621,10 @@ def test_without_tensorrt_the_model_is_unavailable_and_others_serve(tmp_path):
         'output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]\n')
     registry = BackendRegistry()  # "tensorrt" comes from the package entry point: the real backend
     registry.register("echo", _EchoBackend)
-    grpc_port = free_port()
-    running = ServerThread(ServerOptions(model_repositories=[tmp_path], grpc_port=grpc_port, allow_http=False,
-                                         allow_metrics=False, strict_readiness=False), registry)
+    running = InProcessServer(ServerOptions(model_repositories=[tmp_path], grpc_port=free_port(), allow_http=False,
+                                            allow_metrics=False, strict_readiness=False), registry)
     try:
-        with grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}") as client:
+        with grpcclient.InferenceServerClient(running.grpc_url) as client:
             index = {m["name"]: m for m in client.get_model_repository_index(as_json=True)["models"]}
             assert index["plan"]["state"] == "UNAVAILABLE"
             assert "TensorRT is not installed: it needs an NVIDIA GPU" in index["plan"]["reason"]

@@ -30,11 +30,12 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from conftest import free_port
+from in_process import InProcessServer
 from tritonclient.utils import InferenceServerException
 
 from llm_backends.tensorrt_llm import TensorRTLLMBackend
 from llm_backends.tensorrt_llm.interface import decode_word_list, encode_word_list
-from server.app import Server, ServerOptions
+from server.app import ServerOptions
 from server.backend import Backend, BackendRegistry, Model, ModelInstance
 from server.errors import InvalidArgument
 from server.repository import ControlMode
@@ -342,31 +343,6 @@ def _write_repository(root):
     (root / "bad_engine" / "1" / "broken").mkdir()
 
 
-class ServerThread:
-    """A tideserve Server on its own asyncio loop in a background thread."""
-
-    def __init__(self, options: ServerOptions, backends: BackendRegistry) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="tideserve-loop", daemon=True)
-        self.thread.start()
-        self.server = self.call(self._make(options, backends))
-        self.call(self.server.start())
-
-    @staticmethod
-    async def _make(options, backends):
-        return Server(options, backends)
-
-    def call(self, coro, timeout: float = 30):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def stop(self) -> None:
-        try:
-            self.call(self.server.stop())
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(10)
-
-
 @pytest.fixture(scope="module")
 def fake():
     return FakeTensorRTLLM()
@@ -378,14 +354,10 @@ def tideserve(tmp_path_factory, fake):
     _write_repository(root)
     registry = BackendRegistry()
     registry.register("tensorrtllm", TensorRTLLMBackend.using(fake))
-    grpc_port, http_port = free_port(), free_port()
-    options = ServerOptions(model_repositories=[root], grpc_port=grpc_port, http_port=http_port,
+    options = ServerOptions(model_repositories=[root], grpc_port=free_port(), http_port=free_port(),
                             allow_metrics=False, model_control_mode=ControlMode.EXPLICIT, load_models=["*"],
                             exit_timeout_secs=2)
-    running = ServerThread(options, registry)
-    running.grpc_url = f"127.0.0.1:{grpc_port}"
-    running.http_url = f"127.0.0.1:{http_port}"
-    running.root = root
+    running = InProcessServer(options, registry)
     yield running
     running.stop()
 
@@ -499,8 +471,8 @@ def test_config_is_auto_completed(client):
 def test_llm_is_built_from_the_config_parameters(fake, tideserve):
     engine = fake.llm("trt")
     assert engine.engine, "a built engine must load with tensorrt_llm._tensorrt_engine.LLM"
-    assert engine.model == str(tideserve.root / "trt" / "1" / "engine")
-    assert engine.tokenizer_arg == str(tideserve.root / "trt" / "1" / "tokenizer")
+    assert engine.model == str(tideserve.repo / "trt" / "1" / "engine")
+    assert engine.tokenizer_arg == str(tideserve.repo / "trt" / "1" / "tokenizer")
     assert engine.kwargs == {"max_num_tokens": 4096, "tensor_parallel_size": 1,  # ${max_beam_width}: unset
                              "kv_cache_config": FakeKvCacheConfig(dtype="fp8", free_gpu_memory_fraction=0.85,
                                                                   enable_block_reuse=True)}
@@ -921,12 +893,11 @@ def test_shutdown_aborts_requests_past_the_exit_timeout(tmp_path):
     (tmp_path / "llm" / "config.pbtxt").write_text(_trt_config("llm", {"engine_dir": "engine"}))
     registry = BackendRegistry()
     registry.register("tensorrtllm", TensorRTLLMBackend.using(fake))
-    grpc_port = free_port()
-    running = ServerThread(ServerOptions(model_repositories=[tmp_path], grpc_port=grpc_port, allow_http=False,
-                                         allow_metrics=False, exit_timeout_secs=0.2), registry)
+    running = InProcessServer(ServerOptions(model_repositories=[tmp_path], grpc_port=free_port(), allow_http=False,
+                                            allow_metrics=False, exit_timeout_secs=0.2), registry)
     stopped = False
     try:
-        with grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}") as c:
+        with grpcclient.InferenceServerClient(running.grpc_url) as c:
             collector = StreamCollector()
             c.start_stream(callback=collector)
             try:
@@ -992,12 +963,11 @@ def test_without_tensorrt_llm_the_model_is_unavailable_and_others_serve(tmp_path
         'output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]\n')
     registry = BackendRegistry()  # "tensorrtllm" comes from the package entry point: the real backend
     registry.register("echo", _EchoBackend)
-    grpc_port = free_port()
-    options = ServerOptions(model_repositories=[tmp_path], grpc_port=grpc_port, allow_http=False,
+    options = ServerOptions(model_repositories=[tmp_path], grpc_port=free_port(), allow_http=False,
                             allow_metrics=False, strict_readiness=False)
-    running = ServerThread(options, registry)
+    running = InProcessServer(options, registry)
     try:
-        with grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}") as c:
+        with grpcclient.InferenceServerClient(running.grpc_url) as c:
             index = {m["name"]: m for m in c.get_model_repository_index(as_json=True)["models"]}
             assert index["llm"]["state"] == "UNAVAILABLE"
             assert "TensorRT-LLM is not installed: it needs an NVIDIA GPU" in index["llm"]["reason"]

@@ -12,7 +12,6 @@ import asyncio
 import itertools
 import json
 import random
-import threading
 import time
 from functools import partial
 
@@ -21,10 +20,11 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from conftest import free_port
+from in_process import InProcessServer
 from tritonclient.utils import InferenceServerException
 
 from llm_backends.tokenizer.detokenizer import IncrementalDetokenizer, SequenceTable
-from server.app import Server, ServerOptions
+from server.app import ServerOptions
 from server.errors import Cancelled
 from server.repository import ControlMode
 from server.types import InferenceRequest, Tensor
@@ -100,46 +100,14 @@ def _write_repository(root, tokenizer_files) -> None:
         'parameters { key: "sequence_idle_timeout_s" value { string_value: "0.5" } }\n'))
 
 
-class ServerThread:
-    """A tideserve Server on its own asyncio loop in a background thread."""
-
-    def __init__(self, options: ServerOptions) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="tideserve-loop", daemon=True)
-        self.thread.start()
-        self.server = self.call(self._make(options))
-        self.call(self.server.start(), timeout=120)
-
-    @staticmethod
-    async def _make(options):
-        return Server(options)
-
-    def call(self, coro, timeout: float = 30):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def model(self, name: str):
-        return self.server.repository.get(name).model
-
-    def stop(self) -> None:
-        try:
-            self.call(self.server.stop())
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(10)
-
-
 @pytest.fixture(scope="module")
 def tideserve(tmp_path_factory, tokenizer_files):
     root = tmp_path_factory.mktemp("tokenizer_repo")
     _write_repository(root, tokenizer_files)
-    grpc_port, http_port = free_port(), free_port()
-    options = ServerOptions(model_repositories=[root], grpc_port=grpc_port, http_port=http_port,
+    options = ServerOptions(model_repositories=[root], grpc_port=free_port(), http_port=free_port(),
                             allow_metrics=False, model_control_mode=ControlMode.EXPLICIT, load_models=["*"],
                             exit_timeout_secs=2)
-    running = ServerThread(options)
-    running.root = root
-    running.grpc_url = f"127.0.0.1:{grpc_port}"
-    running.http_url = f"127.0.0.1:{http_port}"
+    running = InProcessServer(options)
     yield running
     running.stop()
 
@@ -242,7 +210,7 @@ def test_five_line_config_is_auto_completed(client):
 ])
 def test_misconfigured_models_fail_to_load_with_a_reason(tideserve, client, tokenizer_files, parameters, tensors,
                                                          message):
-    model_dir = tideserve.root / "broken"
+    model_dir = tideserve.repo / "broken"
     (model_dir / "1").mkdir(parents=True, exist_ok=True)
     params = "".join(f'parameters {{ key: "{k}" value {{ string_value: "{v}" }} }}\n'
                      for k, v in parameters.items()).replace("TOKENIZER", str(tokenizer_files))
