@@ -4,13 +4,19 @@ Each instance loads its own tokenizer (``AutoTokenizer``, offline) on its worker
 each request of a batch on its own (an error answers that request only). A postprocess model's
 streaming state lives in one :class:`SequenceTable` shared by its instances; with more than one
 instance the :class:`SequenceRouter` runs every piece of a sequence on the same instance, in order.
+
+Postprocess instances decode small batches (a streamed engine step: a few token ids per request) on the
+event loop, where that takes microseconds, instead of handing every piece to the instance's thread and
+back; a batch with more than ``INLINE_MAX_IDS`` token ids in all (whole texts) still runs on the thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from server.backend import Backend, Model, ModelContext, ModelInstance
@@ -90,12 +96,40 @@ class TokenizerInstance(ModelInstance):
             return InferenceResponse(error=as_server_error(exc))
 
 
+# A postprocess batch with at most this many token ids is decoded on the event loop (tens of microseconds).
+INLINE_MAX_IDS = 512
+
+
+def _id_count(request: InferenceRequest) -> int:
+    tensor = request.inputs.get("output_ids")
+    return 0 if tensor is None else int(tensor.data.size)
+
+
+class PostprocessInstance(TokenizerInstance):
+    """A postprocess instance: small batches inline on the loop, large ones on the instance's thread."""
+
+    def __init__(self, model, ctx) -> None:
+        super().__init__(model, ctx)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{ctx.name}-decode")
+
+    async def execute(self, requests: list[InferenceRequest]) -> list[InferenceResponse]:
+        if sum(_id_count(r) for r in requests) <= INLINE_MAX_IDS:
+            return [self._respond(request) for request in requests]
+        return await asyncio.get_running_loop().run_in_executor(
+            self._executor, lambda: [self._respond(request) for request in requests])
+
+    def finalize(self) -> None:
+        self._executor.shutdown(wait=False)
+
+
 class TokenizerModel(Model):
     instance_class = TokenizerInstance
 
     def __init__(self, backend: Backend, ctx: ModelContext) -> None:
         super().__init__(backend, ctx)
         self.settings = Settings.from_context(ctx)
+        if self.settings.mode is Mode.POSTPROCESS:
+            self.instance_class = PostprocessInstance
         self.sequences = SequenceTable(self.settings.max_sequences, self.settings.sequence_idle_timeout_s)
 
     def auto_complete_config(self) -> None:
