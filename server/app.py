@@ -15,6 +15,7 @@ from starlette.applications import Starlette
 from starlette.responses import Response
 from starlette.routing import Route
 
+from . import heap
 from .backend import BackendRegistry
 from .dataplane import DataPlane
 from .repository import ControlMode, ModelRepository
@@ -43,6 +44,9 @@ class ServerOptions:
     http_max_input_size: int = 64 * 1024 * 1024
     log_verbose: int = 0
     api_key: str | None = None  # required (Bearer) by the OpenAI /v1 routes; /v2 and /metrics stay open
+    # Freeze the garbage collector's heap once models are loaded (the CLI does; see server.heap). Off by default
+    # for servers embedded in another program, whose heap is that program's business.
+    freeze_heap: bool = False
 
 
 class _EmbeddedUvicorn(uvicorn.Server):
@@ -70,6 +74,9 @@ class Server:
     async def start(self) -> None:
         opts = self.options
         await self.repository.start()
+        if opts.freeze_heap:
+            heap.freeze()
+            self.repository.after_change = heap.freeze
         if opts.model_control_mode is ControlMode.POLL:
             self._background.append(asyncio.create_task(self.repository.poll_forever(opts.repository_poll_secs)))
         if opts.allow_http:

@@ -63,7 +63,7 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
         model_control_mode=ControlMode(args.model_control_mode), load_models=args.load_model,
         repository_poll_secs=args.repository_poll_secs, exit_timeout_secs=args.exit_timeout_secs,
         strict_readiness=args.strict_readiness, http_max_input_size=args.http_max_input_size,
-        log_verbose=args.log_verbose, api_key=args.api_key)
+        log_verbose=args.log_verbose, api_key=args.api_key, freeze_heap=True)
 
 
 def main(argv: list[str] | None = None) -> int:

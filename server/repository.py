@@ -11,6 +11,7 @@ import copy
 import enum
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -107,6 +108,8 @@ class ModelRepository:
         self.startup_models = startup_models or []
         self.dataplane: DataPlane | None = None
         self.entries: dict[str, ModelEntry] = {}
+        # called after a load / unload asked through the API, and after a poll that changed something
+        self.after_change: Callable[[], None] | None = None
 
     # -- discovery -----------------------------------------------------------------------
     def model_names(self) -> list[str]:
@@ -160,9 +163,18 @@ class ModelRepository:
         for wave in self.load_order(sorted(changed)):
             for name in wave:
                 await self._load_quietly(name)
-        for name in list(self.entries):
-            if name not in names and self.entries[name].versions:
-                await self.unload(name, _internal=True)
+        removed = [name for name in self.entries if name not in names and self.entries[name].versions]
+        for name in removed:
+            await self.unload(name, _internal=True)
+        if changed or removed:
+            self._changed()
+
+    def _changed(self) -> None:
+        if self.after_change is not None:
+            try:
+                self.after_change()
+            except Exception:
+                log.exception("after a repository change")
 
     # -- ensembles: composing models first ----------------------------------------------------
     def _composing(self, name: str) -> list[str]:
@@ -245,6 +257,8 @@ class ModelRepository:
             for version, runtime in old.items():
                 await self._retire(runtime)
         log.info("loaded model '%s' version(s) %s", name, sorted(runtimes))
+        if not _internal:
+            self._changed()
 
     async def _load_versions(self, name: str, config_json: str | None, entry: ModelEntry) -> dict[int, ModelRuntime]:
         model_dir = self.model_dir(name)
@@ -296,6 +310,8 @@ class ModelRepository:
             for runtime in old.values():
                 await self._retire(runtime, drain_timeout)
         log.info("unloaded model '%s'", name)
+        if not _internal:
+            self._changed()
 
     async def _retire(self, runtime: ModelRuntime, drain_timeout: float | None = 30.0) -> None:
         runtime.state = ModelState.UNLOADING

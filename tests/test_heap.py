@@ -1,0 +1,53 @@
+"""The garbage collector's heap is frozen once models are loaded, and again after repository changes."""
+
+from __future__ import annotations
+
+import gc
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import free_port
+from in_process import InProcessServer
+
+from server.app import ServerOptions
+from server.repository import ControlMode
+
+MODELS = Path(__file__).parent / "models"
+
+
+def test_the_command_freezes_the_heap_after_loading(server):
+    assert "garbage collector:" in server.log() and "objects frozen" in server.log()
+
+
+@pytest.fixture()
+def unfrozen():
+    gc.unfreeze()
+    yield
+    gc.unfreeze()  # give the test process its heap back
+
+
+def test_explicit_load_and_unload_freeze_again(tmp_path, unfrozen):
+    shutil.copytree(MODELS / "add_sub", tmp_path / "add_sub")
+    options = ServerOptions(model_repositories=[tmp_path], http_port=free_port(), grpc_port=free_port(),
+                            allow_metrics=False, model_control_mode=ControlMode.EXPLICIT, exit_timeout_secs=2,
+                            freeze_heap=True)
+    running = InProcessServer(options)
+    try:
+        assert gc.get_freeze_count() > 0  # frozen at start-up, with no model loaded yet
+        for change in (running.server.dataplane.load_model, running.server.dataplane.unload_model):
+            gc.unfreeze()
+            running.call(change("add_sub"))
+            assert gc.get_freeze_count() > 0, change.__name__
+    finally:
+        running.stop()
+
+
+def test_embedded_servers_leave_the_heap_alone(tmp_path, unfrozen):
+    options = ServerOptions(model_repositories=[tmp_path], http_port=free_port(), allow_grpc=False,
+                            allow_metrics=False, exit_timeout_secs=2)
+    running = InProcessServer(options)
+    try:
+        assert gc.get_freeze_count() == 0
+    finally:
+        running.stop()
