@@ -123,6 +123,13 @@ class VllmModel(Model):
         if engine is not None:
             from .engine import stop_engine
 
+            # The engine's output handler runs on this loop: stop it before the engine core goes, or it
+            # reads the core's end as a failure and logs EngineDeadError with a traceback.
+            handler = getattr(engine, "output_handler", None)
+            if handler is not None and not handler.done():
+                handler.cancel()
+                await asyncio.gather(handler, return_exceptions=True)
+
             await asyncio.to_thread(stop_engine, engine)
             self._set_state_gauges(running=0, waiting=0, kv_cache_usage=0.0)
 
