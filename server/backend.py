@@ -52,6 +52,14 @@ class ModelContext:
     model_path: Path  # <repository>/<model>
     dataplane: "DataPlane | None" = None  # for models that call other models (BLS)
     metrics: "Metrics | None" = None  # the server's metrics, for backends that add their own families
+    # set by the server: a loaded model that breaks for good (its engine died) calls report_failure
+    on_failure: "Callable[[str], None] | None" = None
+
+    def report_failure(self, reason: str) -> None:
+        """Mark this model version UNAVAILABLE with ``reason``: it leaves readiness (and strict server
+        readiness), requests get 503 naming the reason; an explicit load (or a restart) replaces it."""
+        if self.on_failure is not None:
+            self.on_failure(reason)
 
     @property
     def version_path(self) -> Path:

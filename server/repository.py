@@ -350,15 +350,16 @@ class ModelRepository:
         else:
             runtime = entry.versions[max(entry.versions)]
         if runtime.state is not ModelState.READY:
-            raise Unavailable(f"model '{name}' version {runtime.version} is not ready ({runtime.state.value})")
+            why = f"{runtime.state.value}: {runtime.reason}" if runtime.reason else runtime.state.value
+            raise Unavailable(f"model '{name}' version {runtime.version} is not ready ({why})")
         return runtime
 
     def runtimes(self) -> list[ModelRuntime]:
         return [r for e in self.entries.values() for r in e.versions.values()]
 
     def all_ready(self) -> bool:
-        return all(e.state == ModelState.READY.value for e in self.entries.values()
-                   if e.state and e.reason != "unloaded")
+        return all(e.state == ModelState.READY.value and all(r.state is ModelState.READY for r in e.versions.values())
+                   for e in self.entries.values() if e.state and e.reason != "unloaded")
 
     def index(self, ready_only: bool = False) -> list[dict]:
         rows = []

@@ -53,6 +53,7 @@ class ModelRuntime:
         self.stats = stats
         self.state = ModelState.LOADING
         self.reason = ""
+        ctx.on_failure = self._failed
         self.model: Model = backend.create_model(ctx)
         self.slots: list[InstanceSlot] = []
         self.scheduler = None
@@ -129,6 +130,12 @@ class ModelRuntime:
             except asyncio.TimeoutError:
                 log.warning("model '%s' version %s: %d request(s) still in flight after %.1fs",
                             self.name, self.version, self.inflight, timeout or 0)
+
+    def _failed(self, reason: str) -> None:
+        """The model broke while serving (see ModelContext.report_failure)."""
+        if self.state is ModelState.READY:
+            self.state, self.reason = ModelState.UNAVAILABLE, reason
+            log.error("model '%s' version %s is unavailable: %s", self.name, self.version, reason)
 
     async def unload(self) -> None:
         self.state = ModelState.UNLOADING

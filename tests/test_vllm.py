@@ -8,10 +8,13 @@ token. A second model with a bad path shows a failed engine start leaves the ser
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 from conftest import start_server
@@ -416,3 +419,54 @@ def _http():
     import tritonclient.http as httpclient
 
     return httpclient
+
+
+def _children(pid: int) -> list[tuple[int, str]]:
+    """(pid, name) of the processes whose parent is ``pid``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            name = stat[stat.index("(") + 1:stat.rindex(")")]
+            if int(stat[stat.rindex(")") + 2:].split()[1]) == pid:
+                found.append((int(entry.name), name))
+    return found
+
+
+def _ready(server, name: str) -> int:
+    try:
+        with urllib.request.urlopen(f"{server.base_url}/v2/models/{name}/ready", timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_a_dead_engine_takes_the_model_out_of_readiness_and_a_load_brings_it_back(llm_server):
+    """Kill the engine core process: the model becomes UNAVAILABLE with the reason, requests get 503, the
+    server lives on; an explicit load starts a new engine. (Runs last in this file: it restarts the engine.)"""
+    cores = [pid for pid, name in _children(llm_server.process.pid) if name.startswith("VLLM::EngineCor")]
+    assert len(cores) == 1, _children(llm_server.process.pid)
+    os.kill(cores[0], signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while _ready(llm_server, MODEL) == 200 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _ready(llm_server, MODEL) != 200
+    with urllib.request.urlopen(f"{llm_server.base_url}/v2/repository/index", data=b"{}", timeout=10) as r:
+        row = next(m for m in json.loads(r.read()) if m["name"] == MODEL)
+    assert row["state"] == "UNAVAILABLE" and "engine core process died" in row["reason"]
+    with pytest.raises(urllib.error.HTTPError) as info:
+        _post(llm_server, "generate", {"text_input": "Hi", "parameters": {"max_tokens": 2}})
+    assert info.value.code == 503
+    assert "engine core process died" in json.loads(info.value.read())["error"]
+    with urllib.request.urlopen(f"{llm_server.base_url}/v2/health/live", timeout=10) as r:
+        assert r.status == 200
+
+    llm_server.load_errors = {}
+    _load(llm_server, MODEL)
+    assert llm_server.load_errors == {}
+    assert _ready(llm_server, MODEL) == 200
+    with _post(llm_server, "generate", {"text_input": "Hi", "parameters": {**GREEDY, "max_tokens": 2}}) as r:
+        assert json.loads(r.read())["text_output"]

@@ -75,6 +75,7 @@ class VllmModel(Model):
         self.generator: Generator | None = None
         self.state: EngineState | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._watchdog: asyncio.Task | None = None
         self.metrics: LLMMetrics = (ctx.metrics.extension("llm", LLMMetrics) if ctx.metrics is not None
                                     else LLMMetrics(CollectorRegistry()))
         self._labels = (ctx.name, str(ctx.version))
@@ -93,6 +94,15 @@ class VllmModel(Model):
                   for t in self.config.output if t.data_type != mc.TYPE_STRING}
         self.generator = Generator(self.engine, self.ctx.name, str(self.ctx.version), self.metrics, dtypes)
         self._set_state_gauges(running=0, waiting=0, kv_cache_usage=0.0)
+        self._watchdog = asyncio.get_running_loop().create_task(self._watch_engine(), name=f"{self.ctx.name}-watchdog")
+
+    async def _watch_engine(self, every_s: float = 1.0) -> None:
+        """An engine whose core process died (killed, out of memory) takes the model out of readiness."""
+        engine = self.engine
+        while engine is self.engine and not engine.engine_core.resources.engine_dead:
+            await asyncio.sleep(every_s)
+        if engine is self.engine:
+            self.ctx.report_failure("the vLLM engine core process died (its cause is in the server log)")
 
     def _start_engine(self):
         """On a worker thread: import vLLM, read the engine arguments, build the engine."""
@@ -116,6 +126,8 @@ class VllmModel(Model):
         task.add_done_callback(self._tasks.discard)
 
     async def finalize(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
