@@ -147,7 +147,17 @@ def test_parse_inputs_flags_and_sampling_sources():
     inputs = parse_inputs(request)
     assert inputs.stream
     assert inputs.sampling == {"max_tokens": 4, "temperature": 0}  # the tensor wins
-    assert inputs.outputs == {"text_output", "finish_reason", "logprobs", "num_output_tokens"}
+    # num_output_tokens is asked for as an output but its flag is not set: as with Triton's vLLM backend, no tensor
+    assert inputs.outputs == {"text_output", "finish_reason", "logprobs"}
+
+
+def test_asking_for_every_output_gives_the_flagged_ones_only():
+    """perf_analyzer / genai-perf ask for every output the model declares (cumulative_logprob would be NaN)."""
+    every = ["text_output", "output_ids", "finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens",
+             "num_output_tokens"]
+    assert parse_inputs(_request(text_input="hi", outputs=every)).outputs == {"text_output", "output_ids"}
+    flagged = parse_inputs(_request(text_input="hi", outputs=every, return_num_output_tokens=[True]))
+    assert flagged.outputs == {"text_output", "output_ids", "num_output_tokens"}
 
 
 @pytest.mark.parametrize("request_, words", [

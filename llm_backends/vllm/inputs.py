@@ -67,7 +67,9 @@ def parse_inputs(request: InferenceRequest) -> GenerateInputs:
     # token ids in: output_ids out, unless the client asks for text_output (then n > 1 works too)
     outputs = {"output_ids"} if token_interface and "text_output" not in requested else {"text_output"}
     outputs.update(name for name, flag in RETURN_FLAGS.items() if _flag(request, flag, False))
-    outputs.update(requested)
+    # As Triton's vLLM backend: the extra outputs come with their return_* flag only. A client that asks for
+    # every output of the model (perf_analyzer does) gets no NaN cumulative_logprob it did not ask for.
+    outputs.update(name for name in requested if name not in RETURN_FLAGS)
     return GenerateInputs(prompt, stream, prepend, _sampling(request), outputs,
                           bool(_flag(request, ADD_SPECIAL_TOKENS, True)))
 
