@@ -170,7 +170,8 @@ def test_every_example_model_is_ready(server):
 # -- the LLM ensemble against the direct model ----------------------------------------------------
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_ensemble_generate_stream_equals_the_direct_model(server, prompt):
-    body = {"text_input": prompt, "stream": True, "parameters": GREEDY}
+    body = {"text_input": prompt, "stream": True,
+            "parameters": {**GREEDY, "return_num_output_tokens": True, "return_finish_reason": True}}
     direct = sse_events(server, "llm", body)
     piped = sse_events(server, "llm_ensemble", body)
     direct_text = "".join(event["text_output"] for event in direct)
@@ -185,6 +186,11 @@ def test_ensemble_generate_stream_equals_the_direct_model(server, prompt):
     assert status == 200 and whole["text_output"] == direct_text
     assert sum(event["num_output_tokens"] for event in piped) == GREEDY["max_tokens"]
     assert piped[-1]["finish_reason"] == "length"
+    # exclude_input_in_output false (Triton's vLLM interface; genai-perf sends the flag): the prompt, then the text
+    for model in ("llm", "llm_ensemble"):
+        status, whole = post_json(server, f"/v2/models/{model}/generate",
+                                  {"text_input": prompt, "exclude_input_in_output": False, "parameters": GREEDY})
+        assert status == 200 and whole["text_output"] == prompt + direct_text, model
 
 
 def test_ensemble_grpc_stream_equals_the_direct_model(server):
@@ -383,5 +389,6 @@ def test_a_cancelled_ensemble_stream_aborts_the_engine_request(server, how):
         time.sleep(0.1)
     # the ensemble counted a failed (cancelled) request, and serves the next one
     events = sse_events(server, "llm_ensemble", {"text_input": "Hi", "stream": True,
-                                                 "parameters": {"max_tokens": 4, "temperature": 0}})
+                                                 "parameters": {"max_tokens": 4, "temperature": 0,
+                                                                "return_num_output_tokens": True}})
     assert sum(e["num_output_tokens"] for e in events) == 4

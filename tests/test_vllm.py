@@ -421,6 +421,19 @@ def _http():
     return httpclient
 
 
+def test_asking_for_every_output_gives_the_flagged_ones_only(grpc_client):
+    """perf_analyzer and genai-perf ask for every output the model declares; as with Triton's vLLM backend only
+    text_output comes back unless a return_* flag asks for more (no NaN cumulative_logprob)."""
+    import tritonclient.grpc as grpcclient
+
+    config = grpc_client.get_model_config(MODEL, as_json=True)["config"]
+    outputs = [grpcclient.InferRequestedOutput(o["name"]) for o in config["output"]]
+    result = grpc_client.infer(MODEL, llm_inputs(grpcclient, "Hi", sampling={**GREEDY, "max_tokens": 2},
+                                                 exclude_input=True), outputs=outputs)
+    names = {o.name for o in result.get_response().outputs}
+    assert names == {"text_output", "output_ids"}
+
+
 def _children(pid: int) -> list[tuple[int, str]]:
     """(pid, name) of the processes whose parent is ``pid``."""
     found = []
