@@ -52,12 +52,14 @@ def free_port() -> int:
 
 
 # -- servers --------------------------------------------------------------------------------------
-def vllm_command(model: Path, port: int, engine_args: dict) -> list[str]:
+def vllm_command(model: Path, port: int, engine_args: dict, disable_log_stats: bool = False) -> list[str]:
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
            "--port", str(port), "--dtype", engine_args["dtype"], "--max-model-len", str(engine_args["max_model_len"]),
            "--served-model-name", MODEL_NAME]
     if engine_args.get("enforce_eager"):
         cmd.append("--enforce-eager")
+    if disable_log_stats:
+        cmd.append("--disable-log-stats")
     return cmd
 
 
@@ -139,6 +141,8 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--eager", action="store_true", help="enforce_eager: no torch.compile (starts faster)")
     parser.add_argument("--rounds", type=int, default=4, help="load rounds per side, alternating ABBA (medians reported)")
+    parser.add_argument("--vllm-disable-log-stats", action="store_true",
+                        help="start vLLM with --disable-log-stats (no engine statistics; tideserve keeps its own)")
     parser.add_argument("--pause", type=float, default=3.0, help="seconds of rest before each round (default 3)")
     parser.add_argument("--kv-cache-gib", default="1", help="VLLM_CPU_KVCACHE_SPACE for each side")
     parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "tideserve-bench-llm")
@@ -159,8 +163,8 @@ def main() -> None:
     # Both servers stay up (an idle engine waits on its sockets) and the load rounds alternate, so a busy
     # machine's background load falls on both sides alike. They start one after the other.
     vllm_port, tide_port = free_port(), free_port()
-    servers = [Server("vLLM api_server", vllm_command(model, vllm_port, engine_args), vllm_port,
-                      work / "vllm.log", env)]
+    vllm_cmd = vllm_command(model, vllm_port, engine_args, args.vllm_disable_log_stats)
+    servers = [Server("vLLM api_server", vllm_cmd, vllm_port, work / "vllm.log", env)]
     try:
         ready = {"vLLM api_server": servers[0].wait_ready()}
         print(f"vLLM api_server ready in {ready['vLLM api_server']:.0f}s", flush=True)
