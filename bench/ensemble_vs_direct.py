@@ -29,29 +29,20 @@ import json
 import os
 import re
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 
+from bench.llm_servers import start_tideserve, stop_process, story_prompts
+
 EXAMPLE = ROOT / "model_repository"
 LLM_MODELS = ("llm", "llm_preprocess", "llm_postprocess", "llm_ensemble")
 SIDES = {"direct": "llm", "ensemble": "llm_ensemble"}
-
-
-def prompts(count: int) -> list[str]:
-    subjects = ["the river", "a quiet town", "the old library", "an engineer", "the winter market", "a lighthouse",
-                "the mountain road", "a small robot"]
-    return [f"Story {i}: once upon a time {subjects[i % len(subjects)]} woke up and" for i in range(count)]
 
 
 # -- the repository and the server ---------------------------------------------------------------
@@ -63,36 +54,6 @@ def write_repository(repo: Path, model_dir: Path, engine_args: dict) -> None:
         config = re.sub(r'("tokenizer_dir" value \{ string_value: )"[^"]*"', rf'\1"{model_dir}"', config)
         (repo / name / "config.pbtxt").write_text(config)
     (repo / "llm" / "1" / "model.json").write_text(json.dumps(engine_args, indent=2))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(repo: Path, log: Path, env: dict) -> tuple[subprocess.Popen, int, int]:
-    http, grpc, metrics = free_port(), free_port(), free_port()
-    cmd = [sys.executable, "-m", "server.cli", "--model-repository", str(repo), "--http-port", str(http),
-           "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
-    with open(log, "wb") as log_file:  # the child keeps its own descriptor
-        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
-                                start_new_session=True)
-    started = time.monotonic()
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"tideserve exited with {proc.returncode}; see {log}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/models/llm_ensemble/ready", timeout=2) as r:
-                if r.status == 200:
-                    break
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        if time.monotonic() - started > 900:
-            raise RuntimeError(f"tideserve was not ready in 900s; see {log}")
-        time.sleep(0.5)
-    print(f"tideserve ready in {time.monotonic() - started:.0f}s", flush=True)
-    return proc, http, grpc
 
 
 def cpu_seconds(pid: int) -> float:
@@ -140,11 +101,11 @@ def main() -> None:
     write_repository(work / "models", model_dir, engine_args)
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": args.kv_cache_gib, "HF_HUB_OFFLINE": "1",
            "VLLM_CACHE_ROOT": str(work / "vllm-cache"), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
-    texts = prompts(args.streams)
+    texts = story_prompts(args.streams)
     print(f"{args.streams} streams x {args.tokens} tokens, {args.rounds} rounds per side over {args.protocol}, "
           f"engine args {engine_args}", flush=True)
 
-    proc, http, grpc = start_server(work / "models", work / "tideserve.log", env)
+    proc, http, grpc = start_tideserve(work / "models", work / "tideserve.log", env, "llm_ensemble")
     ports = {"http": http, "grpc": grpc}
     per_side = {side: {"ttfts": [], "tokens": 0, "wall_s": 0.0, "cpu_s": 0.0, "rounds": []} for side in SIDES}
     texts_by_side: dict[str, list[str]] = {}
@@ -175,11 +136,7 @@ def main() -> None:
             print(f"{side:9s} {tokens / wall:8.1f} tok/s  TTFT p50 {statistics.median(ttfts):.3f}s  "
                   f"ITL p50 {summary['itl_ms']['median']:.1f}ms  wall {wall:.1f}s  server CPU {cpu:.1f}s", flush=True)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_process(proc)
 
     rows = {}
     for side, stats in per_side.items():

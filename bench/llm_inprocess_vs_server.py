@@ -23,58 +23,19 @@ import asyncio
 import itertools
 import json
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 
+from bench.llm_servers import start_tideserve, stop_process, story_prompts
+
 MODEL_NAME = "llm"
 SIDES = ("in-process AsyncLLM", "tideserve")
-
-
-def prompts(count: int) -> list[str]:
-    subjects = ["the river", "a quiet town", "the old library", "an engineer", "the winter market", "a lighthouse",
-                "the mountain road", "a small robot"]
-    return [f"Story {i}: once upon a time {subjects[i % len(subjects)]} woke up and" for i in range(count)]
-
-
-# -- the server ---------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(repo: Path, log: Path, env: dict) -> tuple[subprocess.Popen, int, int]:
-    http, grpc, metrics = free_port(), free_port(), free_port()
-    cmd = [sys.executable, "-m", "server.cli", "--model-repository", str(repo), "--http-port", str(http),
-           "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
-    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=ROOT, env=env,
-                            start_new_session=True)
-    started = time.monotonic()
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"tideserve exited with {proc.returncode}; see {log}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/models/{MODEL_NAME}/ready", timeout=2) as r:
-                if r.status == 200:
-                    break
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        if time.monotonic() - started > 600:
-            raise RuntimeError(f"tideserve was not ready in 600s; see {log}")
-        time.sleep(0.5)
-    print(f"tideserve ready in {time.monotonic() - started:.0f}s", flush=True)
-    return proc, http, grpc
 
 
 # -- in-process -----------------------------------------------------------------------------------
@@ -183,19 +144,15 @@ def main() -> None:
 
     model = make_model(args.model_dir / args.size, args.size)
     engine_args = {"model": str(model), "dtype": args.dtype, "max_model_len": 1024, "enforce_eager": args.eager}
-    texts = prompts(args.streams)
+    texts = story_prompts(args.streams)
     print(f"{args.streams} streams x {args.tokens} tokens, {args.rounds} rounds per side over {args.protocol}, "
           f"engine args {engine_args}", flush=True)
 
-    proc, http, grpc = start_server(write_repository(engine_args, work), work / "tideserve.log", env)
+    proc, http, grpc = start_tideserve(write_repository(engine_args, work), work / "tideserve.log", env, MODEL_NAME)
     try:
         rounds = asyncio.run(run(args, engine_args, texts, {"http": http, "grpc": grpc}))
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_process(proc)
 
     keys = ("tokens_per_s", "ttft_p50_s", "itl_p50_s")
     rows = {side: {k: statistics.median(r[k] for r in rounds[side]) for k in keys} for side in SIDES}

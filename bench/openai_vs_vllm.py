@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,6 +35,9 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script from anywhere
+from bench.llm_servers import free_port, stop_process
+
 MODEL_NAME = "llm"
 SUBJECTS = ["the river", "a quiet town", "the old library", "an engineer", "the winter market", "a lighthouse",
             "the mountain road", "a small robot"]
@@ -43,12 +45,6 @@ SUBJECTS = ["the river", "a quiet town", "the old library", "an engineer", "the 
 
 def prompts(count: int) -> list[str]:
     return [f"Story {i}: tell me about {SUBJECTS[i % len(SUBJECTS)]}." for i in range(count)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- servers --------------------------------------------------------------------------------------
@@ -79,8 +75,9 @@ class Server:
         self.name = name
         self.port = port
         self.log = log
-        self.proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=ROOT, env=env,
-                                     start_new_session=True)
+        with open(log, "wb") as log_file:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+                                         start_new_session=True)
 
     def wait_ready(self, timeout: float = 900) -> float:
         started = time.monotonic()
@@ -98,14 +95,7 @@ class Server:
             time.sleep(0.5)
 
     def stop(self) -> None:
-        if self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        stop_process(self.proc)
 
 
 # -- load -----------------------------------------------------------------------------------------
@@ -149,7 +139,6 @@ def main() -> None:
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers on the way out
 
-    sys.path.insert(0, str(ROOT))
     from llm_backends.tiny_llama import make_model
 
     work = Path(tempfile.mkdtemp(prefix="tideserve-bench-openai-"))

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from ..errors import as_server_error
+from .http import event
 from .llm import LLMModel, Step, StepReader
 
 
@@ -172,3 +173,12 @@ class Usage:
             self._uncounted = []
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+def chunk_event(header: dict, choice: dict, usage: Usage | None = None) -> bytes:
+    """The SSE event of one streamed chunk holding ``choice``; ``usage`` (continuous usage stats) adds the
+    counts so far."""
+    chunk = {**header, "choices": [choice]}
+    if usage is not None:
+        chunk["usage"] = usage.doc()
+    return event(chunk)

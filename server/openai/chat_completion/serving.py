@@ -18,7 +18,7 @@ import orjson
 from ...errors import ServerError
 from ..chat_template import ChatTemplate, TemplateError, special_tokens
 from ..errors import BadRequest, from_server_error
-from ..generation import Run, Usage, close_all, collect, merged
+from ..generation import Run, Usage, chunk_event, close_all, collect, merged
 from ..http import DONE, EventStream, event
 from ..llm import LLMModel
 from ..logprobs import chat_content
@@ -139,20 +139,17 @@ async def _events(request: ChatCompletionRequest, header: dict, llm: LLMModel, r
     n = request.n
     options = request.stream_options
     include_usage = bool(options and options.include_usage)
-    continuous = bool(options and options.continuous_usage_stats)
     top = request.top_logprobs or 0
     mode = request.tool_mode
     usage = Usage(llm)
+    live_usage = usage if options and options.continuous_usage_stats else None
     usage.add_prompt(run, prompt)
     finished = [False] * n
     started = [False] * n        # a named tool's first delta carries its id and name
     buffers = [""] * n           # required tool calls are parsed whole at the end
     for i in range(n):
-        chunk = {**header, "choices": [{"index": i, "delta": {"role": ROLE, "content": ""}, "logprobs": None,
-                                        "finish_reason": None}]}
-        if continuous:
-            chunk["usage"] = usage.doc()
-        yield event(chunk)
+        first = {"index": i, "delta": {"role": ROLE, "content": ""}, "logprobs": None, "finish_reason": None}
+        yield chunk_event(header, first, live_usage)
     try:
         async for _, step in merged([run]):
             usage.add_step(step)
@@ -183,10 +180,7 @@ async def _events(request: ChatCompletionRequest, header: dict, llm: LLMModel, r
                 choice = {"index": i, "delta": delta,
                           "logprobs": {"content": chat_content(entries, top)} if request.logprobs else None,
                           "finish_reason": reason}
-                chunk = {**header, "choices": [choice]}
-                if continuous:
-                    chunk["usage"] = usage.doc()
-                yield event(chunk)
+                yield chunk_event(header, choice, live_usage)
                 if reason is not None:
                     finished[i] = True
     except ServerError as exc:
@@ -194,10 +188,8 @@ async def _events(request: ChatCompletionRequest, header: dict, llm: LLMModel, r
     for i in range(n):  # a model that reports no finish reason ends its choices here
         if not finished[i]:
             delta = {"content": buffers[i]} if mode == "required" and buffers[i] else {}
-            chunk = {**header, "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": "stop"}]}
-            if continuous:
-                chunk["usage"] = usage.doc()
-            yield event(chunk)
+            last = {"index": i, "delta": delta, "logprobs": None, "finish_reason": "stop"}
+            yield chunk_event(header, last, live_usage)
     if include_usage:
         yield event({**header, "choices": [], "usage": usage.doc()})
     yield DONE

@@ -15,7 +15,7 @@ import orjson
 
 from ...errors import ServerError
 from ..errors import BadRequest, from_server_error
-from ..generation import Choice, Run, Usage, close_all, collect, merged, peek_all
+from ..generation import Choice, Run, Usage, chunk_event, close_all, collect, merged, peek_all
 from ..http import DONE, EventStream, event
 from ..logprobs import CompletionLogprobs
 from ..protocol import parse
@@ -91,8 +91,8 @@ async def _events(request: CompletionRequest, header: dict, llm, runs, prompts, 
     n = request.n
     options = request.stream_options
     include_usage = bool(options and options.include_usage)
-    continuous = bool(options and options.continuous_usage_stats)
     usage = Usage(llm)
+    live_usage = usage if options and options.continuous_usage_stats else None
     for k, run in enumerate(runs):
         usage.add_prompt(run, prompts[k])
     total = len(runs) * n
@@ -117,21 +117,15 @@ async def _events(request: CompletionRequest, header: dict, llm, runs, prompts, 
                 choice = {"index": index, "text": text,
                           "logprobs": logprobs[index].piece(entries) if logprobs is not None else None,
                           "finish_reason": reason, "stop_reason": None}
-                chunk = {**header, "choices": [choice]}
-                if continuous:
-                    chunk["usage"] = usage.doc()
-                yield event(chunk)
+                yield chunk_event(header, choice, live_usage)
                 if reason is not None:
                     finished[index] = True
     except ServerError as exc:
         raise from_server_error(exc, FIELDS) from None
     for index in range(total):  # a model that reports no finish reason ends its choices here
         if not finished[index]:
-            chunk = {**header, "choices": [{"index": index, "text": "", "logprobs": None, "finish_reason": "stop",
-                                            "stop_reason": None}]}
-            if continuous:
-                chunk["usage"] = usage.doc()
-            yield event(chunk)
+            last = {"index": index, "text": "", "logprobs": None, "finish_reason": "stop", "stop_reason": None}
+            yield chunk_event(header, last, live_usage)
     if include_usage:
         yield event({**header, "choices": [], "usage": usage.doc()})
     yield DONE

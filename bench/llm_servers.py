@@ -1,0 +1,68 @@
+"""What the LLM comparison scripts (``ensemble_vs_direct``, ``llm_inprocess_vs_server``, ``openai_vs_vllm``)
+share: free ports, the fixed story prompts, starting a tideserve process until a model is ready, and
+stopping a server's whole process group (its engine processes included)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SUBJECTS = ["the river", "a quiet town", "the old library", "an engineer", "the winter market", "a lighthouse",
+            "the mountain road", "a small robot"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def story_prompts(count: int) -> list[str]:
+    return [f"Story {i}: once upon a time {SUBJECTS[i % len(SUBJECTS)]} woke up and" for i in range(count)]
+
+
+def start_tideserve(repo: Path, log: Path, env: dict, ready_model: str,
+                    timeout: float = 900) -> tuple[subprocess.Popen, int, int]:
+    """A tideserve process over ``repo`` (in its own session), once ``ready_model`` is ready: (process, http, grpc)."""
+    http, grpc, metrics = free_port(), free_port(), free_port()
+    cmd = [sys.executable, "-m", "server.cli", "--model-repository", str(repo), "--http-port", str(http),
+           "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
+    with open(log, "wb") as log_file:  # the child keeps its own descriptor
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+                                start_new_session=True)
+    started = time.monotonic()
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"tideserve exited with {proc.returncode}; see {log}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/models/{ready_model}/ready", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        if time.monotonic() - started > timeout:
+            stop_process(proc)
+            raise RuntimeError(f"tideserve was not ready in {timeout:.0f}s; see {log}")
+        time.sleep(0.5)
+    print(f"tideserve ready in {time.monotonic() - started:.0f}s", flush=True)
+    return proc, http, grpc
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 60) -> None:
+    """SIGTERM the process group, SIGKILL it if it has not ended within ``timeout``."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
