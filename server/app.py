@@ -79,15 +79,16 @@ class Server:
             self.repository.after_change = heap.freeze
         if opts.model_control_mode is ControlMode.POLL:
             self._background.append(asyncio.create_task(self.repository.poll_forever(opts.repository_poll_secs)))
+        # HTTP last: clients poll its health endpoints, so once it answers the gRPC and metrics ports are up too
+        if opts.allow_metrics:
+            await self._start_uvicorn(self._metrics_app(), opts.metrics_port)
+        if opts.allow_grpc:
+            from .grpc import start_grpc_server
+            self._grpc = await start_grpc_server(self.dataplane, opts.host, opts.grpc_port)
         if opts.allow_http:
             from .http import create_app
             await self._start_uvicorn(create_app(self.dataplane, max_input_size=opts.http_max_input_size,
                                                  api_key=opts.api_key), opts.http_port)
-        if opts.allow_grpc:
-            from .grpc import start_grpc_server
-            self._grpc = await start_grpc_server(self.dataplane, opts.host, opts.grpc_port)
-        if opts.allow_metrics:
-            await self._start_uvicorn(self._metrics_app(), opts.metrics_port)
         log.info("tideserve ready: HTTP %s:%d, gRPC %s:%d, metrics %s:%d", opts.host, opts.http_port,
                  opts.host, opts.grpc_port, opts.host, opts.metrics_port)
 
