@@ -105,7 +105,8 @@ def main() -> None:
     print(f"{args.streams} streams x {args.tokens} tokens, {args.rounds} rounds per side over {args.protocol}, "
           f"engine args {engine_args}", flush=True)
 
-    proc, http, grpc = start_tideserve(work / "models", work / "tideserve.log", env, "llm_ensemble")
+    proc, http, grpc = start_tideserve(work / "models", work / "tideserve.log", env, "llm_ensemble",
+                                       weights=model_dir)
     ports = {"http": http, "grpc": grpc}
     per_side = {side: {"ttfts": [], "tokens": 0, "wall_s": 0.0, "cpu_s": 0.0, "rounds": []} for side in SIDES}
     texts_by_side: dict[str, list[str]] = {}

@@ -148,7 +148,8 @@ def main() -> None:
     print(f"{args.streams} streams x {args.tokens} tokens, {args.rounds} rounds per side over {args.protocol}, "
           f"engine args {engine_args}", flush=True)
 
-    proc, http, grpc = start_tideserve(write_repository(engine_args, work), work / "tideserve.log", env, MODEL_NAME)
+    proc, http, grpc = start_tideserve(write_repository(engine_args, work), work / "tideserve.log", env, MODEL_NAME,
+                                       weights=model)
     try:
         rounds = asyncio.run(run(args, engine_args, texts, {"http": http, "grpc": grpc}))
     finally:

@@ -29,12 +29,15 @@ def story_prompts(count: int) -> list[str]:
     return [f"Story {i}: once upon a time {SUBJECTS[i % len(SUBJECTS)]} woke up and" for i in range(count)]
 
 
-def start_tideserve(repo: Path, log: Path, env: dict, ready_model: str,
-                    timeout: float = 900) -> tuple[subprocess.Popen, int, int]:
-    """A tideserve process over ``repo`` (in its own session), once ``ready_model`` is ready: (process, http, grpc)."""
+def start_tideserve(repo: Path, log: Path, env: dict, ready_model: str, timeout: float = 900,
+                    weights: Path | None = None) -> tuple[subprocess.Popen, int, int]:
+    """A tideserve process over ``repo`` (in its own session), once ``ready_model`` is ready: (process, http, grpc).
+    ``weights``: a model directory outside ``repo`` that the repository's configs name."""
     http, grpc, metrics = free_port(), free_port(), free_port()
     cmd = [sys.executable, "-m", "server.cli", "--model-repository", str(repo), "--http-port", str(http),
            "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
+    if weights is not None:
+        cmd += ["--allowed-model-root", str(weights)]
     with open(log, "wb") as log_file:  # the child keeps its own descriptor
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
                                 start_new_session=True)

@@ -65,7 +65,8 @@ def tideserve_command(engine_args: dict, port: int, work: Path) -> list[str]:
     (repo / MODEL_NAME / "config.pbtxt").write_text('backend: "vllm"\n')
     (repo / MODEL_NAME / "1" / "model.json").write_text(json.dumps(engine_args))
     return [sys.executable, "-m", "server.cli", "--model-repository", str(repo), "--http-port", str(port),
-            "--grpc-port", str(free_port()), "--metrics-port", str(free_port())]
+            "--grpc-port", str(free_port()), "--metrics-port", str(free_port()),
+            "--allowed-model-root", engine_args["model"]]  # the weights live outside the repository
 
 
 class Server:

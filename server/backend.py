@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from . import model_paths
 from .errors import Unavailable
 
 if TYPE_CHECKING:
@@ -54,6 +55,8 @@ class ModelContext:
     metrics: "Metrics | None" = None  # the server's metrics, for backends that add their own families
     # set by the server: a loaded model that breaks for good (its engine died) calls report_failure
     on_failure: "Callable[[str], None] | None" = None
+    # directories beyond the model repository that this model's files may live in (--allowed-model-root)
+    allowed_roots: tuple[Path, ...] = ()
 
     def report_failure(self, reason: str) -> None:
         """Mark this model version UNAVAILABLE with ``reason``: it leaves readiness (and strict server
@@ -64,6 +67,24 @@ class ModelContext:
     @property
     def version_path(self) -> Path:
         return self.model_path / str(self.version)
+
+    def local_path(self, value: str, field: str) -> Path | None:
+        """The file or directory ``value`` names: absolute as given, else under the version directory,
+        then the model directory (the first that exists); None when none exists. Symlinks are resolved
+        and a path outside the model repository (or an allowed root) is refused with InvalidArgument
+        naming ``field`` (see :mod:`server.model_paths`)."""
+        for path in model_paths.candidates(value, [self.version_path, self.model_path]):
+            if path.exists():
+                return model_paths.check_inside(path, self.file_roots, self.name, field, value)
+        return None
+
+    def check_file(self, path: Path, field: str, value: str) -> Path:
+        """``path`` (symlinks resolved) if it lies inside the model repository or an allowed root."""
+        return model_paths.check_inside(path, self.file_roots, self.name, field, value)
+
+    @property
+    def file_roots(self) -> tuple[Path, ...]:
+        return model_paths.model_roots(self.model_path, self.allowed_roots)
 
     @property
     def decoupled(self) -> bool:

@@ -48,11 +48,38 @@ class ModelEntry:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
+MAX_MODEL_NAME_BYTES = 255  # a directory name (NAME_MAX on Linux and macOS)
+
+
 def check_model_name(name: str) -> None:
-    """Reject names that would leave the repository directory."""
+    """Reject names that would leave the repository directory or that no directory can have."""
     if (not name or name in (".", "..") or "/" in name or "\\" in name or "\x00" in name
             or os.path.isabs(name)):
-        raise InvalidArgument(f"invalid model name '{name}': it must be a plain directory name")
+        raise InvalidArgument(f"invalid model name '{name[:100]}': it must be a plain directory name")
+    if len(name.encode("utf-8", "surrogateescape")) > MAX_MODEL_NAME_BYTES:
+        raise InvalidArgument(f"invalid model name '{name[:40]}...': longer than {MAX_MODEL_NAME_BYTES} bytes")
+
+
+def check_config_files(ctx: ModelContext) -> None:
+    """Refuse a configuration whose model file or label files lie outside the model repository."""
+    config = ctx.config
+    if config.default_model_filename:
+        ctx.check_file(ctx.version_path / config.default_model_filename, "default_model_filename",
+                       config.default_model_filename)
+    for output in config.output:
+        if output.label_filename:
+            ctx.check_file(ctx.model_path / output.label_filename, f"output '{output.name}' label_filename",
+                           output.label_filename)
+    for key in PATH_PARAMETERS:
+        value = ctx.parameter(key)
+        if value and not value.startswith("${") and "{{" not in value and "{%" not in value:
+            ctx.local_path(value.strip(), f"parameter '{key}'")  # refused when it exists outside
+
+
+# Config parameters the OpenAI frontend and the tokenizer models read as paths (relative to the version, then
+# the model directory) whatever the backend; checked at load so a config override cannot name a file elsewhere.
+# Backend-specific paths (vLLM's model.json, TensorRT-LLM's engine_dir) are checked by their backends.
+PATH_PARAMETERS = ("tokenizer_dir", "tokenizer", "chat_template")
 
 
 def available_versions(model_dir: Path) -> list[int]:
@@ -97,8 +124,10 @@ def _signature(model_dir: Path) -> tuple:
 
 class ModelRepository:
     def __init__(self, paths: list[Path], backends: BackendRegistry, metrics: Metrics,
-                 control_mode: ControlMode = ControlMode.NONE, startup_models: list[str] | None = None) -> None:
+                 control_mode: ControlMode = ControlMode.NONE, startup_models: list[str] | None = None,
+                 allowed_roots: list[Path] | None = None) -> None:
         self.paths = [Path(p).resolve() for p in paths]
+        self.allowed_roots = tuple(Path(p).resolve() for p in allowed_roots or ())
         for path in self.paths:
             if not path.is_dir():
                 raise InvalidArgument(f"model repository '{path}' is not a directory")
@@ -260,6 +289,12 @@ class ModelRepository:
         if not _internal:
             self._changed()
 
+    def _context(self, name: str, version: int, config: mc.ModelConfig, model_dir: Path) -> ModelContext:
+        ctx = ModelContext(name, version, copy.deepcopy(config), model_dir, self.dataplane, self.metrics,
+                           allowed_roots=self.allowed_roots)
+        check_config_files(ctx)
+        return ctx
+
     async def _load_versions(self, name: str, config_json: str | None, entry: ModelEntry) -> dict[int, ModelRuntime]:
         model_dir = self.model_dir(name)
         entry.signature = _signature(model_dir)
@@ -279,8 +314,7 @@ class ModelRepository:
             raise Unavailable(f"model '{name}' has no version directory its version policy selects "
                               f"(found {available_versions(model_dir) or 'none'})")
         runtimes = {
-            version: ModelRuntime(backend, ModelContext(name, version, copy.deepcopy(config), model_dir,
-                                                        self.dataplane, self.metrics),
+            version: ModelRuntime(backend, self._context(name, version, config, model_dir),
                                   self.metrics.model_stats(name, str(version)))
             for version in versions}
         results = await asyncio.gather(*(r.load() for r in runtimes.values()), return_exceptions=True)
@@ -290,8 +324,12 @@ class ModelRepository:
                 if runtime.state is ModelState.READY:
                     await runtime.unload()
             version, exc = failures[0]
-            message = as_server_error(exc).message if isinstance(exc, Exception) else str(exc)
-            raise Unavailable(f"version {version}: {message}")
+            if not isinstance(exc, Exception):
+                raise Unavailable(f"version {version}: {exc}")
+            error = as_server_error(exc)
+            # a configuration the server refuses (a file outside the repository, a bad value) stays a 400
+            kind = InvalidArgument if isinstance(error, InvalidArgument) else Unavailable
+            raise kind(f"version {version}: {error.message}")
         return runtimes
 
     async def unload(self, name: str, *, _internal: bool = False, drain_timeout: float | None = 30.0) -> None:
@@ -352,13 +390,36 @@ class ModelRepository:
         if runtime.state is not ModelState.READY:
             why = f"{runtime.state.value}: {runtime.reason}" if runtime.reason else runtime.state.value
             raise Unavailable(f"model '{name}' version {runtime.version} is not ready ({why})")
+        if runtime.steps:
+            problem = self.step_problem(runtime)
+            if problem:
+                raise Unavailable(f"model '{name}' version {runtime.version} is not ready ({problem})")
         return runtime
+
+    def step_problem(self, runtime: ModelRuntime) -> str:
+        """Why an ensemble cannot serve: its first step (at any depth) that is not ready; "" when all are.
+        Nothing is stored: the ensemble is UNAVAILABLE exactly while a step is, and back when it returns."""
+        for model, version in runtime.steps:
+            try:
+                self.get(model, version)
+            except ServerError as exc:
+                return f"step model '{model}' is unavailable: {exc.message}"
+        return ""
+
+    def _state(self, runtime: ModelRuntime) -> tuple[str, str]:
+        """(state, reason) of a version as the index and readiness report it."""
+        if runtime.state is ModelState.READY and runtime.steps:
+            problem = self.step_problem(runtime)
+            if problem:
+                return ModelState.UNAVAILABLE.value, problem
+        return runtime.state.value, runtime.reason
 
     def runtimes(self) -> list[ModelRuntime]:
         return [r for e in self.entries.values() for r in e.versions.values()]
 
     def all_ready(self) -> bool:
-        return all(e.state == ModelState.READY.value and all(r.state is ModelState.READY for r in e.versions.values())
+        return all(e.state == ModelState.READY.value
+                   and all(self._state(r)[0] == ModelState.READY.value for r in e.versions.values())
                    for e in self.entries.values() if e.state and e.reason != "unloaded")
 
     def index(self, ready_only: bool = False) -> list[dict]:
@@ -368,8 +429,8 @@ class ModelRepository:
             entry = self.entries.get(name)
             if entry is not None and entry.versions:
                 for version, runtime in sorted(entry.versions.items()):
-                    rows.append({"name": name, "version": str(version), "state": runtime.state.value,
-                                 "reason": runtime.reason})
+                    state, reason = self._state(runtime)
+                    rows.append({"name": name, "version": str(version), "state": state, "reason": reason})
             elif entry is not None and entry.state:
                 rows.append({"name": name, "version": "", "state": entry.state, "reason": entry.reason})
             else:

@@ -53,6 +53,10 @@ class ModelRuntime:
         self.stats = stats
         self.state = ModelState.LOADING
         self.reason = ""
+        # an ensemble's steps as (model, version or ""): it serves only while each of them does
+        self.steps: tuple[tuple[str, str], ...] = tuple(dict.fromkeys(
+            (step.model_name, str(step.model_version) if step.model_version > 0 else "")
+            for step in ctx.config.ensemble_scheduling.step)) if ctx.config is not None else ()
         ctx.on_failure = self._failed
         self.model: Model = backend.create_model(ctx)
         self.slots: list[InstanceSlot] = []

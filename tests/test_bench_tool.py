@@ -511,7 +511,8 @@ def llm_server(tmp_path_factory, tiny_model):
     tmp = tmp_path_factory.mktemp("bench_server")
     write_vllm_model(tmp / "models", MODEL, {"model": str(tiny_model), "dtype": "float32", "max_model_len": 512,
                                              "enforce_eager": True})
-    server = start_server([tmp / "models"], tmp_dir=tmp, env=vllm_env(tmp), ready_timeout=280)
+    server = start_server([tmp / "models"], "--allowed-model-root", str(tiny_model), tmp_dir=tmp,
+                          env=vllm_env(tmp), ready_timeout=280)
     yield server
     server.stop()
 

@@ -460,6 +460,19 @@ def test_explicit_mode_loading_an_ensemble_loads_its_steps(repository, tmp_path)
             np.testing.assert_array_equal(infer(client, "a_nested", IN=x).as_numpy("OUT"), ((x * 2 + 1) ** 2) * 2)
             with pytest.raises(InferenceServerException, match="circular dependency between ensembles"):
                 client.load_model("cycle_a")
+
+            # a step that goes away takes its ensembles (at any depth) out of readiness, and back with it
+            client.unload_model("square")
+            index = {row["name"]: row for row in client.get_model_repository_index()}
+            for name in ("chain", "a_nested"):
+                assert not client.is_model_ready(name), name
+                assert index[name]["state"] == "UNAVAILABLE" and "'square'" in index[name]["reason"], index[name]
+            with pytest.raises(InferenceServerException) as info:
+                infer(client, "a_nested", IN=x)
+            assert info.value.status() == "503" and "step model 'chain'" in info.value.message()
+            client.load_model("square")
+            assert client.is_model_ready("a_nested") and client.is_model_ready("chain")
+            np.testing.assert_array_equal(infer(client, "a_nested", IN=x).as_numpy("OUT"), ((x * 2 + 1) ** 2) * 2)
     finally:
         running.stop()
 

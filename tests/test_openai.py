@@ -62,7 +62,8 @@ def llm_server(tmp_path_factory, tiny_model):
     write_vllm_model(tmp / "models", MODEL, {"model": str(tiny_model), "dtype": "float32",
                                              "max_model_len": MAX_MODEL_LEN, "enforce_eager": True,
                                              **COMPACT_JSON_ENGINE})
-    server = start_server([tmp / "models"], "--log-verbose", "1", tmp_dir=tmp, env=vllm_env(tmp), ready_timeout=540)
+    server = start_server([tmp / "models"], "--log-verbose", "1", "--allowed-model-root", str(tiny_model),
+                          tmp_dir=tmp, env=vllm_env(tmp), ready_timeout=540)
     yield server
     server.stop()
 

@@ -106,7 +106,7 @@ def tideserve(tmp_path_factory, tokenizer_files):
     _write_repository(root, tokenizer_files)
     options = ServerOptions(model_repositories=[root], grpc_port=free_port(), http_port=free_port(),
                             allow_metrics=False, model_control_mode=ControlMode.EXPLICIT, load_models=["*"],
-                            exit_timeout_secs=2)
+                            exit_timeout_secs=2, allowed_model_roots=[tokenizer_files])
     running = InProcessServer(options)
     yield running
     running.stop()

@@ -51,6 +51,7 @@ def llm_server(tmp_path_factory, tiny_model):
                                          "max_model_len": MAX_MODEL_LEN, "enforce_eager": True})
     write_vllm_model(repository, BAD_MODEL, {"model": "./no_such_weights", "enforce_eager": True})
     server = start_server([repository], "--log-verbose", "1", "--model-control-mode", "explicit",
+                          "--allowed-model-root", str(tiny_model),
                           "--strict-readiness", "false", tmp_dir=tmp, env=vllm_env(tmp))
     try:
         server.load_errors = {}

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from server import model_paths
 from server.backend import Backend, Model, ModelInstance
 from server.errors import Cancelled, InternalError, InvalidArgument, ServerError, Unavailable
 from server.schedulers.base import Scheduler, drop_cancelled
@@ -80,16 +81,17 @@ class Settings:
         if not engine and not checkpoint:
             raise InvalidArgument(f"model '{ctx.name}': set parameters engine_dir (a directory of a built TensorRT "
                                   f"engine) or model (a Hugging Face checkpoint directory or model name)")
-        self.engine_dir = self._path(engine) if engine else None
-        self.model = self._path(checkpoint, must_exist=False) if checkpoint else None
+        engine_key = "engine_dir" if param("engine_dir") else "gpt_model_path"
+        self.engine_dir = self._path(engine_key, engine) if engine else None
+        self.model = self._path("model", checkpoint, must_exist=False) if checkpoint else None
         tokenizer = param("tokenizer_dir")
-        self.tokenizer_dir = self._path(tokenizer) if tokenizer else None
+        self.tokenizer_dir = self._path("tokenizer_dir", tokenizer) if tokenizer else None
         self.exclude_input_in_output = self._bool("exclude_input_in_output", False)
         self.default_max_tokens = self._int("default_max_tokens")
         self.stats_interval_s = self._float("stats_interval_s", 1.0)
         self.llm_kwargs = self._llm_kwargs()
 
-    def _path(self, value: str, must_exist: bool = True) -> str:
+    def _path(self, key: str, value: str, must_exist: bool = True) -> str:
         """Absolute as given; relative to the version directory, then to the model directory."""
         path = Path(value).expanduser()
         if path.is_absolute():
@@ -98,10 +100,13 @@ class Settings:
             candidates = [self._ctx.version_path / path, self._ctx.model_path / path]
         for candidate in candidates:
             if candidate.exists():
-                return str(candidate)
+                return str(self._ctx.check_file(candidate, f"parameter '{key}'", value))
         if must_exist:
             raise Unavailable(f"model '{self._ctx.name}': {value} not found (looked at "
                               f"{', '.join(str(c) for c in candidates)})")
+        if not model_paths.is_hub_id(value):
+            raise InvalidArgument(f"model '{self._ctx.name}': parameter '{key}' '{value}' is neither a local "
+                                  "directory nor a model id of the form 'org/name'")
         return value  # a Hugging Face model name
 
     def _bool(self, key: str, default: bool | None = None) -> bool | None:

@@ -123,7 +123,7 @@ def _tokenizer_dir(ctx: ModelContext, value: str | None) -> Path:
     candidates = [path] if path.is_absolute() else [ctx.version_path / path, ctx.model_path / path]
     for candidate in candidates:
         if candidate.is_dir():
-            return candidate
+            return ctx.check_file(candidate, "parameter 'tokenizer_dir'", value)
     raise Unavailable(f"model '{ctx.name}': tokenizer_dir '{value}' is not a directory (looked at "
                       f"{', '.join(str(c) for c in candidates)})")
 

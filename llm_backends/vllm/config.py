@@ -19,6 +19,7 @@ from typing import Any
 
 from tritonclient.grpc import model_config_pb2 as mc
 
+from server import model_paths
 from server.backend import ModelContext
 from server.errors import InvalidArgument, Unavailable
 
@@ -98,7 +99,7 @@ def engine_kwargs(ctx: ModelContext, field_defaults: dict[str, Any]) -> dict[str
         raise InvalidArgument(f"'{path}' names no 'model' (a local directory or a model id)")
     for key in PATH_ARGS:
         if isinstance(kwargs.get(key), str):
-            kwargs[key] = _resolve_path(kwargs[key], ctx.version_path)
+            kwargs[key] = _resolve_path(kwargs[key], ctx, key)
     return kwargs
 
 
@@ -115,16 +116,21 @@ def field_defaults(args_class: type) -> dict[str, Any]:
     return defaults
 
 
-def _resolve_path(value: str, version_path: Path) -> str:
+def _resolve_path(value: str, ctx: ModelContext, key: str) -> str:
     """A relative path resolves against the version directory when it exists there or starts with ``.``;
-    anything else (``org/name``) is left for the engine to read as a model id."""
+    a local path must lie inside the model repository (or an allowed root); anything else must look like
+    a model id (``org/name``), which the engine reads from its hub."""
+    field = f"engine argument '{key}'"
     candidate = Path(value)
     if candidate.is_absolute():
-        return value
-    local = version_path / candidate
+        return str(ctx.check_file(candidate, field, value))
+    local = ctx.version_path / candidate
     if local.exists() or value.startswith("."):
-        return str(local.resolve())
-    return value
+        return str(ctx.check_file(local, field, value))
+    if model_paths.is_hub_id(value):
+        return value
+    raise InvalidArgument(f"model '{ctx.name}': {field} '{value}' is neither a path in the version directory "
+                          f"'{ctx.version_path}' nor a model id of the form 'org/name'")
 
 
 def _coerce(key: str, text: str, default: Any) -> Any:

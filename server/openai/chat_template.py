@@ -159,7 +159,7 @@ def _local_dir(value: str, ctx) -> Path | None:
     bases = [] if candidate.is_absolute() else [Path(ctx.version_path), Path(ctx.model_path)]
     for path in ([candidate] if candidate.is_absolute() else [b / candidate for b in bases]):
         if path.is_dir():
-            return path.resolve()
+            return ctx.check_file(path, "tokenizer path", value)
     return None
 
 
@@ -175,6 +175,7 @@ def load_template(runtime, lookup=None) -> ChatTemplate | None:
         for base in (Path(ctx.version_path), Path(ctx.model_path)):
             path = Path(value) if Path(value).is_absolute() else base / value
             if path.is_file():
+                path = ctx.check_file(path, f"parameter '{_TEMPLATE_PARAMETER}'", value)
                 return ChatTemplate(path.read_text(encoding="utf-8"), special, str(path))
         log.warning("model '%s': chat_template file '%s' not found", runtime.name, value)
         return None

@@ -1,0 +1,145 @@
+"""Model files stay inside the model repository: a load request (or a config) naming a file elsewhere is
+refused with 400 / INVALID_ARGUMENT naming the field, and the file is never run or read.
+
+A real server (explicit model control) driven by tritonclient over HTTP and gRPC; the model that the
+overrides try to run writes a marker file when imported, so a test can tell it never ran.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from conftest import TEST_MODELS, free_port
+from in_process import InProcessServer
+from tritonclient.utils import InferenceServerException
+
+from server.app import ServerOptions
+from server.backend import ModelContext
+from server.errors import InvalidArgument
+from server.repository import ControlMode
+
+EVIL = '''
+import pathlib
+pathlib.Path({marker!r}).write_text("ran")
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        raise RuntimeError("this model must never be loaded")
+'''
+
+
+@pytest.fixture(scope="module")
+def layout(tmp_path_factory):
+    """``<root>/repo/add_sub`` (a Python model) and ``<root>/outside/evil.py`` that leaves a marker."""
+    root = tmp_path_factory.mktemp("paths")
+    repo, outside = root / "repo", root / "outside"
+    shutil.copytree(TEST_MODELS / "add_sub", repo / "add_sub")
+    outside.mkdir()
+    marker = root / "marker"
+    (outside / "evil.py").write_text(EVIL.format(marker=str(marker)))
+    (outside / "secret.txt").write_text("not for clients\n")
+    (outside / "template.jinja").write_text("{{ messages }}")
+    (outside / "tokenizer").mkdir()
+    # a symlink inside the model that points outside it: resolved before the check
+    os.symlink(outside / "evil.py", repo / "add_sub" / "1" / "linked.py")
+    return root, repo, outside, marker
+
+
+@pytest.fixture(scope="module")
+def running(layout):
+    _root, repo, _outside, _marker = layout
+    server = InProcessServer(ServerOptions(model_repositories=[repo], http_port=free_port(), grpc_port=free_port(),
+                                           metrics_port=free_port(), model_control_mode=ControlMode.EXPLICIT,
+                                           load_models=["add_sub"]))
+    yield server
+    server.stop()
+
+
+def _override(client, **fields) -> str:
+    config = client.get_model_config("add_sub")
+    config.update(fields)
+    return json.dumps(config)
+
+
+def _escapes(outside: Path) -> list[tuple[dict, str]]:
+    """(config fields, field named in the error) for each way out of the repository."""
+    return [
+        ({"default_model_filename": str(outside / "evil.py")}, "default_model_filename"),
+        ({"default_model_filename": "../../../outside/evil.py"}, "default_model_filename"),
+        ({"default_model_filename": "linked.py"}, "default_model_filename"),
+        ({"parameters": {"chat_template": {"string_value": str(outside / "template.jinja")}}}, "chat_template"),
+        ({"parameters": {"tokenizer_dir": {"string_value": str(outside / "tokenizer")}}}, "tokenizer_dir"),
+        ({"output": [{"name": "OUTPUT0", "data_type": "TYPE_FP32", "dims": [4],
+                      "label_filename": "../../outside/secret.txt"}]}, "label_filename"),
+    ]
+
+
+def test_http_load_refuses_files_outside_the_repository(running, layout):
+    _root, _repo, outside, marker = layout
+    with httpclient.InferenceServerClient(running.http_url) as client:
+        for fields, field in _escapes(outside):
+            with pytest.raises(InferenceServerException) as info:
+                client.load_model("add_sub", config=_override(client, **fields))
+            assert info.value.status() == "400", (fields, info.value)
+            assert field in info.value.message() and "outside the model repository" in info.value.message()
+            assert client.is_model_ready("add_sub")  # the loaded version keeps serving
+        assert not marker.exists()
+
+
+def test_grpc_load_refuses_files_outside_the_repository(running, layout):
+    _root, _repo, outside, marker = layout
+    client = grpcclient.InferenceServerClient(running.grpc_url)
+    config = client.get_model_config("add_sub", as_json=True)["config"]
+    for fields, field in _escapes(outside)[:3]:
+        with pytest.raises(InferenceServerException) as info:
+            client.load_model("add_sub", config=json.dumps({**config, **fields}))
+        assert info.value.status() == "StatusCode.INVALID_ARGUMENT" and field in info.value.message()
+    assert not marker.exists()
+    assert client.is_model_ready("add_sub")
+    client.close()
+
+
+def test_overlong_model_name_is_a_clear_400(running):
+    with httpclient.InferenceServerClient(running.http_url) as client:
+        with pytest.raises(InferenceServerException) as info:
+            client.load_model("m" * 5000)
+        assert info.value.status() == "400" and "longer than 255 bytes" in info.value.message()
+        assert client.is_server_live()
+
+
+def test_a_file_inside_the_repository_still_loads(running):
+    with httpclient.InferenceServerClient(running.http_url) as client:
+        client.load_model("add_sub", config=_override(client, default_model_filename="model.py"))
+        assert client.is_model_ready("add_sub")
+
+
+def test_allowed_root_admits_a_directory_outside(layout, tmp_path):
+    _root, repo, outside, _marker = layout
+    ctx = ModelContext("add_sub", 1, None, repo / "add_sub")
+    with pytest.raises(InvalidArgument, match="tokenizer_dir"):
+        ctx.local_path(str(outside / "tokenizer"), "parameter 'tokenizer_dir'")
+    allowed = ModelContext("add_sub", 1, None, repo / "add_sub", allowed_roots=(outside,))
+    assert allowed.local_path(str(outside / "tokenizer"), "tokenizer_dir") == (outside / "tokenizer").resolve()
+    assert allowed.local_path(str(tmp_path / "absent"), "tokenizer_dir") is None
+
+
+def test_vllm_engine_paths_are_confined(layout, tmp_path):
+    from llm_backends.vllm.config import _resolve_path
+
+    _root, repo, outside, _marker = layout
+    ctx = ModelContext("llm", 1, None, repo / "add_sub")
+    with pytest.raises(InvalidArgument, match="engine argument 'model'"):
+        _resolve_path(str(outside), ctx, "model")
+    with pytest.raises(InvalidArgument, match="engine argument 'tokenizer'"):
+        _resolve_path("../../../outside", ctx, "tokenizer")
+    with pytest.raises(InvalidArgument, match="model id"):
+        _resolve_path("a/b/../../../etc", ctx, "model")
+    assert _resolve_path("facebook/opt-125m", ctx, "model") == "facebook/opt-125m"  # a hub id stays one
+    assert _resolve_path(".", ctx, "model") == str((repo / "add_sub" / "1").resolve())
