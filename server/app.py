@@ -16,8 +16,11 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from . import heap
+from .access import AccessPolicy, ApiKeyScope, Restriction, guard_metrics
 from .backend import BackendRegistry
 from .dataplane import DataPlane
+from .limits import TensorLimits
+from .openai.limits import OpenAILimits
 from .repository import ControlMode, ModelRepository
 from .stats import Metrics
 
@@ -33,17 +36,39 @@ class ServerOptions:
     http_port: int = 8000
     grpc_port: int = 8001
     metrics_port: int = 8002
+    metrics_address: str = "127.0.0.1"  # the metrics port's own address: loopback unless asked otherwise
     allow_http: bool = True
     allow_grpc: bool = True
     allow_metrics: bool = True
     model_control_mode: ControlMode = ControlMode.NONE
+    # directories outside the model repositories that model configs may name files in (absolute tokenizer or
+    # weight paths); nothing else outside the repositories can be named (server/model_paths.py)
+    allowed_model_roots: list[Path] = field(default_factory=list)
     load_models: list[str] = field(default_factory=list)
     repository_poll_secs: float = 15.0
     exit_timeout_secs: float = 30.0
     strict_readiness: bool = True
     http_max_input_size: int = 64 * 1024 * 1024
+    # -- limits on what one request or connection can take (docs/security.md) --
+    http_max_decompressed_size: int | None = None  # most bytes a compressed body inflates to; None: the input size
+    http_max_json_depth: int = 64             # deepest nesting of arrays and objects in a JSON body
+    http_max_header_size: int = 64 * 1024     # most bytes of request line and headers (431 past it)
+    http_max_header_count: int = 100          # most headers in a request (431 past it)
+    http_header_timeout_secs: float = 10.0    # time for the request line and headers to arrive (408)
+    http_body_timeout_secs: float = 30.0      # longest pause between two chunks of a body (408)
+    http_max_connections: int | None = 1000   # open HTTP connections and requests in flight (503 past it)
+    max_tensor_rank: int = 32                 # most dimensions of an input tensor (HTTP and gRPC)
+    max_tensor_elements: int = 1 << 28        # most elements of an input tensor, zero dims aside
+    grpc_max_receive_message_length: int = 64 * 1024 * 1024  # largest gRPC request (RESOURCE_EXHAUSTED)
+    grpc_max_send_message_length: int = 2**31 - 1             # largest gRPC response (RESOURCE_EXHAUSTED)
     log_verbose: int = 0
-    api_key: str | None = None  # required (Bearer) by the OpenAI /v1 routes; /v2 and /metrics stay open
+    api_key: str | None = None  # 'Authorization: Bearer <key>' on the OpenAI /v1 routes (and more: api_key_scope)
+    api_key_scope: ApiKeyScope = ApiKeyScope.OPENAI  # ALL: also /v2, every gRPC method and /metrics, not health
+    # restricted API groups: group -> header and value its requests must carry (server.access.parse_restrictions)
+    http_restricted_apis: dict[str, Restriction] = field(default_factory=dict)
+    grpc_restricted_protocols: dict[str, Restriction] = field(default_factory=dict)
+    openapi: bool = True  # serve the HTTP API's OpenAPI document at GET /openapi.json
+    openai_limits: OpenAILimits = field(default_factory=OpenAILimits)  # what one /v1 request may ask for
     # Freeze the garbage collector's heap once models are loaded (the CLI does; see server.heap). Off by default
     # for servers embedded in another program, whose heap is that program's business.
     freeze_heap: bool = False
@@ -63,8 +88,11 @@ class Server:
         self.metrics = Metrics()
         self.backends = backends or BackendRegistry()
         self.repository = ModelRepository(options.model_repositories, self.backends, self.metrics,
-                                          options.model_control_mode, options.load_models)
+                                          options.model_control_mode, options.load_models,
+                                          allowed_roots=options.allowed_model_roots)
         self.dataplane = DataPlane(self.repository, self.metrics, strict_readiness=options.strict_readiness)
+        self.access = AccessPolicy(options.http_restricted_apis, options.grpc_restricted_protocols,
+                                   options.api_key, options.api_key_scope)
         self._uvicorns: list[_EmbeddedUvicorn] = []
         self._serving: list[asyncio.Task] = []     # uvicorn servers
         self._background: list[asyncio.Task] = []  # repository polling
@@ -81,16 +109,23 @@ class Server:
             self._background.append(asyncio.create_task(self.repository.poll_forever(opts.repository_poll_secs)))
         # HTTP last: clients poll its health endpoints, so once it answers the gRPC and metrics ports are up too
         if opts.allow_metrics:
-            await self._start_uvicorn(self._metrics_app(), opts.metrics_port)
+            await self._start_uvicorn(self._metrics_app(), opts.metrics_address, opts.metrics_port)
+        tensor_limits = TensorLimits(opts.max_tensor_rank, opts.max_tensor_elements)
         if opts.allow_grpc:
             from .grpc import start_grpc_server
-            self._grpc = await start_grpc_server(self.dataplane, opts.host, opts.grpc_port)
+            message_sizes = [("grpc.max_receive_message_length", opts.grpc_max_receive_message_length),
+                             ("grpc.max_send_message_length", opts.grpc_max_send_message_length)]
+            self._grpc = await start_grpc_server(self.dataplane, opts.host, opts.grpc_port, access=self.access,
+                                                 options=message_sizes, tensor_limits=tensor_limits)
         if opts.allow_http:
             from .http import create_app
-            await self._start_uvicorn(create_app(self.dataplane, max_input_size=opts.http_max_input_size,
-                                                 api_key=opts.api_key), opts.http_port)
+            app = create_app(self.dataplane, max_input_size=opts.http_max_input_size,
+                             max_decompressed_size=opts.http_max_decompressed_size,
+                             max_json_depth=opts.http_max_json_depth, tensor_limits=tensor_limits,
+                             access=self.access, openapi=opts.openapi, openai_limits=opts.openai_limits)
+            await self._start_uvicorn(app, opts.host, opts.http_port)
         log.info("tideserve ready: HTTP %s:%d, gRPC %s:%d, metrics %s:%d", opts.host, opts.http_port,
-                 opts.host, opts.grpc_port, opts.host, opts.metrics_port)
+                 opts.host, opts.grpc_port, opts.metrics_address, opts.metrics_port)
 
     def _metrics_app(self) -> Starlette:
         render = self.metrics.render
@@ -98,13 +133,20 @@ class Server:
         async def metrics(_request):
             return Response(render(), media_type=CONTENT_TYPE_LATEST)
 
-        return Starlette(routes=[Route("/metrics", metrics)])
+        app = Starlette(routes=[Route("/metrics", metrics)])
+        guard_metrics(app, self.access)
+        return app
 
-    async def _start_uvicorn(self, app, port: int) -> None:
-        config = uvicorn.Config(app, host=self.options.host, port=port, log_level="warning",
+    async def _start_uvicorn(self, app, host: str, port: int) -> None:
+        from .http.limits import ConnectionLimits
+
+        opts = self.options
+        limits = ConnectionLimits(opts.http_max_header_size, opts.http_max_header_count, opts.http_header_timeout_secs,
+                                  opts.http_body_timeout_secs, opts.http_max_connections)
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning",
                                 access_log=self.options.log_verbose > 1, lifespan="off",
-                                timeout_graceful_shutdown=1, limit_concurrency=None, backlog=4096,
-                                proxy_headers=False)
+                                timeout_graceful_shutdown=1, backlog=4096, proxy_headers=False,
+                                **limits.uvicorn_settings())
         server = _EmbeddedUvicorn(config)
         task = asyncio.create_task(server.serve())
         while not server.started:

@@ -10,8 +10,10 @@ import sys
 from pathlib import Path
 
 from . import __version__
+from .access import GROUPS, GRPC_HEADER_PREFIX, ApiKeyScope, parse_restrictions
 from .app import Server, ServerOptions
 from .errors import ServerError
+from .openai.limits import OpenAILimits
 from .repository import ControlMode
 
 
@@ -24,19 +26,115 @@ def _bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected a boolean, got '{text}'")
 
 
+def _count(text: str, least: int = 1) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = least - 1
+    if value < least:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {least}, got '{text}'")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got '{text}'")
+    return value
+
+
+def _add_limit_flags(p: argparse.ArgumentParser) -> None:
+    """Limits on what one request or connection can take (docs/security.md)."""
+    d = ServerOptions
+    p.add_argument("--http-max-decompressed-size", type=_count, default=None,
+                   help="most bytes a gzip / deflate request body may inflate to; it is refused (400) as soon as "
+                        "it passes (default: --http-max-input-size)")
+    p.add_argument("--http-max-json-depth", type=_count, default=d.http_max_json_depth,
+                   help=f"deepest nesting of arrays and objects in a JSON request body (400 past it; default "
+                        f"{d.http_max_json_depth})")
+    p.add_argument("--http-max-header-size", type=_count, default=d.http_max_header_size,
+                   help=f"most bytes of request line and headers (431 past it; default {d.http_max_header_size})")
+    p.add_argument("--http-max-header-count", type=_count, default=d.http_max_header_count,
+                   help=f"most headers in one request (431 past it; default {d.http_max_header_count})")
+    p.add_argument("--http-header-timeout-secs", type=_seconds, default=d.http_header_timeout_secs,
+                   help="seconds for a request line and its headers to arrive, from the connection's opening or "
+                        f"the request's first byte (408 and close; default {d.http_header_timeout_secs:g})")
+    p.add_argument("--http-body-timeout-secs", type=_seconds, default=d.http_body_timeout_secs,
+                   help="longest pause between two chunks of a request body (408 and close; default "
+                        f"{d.http_body_timeout_secs:g})")
+    p.add_argument("--http-max-connections", type=lambda text: _count(text, 0), default=d.http_max_connections,
+                   help="most open HTTP connections and requests in flight, per HTTP and metrics port; past it "
+                        f"requests are answered 503 (0: no limit; default {d.http_max_connections})")
+    p.add_argument("--max-tensor-rank", type=_count, default=d.max_tensor_rank,
+                   help=f"most dimensions of an input tensor, HTTP and gRPC (400 / INVALID_ARGUMENT past it; "
+                        f"default {d.max_tensor_rank})")
+    p.add_argument("--max-tensor-elements", type=_count, default=d.max_tensor_elements,
+                   help="most elements of an input tensor, zero-size dimensions aside (400 / INVALID_ARGUMENT past "
+                        f"it; default {d.max_tensor_elements})")
+    p.add_argument("--grpc-max-receive-message-length", type=_count, default=d.grpc_max_receive_message_length,
+                   help="largest gRPC request message in bytes (RESOURCE_EXHAUSTED past it; default "
+                        f"{d.grpc_max_receive_message_length})")
+    p.add_argument("--grpc-max-send-message-length", type=_count, default=d.grpc_max_send_message_length,
+                   help="largest gRPC response message in bytes (RESOURCE_EXHAUSTED past it; default "
+                        f"{d.grpc_max_send_message_length})")
+
+
+def _limit_options(args: argparse.Namespace) -> dict:
+    return {"http_max_decompressed_size": args.http_max_decompressed_size,
+            "http_max_json_depth": args.http_max_json_depth, "http_max_header_size": args.http_max_header_size,
+            "http_max_header_count": args.http_max_header_count,
+            "http_header_timeout_secs": args.http_header_timeout_secs,
+            "http_body_timeout_secs": args.http_body_timeout_secs,
+            "http_max_connections": args.http_max_connections or None,
+            "max_tensor_rank": args.max_tensor_rank, "max_tensor_elements": args.max_tensor_elements,
+            "grpc_max_receive_message_length": args.grpc_max_receive_message_length,
+            "grpc_max_send_message_length": args.grpc_max_send_message_length}
+
+
+def _add_openai_flags(p: argparse.ArgumentParser) -> None:
+    """What one OpenAI /v1 request may ask for (docs/openai.md, "Limits"); past a limit: 400 naming the field."""
+    d = OpenAILimits
+    p.add_argument("--openai-max-prompts", type=_count, default=d.max_prompts,
+                   help=f"most prompts in one /v1/completions request (default {d.max_prompts})")
+    p.add_argument("--openai-max-prompt-tokens", type=_count, default=d.max_prompt_tokens,
+                   help="most prompt tokens in one /v1 request, all its prompts together (default "
+                        f"{d.max_prompt_tokens})")
+    p.add_argument("--openai-max-n", type=_count, default=d.max_n,
+                   help=f"most choices per prompt, 'n' (default {d.max_n})")
+    p.add_argument("--openai-max-logprobs", type=lambda text: _count(text, 0), default=d.max_logprobs,
+                   help=f"largest 'logprobs' (completions) / 'top_logprobs' (chat) (default {d.max_logprobs})")
+    p.add_argument("--openai-chat-template-timeout-secs", type=_seconds, default=d.chat_template_timeout_s,
+                   help="longest a chat template may take to render one request's prompt (default "
+                        f"{d.chat_template_timeout_s:g})")
+
+
+def _openai_limits(args: argparse.Namespace) -> OpenAILimits:
+    return OpenAILimits(max_prompts=args.openai_max_prompts, max_prompt_tokens=args.openai_max_prompt_tokens,
+                        max_n=args.openai_max_n, max_logprobs=args.openai_max_logprobs,
+                        chat_template_timeout_s=args.openai_chat_template_timeout_secs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tideserve", description="LLM-first inference server (Triton-compatible).")
     p.add_argument("--model-repository", "--model-store", dest="model_repository", action="append",
                    required=True, type=Path, help="path to a model repository; repeat for several")
     p.add_argument("--host", "--http-address", dest="host", default="127.0.0.1",
-                   help="address to bind every endpoint to (default 127.0.0.1)")
+                   help="address to bind the HTTP and gRPC endpoints to (default 127.0.0.1)")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--metrics-address", default="127.0.0.1",
+                   help="address to bind the metrics endpoint to (default 127.0.0.1, whatever --host says)")
     p.add_argument("--allow-http", type=_bool, default=True)
     p.add_argument("--allow-grpc", type=_bool, default=True)
     p.add_argument("--allow-metrics", type=_bool, default=True)
     p.add_argument("--model-control-mode", choices=[m.value for m in ControlMode], default="none")
+    p.add_argument("--allowed-model-root", dest="allowed_model_roots", action="append", default=[], type=Path,
+                   help="a directory outside the model repositories whose files model configurations may name "
+                        "(weights, tokenizers); repeatable. Any other path outside the repositories is refused")
     p.add_argument("--load-model", action="append", default=[],
                    help="model to load at start-up in explicit mode; '*' loads all; repeatable")
     p.add_argument("--repository-poll-secs", type=float, default=15.0,
@@ -47,27 +145,58 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ready only when every model is ready (default true)")
     p.add_argument("--http-max-input-size", type=int, default=64 * 1024 * 1024,
                    help="largest HTTP request body in bytes")
+    _add_limit_flags(p)
+    _add_openai_flags(p)
     p.add_argument("--api-key", default=os.environ.get("TIDESERVE_API_KEY") or None,
-                   help="API key the OpenAI /v1 routes require as 'Authorization: Bearer <key>' (default: "
-                        "$TIDESERVE_API_KEY; none: open). /v2, /health and /metrics do not ask for it")
+                   help="API key required as 'Authorization: Bearer <key>' (default: $TIDESERVE_API_KEY; "
+                        "none: open) on the routes --api-key-scope names")
+    p.add_argument("--api-key-scope", choices=[s.value for s in ApiKeyScope], default="openai",
+                   help="where --api-key is required: 'openai' (default): the /v1 routes; 'all': also /v2, every "
+                        "gRPC method (metadata 'authorization') and /metrics. Health checks never ask for it")
+    p.add_argument("--http-restricted-api", action="append", default=[], metavar="<api>[,<api>...]:<header>=<value>",
+                   help="HTTP requests of these API groups must carry <header> with exactly <value>, else 403; "
+                        f"repeatable, a group in one flag only. Groups: {', '.join(GROUPS)}")
+    p.add_argument("--grpc-restricted-protocol", action="append", default=[],
+                   metavar="<api>[,<api>...]:<header>=<value>",
+                   help=f"gRPC calls of these API groups must carry the metadata '{GRPC_HEADER_PREFIX}<header>' "
+                        "with exactly <value>, else PERMISSION_DENIED; repeatable, a group in one flag only")
+    p.add_argument("--openapi", type=_bool, default=None,
+                   help="serve the HTTP API's OpenAPI document at GET /openapi.json (default true, false when "
+                        "--http-restricted-api is given)")
     p.add_argument("--log-verbose", type=int, default=0, help="0: info, 1 or more: debug")
     p.add_argument("--version", action="version", version=f"tideserve {__version__}")
     return p
 
 
 def options_from_args(args: argparse.Namespace) -> ServerOptions:
+    """The server's options; ValueError for flag values argparse alone cannot check."""
+    scope = ApiKeyScope(args.api_key_scope)
+    if scope is ApiKeyScope.ALL and not args.api_key:
+        raise ValueError("--api-key-scope all needs an API key (--api-key or $TIDESERVE_API_KEY)")
     return ServerOptions(
         model_repositories=args.model_repository, host=args.host, http_port=args.http_port,
         grpc_port=args.grpc_port, metrics_port=args.metrics_port, allow_http=args.allow_http,
         allow_grpc=args.allow_grpc, allow_metrics=args.allow_metrics,
         model_control_mode=ControlMode(args.model_control_mode), load_models=args.load_model,
+        allowed_model_roots=args.allowed_model_roots,
         repository_poll_secs=args.repository_poll_secs, exit_timeout_secs=args.exit_timeout_secs,
         strict_readiness=args.strict_readiness, http_max_input_size=args.http_max_input_size,
-        log_verbose=args.log_verbose, api_key=args.api_key, freeze_heap=True)
+        **_limit_options(args), openai_limits=_openai_limits(args),
+        log_verbose=args.log_verbose, api_key=args.api_key, freeze_heap=True,
+        openapi=args.openapi if args.openapi is not None else not args.http_restricted_api,
+        metrics_address=args.metrics_address, api_key_scope=scope,
+        http_restricted_apis=parse_restrictions(args.http_restricted_api, "--http-restricted-api"),
+        grpc_restricted_protocols=parse_restrictions(args.grpc_restricted_protocol, "--grpc-restricted-protocol",
+                                                     GRPC_HEADER_PREFIX))
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        options = options_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))  # exits 2 with the usage line, as for any bad flag
     logging.basicConfig(level=logging.DEBUG if args.log_verbose > 0 else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -76,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         run = asyncio.run
     try:
-        server = Server(options_from_args(args))
+        server = Server(options)
         run(server.run())
     except ServerError as exc:
         logging.getLogger("tideserve").error("%s", exc)

@@ -64,9 +64,20 @@ class ServerError(Exception):
     def __str__(self) -> str:
         return self.message
 
+    @property
+    def http_code(self) -> int:
+        """The HTTP status: the status table's, unless a subclass names a narrower one."""
+        return self.status.http_code
+
 
 class InvalidArgument(ServerError):
     status = Status.INVALID_ARG
+
+
+class UnsupportedMediaType(InvalidArgument):
+    """A request body in a Content-Encoding the server cannot read: HTTP 415, otherwise an invalid argument."""
+
+    http_code = 415
 
 
 class NotFound(ServerError):

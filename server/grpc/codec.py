@@ -16,6 +16,7 @@ from tritonclient.grpc import service_pb2 as pb
 from ..classification import classify
 from ..datatypes import DATATYPES, from_raw, to_raw
 from ..errors import InvalidArgument, ServerError
+from ..limits import TensorLimits
 from ..types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 
 ModelInferRequest = pb.ModelInferRequest
@@ -55,6 +56,7 @@ _NUMPY = {
 
 # Request parameter keys starting with "triton_" that clients may set (Triton rejects the others).
 TRITON_REQUEST_PARAMS = ("triton_enable_empty_final_response",)
+DEFAULT_TENSOR_LIMITS = TensorLimits()
 SHARED_MEMORY_PARAMS = ("shared_memory_region", "shared_memory_offset", "shared_memory_byte_size")
 
 
@@ -143,16 +145,20 @@ def _where(name: str, model: str) -> str:
     return f"input '{name}' for model '{model}'"
 
 
-def _check_header(tensor, model: str) -> tuple[str, str, tuple[int, ...]]:
+def _check_header(tensor, model: str, limits: TensorLimits) -> tuple[str, str, tuple[int, ...]]:
     name = tensor.name
     datatype = tensor.datatype
     if datatype not in DATATYPES:
         raise InvalidArgument(f"{_where(name, model)} has unsupported datatype '{datatype}'")
     shape = tuple(tensor.shape)
+    count = 1
     for dim in shape:
         if dim < 0:
             raise InvalidArgument(f"{_where(name, model)} has invalid shape {list(shape)}: "
                                   "dimensions must be >= 0")
+        count *= dim
+    if len(shape) > limits.max_rank or count > limits.max_elements or not count:
+        limits.check(_where(name, model), shape, count)
     return name, datatype, shape
 
 
@@ -196,15 +202,17 @@ def _from_contents(contents, name: str, datatype: str, shape: tuple[int, ...], m
     return data.reshape(shape)
 
 
-def decode_request(msg, options: StreamOptions | None = None) -> InferenceRequest:
-    """ModelInferRequest -> InferenceRequest; InvalidArgument naming the tensor on bad data."""
+def decode_request(msg, options: StreamOptions | None = None,
+                   limits: TensorLimits = DEFAULT_TENSOR_LIMITS) -> InferenceRequest:
+    """ModelInferRequest -> InferenceRequest; InvalidArgument naming the tensor on bad data (or on a shape
+    past ``limits``)."""
     model = msg.model_name
     raws = msg.raw_input_contents
     raw_count = len(raws)
     raw_index = 0
     inputs: dict[str, Tensor] = {}
     for tensor in msg.inputs:
-        name, datatype, shape = _check_header(tensor, model)
+        name, datatype, shape = _check_header(tensor, model, limits)
         if name in inputs:
             raise InvalidArgument(f"{_where(name, model)} appears more than once in the request")
         params = params_to_dict(tensor.parameters)

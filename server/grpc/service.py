@@ -17,10 +17,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
+from ..access import AccessPolicy
 from ..classification import read_labels
 from ..dataplane import DataPlane, InferenceStream
 from ..errors import InvalidArgument, ServerError, Unsupported
+from ..limits import TensorLimits
 from ..types import InferenceRequest, InferenceResponse
+from .access import access_interceptors
 from .codec import (
     StreamOptions,
     apply_classification,
@@ -35,7 +38,8 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = "inference.GRPCInferenceService"
 MAX_MESSAGE_BYTES = 2**31 - 1
 
-# gRPC channel arguments of the server: messages up to 2 GiB - 1 like Triton, a bind that fails
+# gRPC channel arguments of the server: messages up to 2 GiB - 1 like Triton (the server narrows them with
+# --grpc-max-receive-message-length / --grpc-max-send-message-length), a bind that fails
 # loudly when the port is taken instead of silently sharing it (SO_REUSEPORT), and keepalive
 # pings from clients tolerated down to every 5 s (tritonclient's KeepAliveOptions).
 SERVER_OPTIONS = [
@@ -150,8 +154,9 @@ def _error_response(request_id: str, exc: BaseException, request: InferenceReque
 
 
 class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, dataplane: DataPlane) -> None:
+    def __init__(self, dataplane: DataPlane, tensor_limits: TensorLimits | None = None) -> None:
         self.dataplane = dataplane
+        self.tensor_limits = tensor_limits or TensorLimits()
         self.classifier = _Classifier(dataplane)
         self._log_settings = _initial_log_settings()
 
@@ -239,7 +244,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     # -- inference ---------------------------------------------------------------------------
     async def ModelInfer(self, request, context):
         try:
-            infer_request = decode_request(request)
+            infer_request = decode_request(request, limits=self.tensor_limits)
             counts = requested_classifications(infer_request) if infer_request.outputs else None
             response = await self.dataplane.infer_unary(infer_request)
             if counts:
@@ -283,7 +288,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     def _start_stream_request(self, message, state: _Stream) -> bool:
         options = StreamOptions()
         try:
-            request = decode_request(message, options)
+            request = decode_request(message, options, self.tensor_limits)
             counts = requested_classifications(request) if request.outputs else None
             stream = self.dataplane.infer(request)
         except Exception as exc:
@@ -459,10 +464,17 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
 
 
 async def start_grpc_server(dataplane: DataPlane, host: str, port: int, *,
-                            options: list[tuple[str, Any]] | None = None) -> grpc.aio.Server:
-    """Build, bind and start the gRPC server; ``await server.stop(grace)`` shuts it down."""
-    server = grpc.aio.server(options=SERVER_OPTIONS + list(options or []))
-    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(dataplane), server)
+                            options: list[tuple[str, Any]] | None = None,
+                            access: AccessPolicy | None = None,
+                            tensor_limits: TensorLimits | None = None) -> grpc.aio.Server:
+    """Build, bind and start the gRPC server; ``await server.stop(grace)`` shuts it down.
+
+    ``options`` are gRPC channel arguments; one named in SERVER_OPTIONS replaces that default.
+    """
+    channel_args = dict(SERVER_OPTIONS)
+    channel_args.update(options or [])
+    server = grpc.aio.server(options=list(channel_args.items()), interceptors=access_interceptors(access))
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(dataplane, tensor_limits), server)
     health_pb2_grpc.add_HealthServicer_to_server(HealthServicer(dataplane), server)
     address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
     try:

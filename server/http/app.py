@@ -24,9 +24,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
 from .. import config as config_module
+from ..access import INFERENCE, AccessPolicy, Guard, admit, guard_routes, kserve_body
 from ..errors import InvalidArgument, ServerError, Unsupported, as_server_error
 from ..classification import classify, read_labels
+from ..limits import TensorLimits
 from . import codec
+from .body import DEFAULT_MAX_INPUT_SIZE, BodyReader, ClientGone, parse_length
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +40,6 @@ COMPRESS_MIN_BYTES = 1024  # smaller responses go back uncompressed whatever Acc
 _INFER_PREFIX = "/v2/models/"
 _INFER_SUFFIX = "/infer"
 DISCONNECT_WATCH_S = 0.25  # infer requests running longer than this watch for the client going away
-
-
-class _ClientGone(Exception):
-    """The client disconnected before its request body arrived."""
 
 
 class _Disconnected(Exception):
@@ -77,44 +76,6 @@ class _DisconnectWatch:
         self.stopped = True
         if self.watcher is not None:
             self.watcher.cancel()
-
-
-def _too_large(size: int, limit: int) -> InvalidArgument:
-    return InvalidArgument(f"request body of {size} bytes exceeds the maximum allowed input size of {limit} "
-                           "bytes; use --http-max-input-size to increase the limit")
-
-
-def _parse_length(value: bytes, header: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        number = -1
-    if number < 0:
-        raise InvalidArgument(f"unable to parse {header} header, got '{value[:40].decode('latin-1')}'")
-    return number
-
-
-def _decompress(body: bytes, encoding: bytes, limit: int) -> bytes:
-    encoding = encoding.strip().lower()
-    if encoding in (b"", b"identity"):
-        return body
-    if encoding == b"gzip":
-        wbits = 16 + zlib.MAX_WBITS
-    elif encoding == b"deflate":
-        wbits = 32 + zlib.MAX_WBITS  # zlib stream (what clients send), header auto-detected
-    else:
-        raise Unsupported(f"unsupported Content-Encoding '{encoding[:40].decode('latin-1')}'; "
-                          "use gzip, deflate or identity")
-    decompressor = zlib.decompressobj(wbits)
-    try:
-        out = decompressor.decompress(body, limit + 1)
-    except zlib.error as exc:
-        raise InvalidArgument(f"failed to decompress the {encoding.decode()} request body: {exc}") from None
-    if len(out) > limit or decompressor.unconsumed_tail:
-        raise _too_large(len(out), limit)
-    if not decompressor.eof:
-        raise InvalidArgument(f"the {encoding.decode()} request body is truncated")
-    return out
 
 
 def _response_encoding(accept: bytes) -> str | None:
@@ -170,60 +131,20 @@ async def _send_error(send, status: int, message: str) -> None:
 class HttpFrontend:
     """The request handling behind the routes; holds the DataPlane and the limits."""
 
-    def __init__(self, dataplane, max_input_size: int) -> None:
+    def __init__(self, dataplane, body: BodyReader | None = None, tensor_limits: TensorLimits | None = None) -> None:
         self.dataplane = dataplane
-        self.max_input_size = max_input_size
+        self.body = body or BodyReader()  # every route reads its body through this
+        self.max_input_size = self.body.max_input_size
+        self.tensor_limits = tensor_limits or TensorLimits()
         self._labels: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     # -- bodies --------------------------------------------------------------------------
-    async def _read_asgi_body(self, receive, content_length: int | None) -> bytes:
-        limit = self.max_input_size
-        if content_length is not None and content_length > limit:
-            raise _too_large(content_length, limit)
-        message = await receive()
-        if message["type"] != "http.request":
-            raise _ClientGone()
-        body = message.get("body", b"")
-        if not message.get("more_body", False):
-            if len(body) > limit:
-                raise _too_large(len(body), limit)
-            return body
-        chunks = [body]
-        total = len(body)
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                raise _ClientGone()
-            chunk = message.get("body", b"")
-            total += len(chunk)
-            if total > limit:
-                raise _too_large(total, limit)
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(chunks)
-
     async def read_json(self, request: Request, what: str) -> Any:
-        """A control request's JSON body (None when empty), within the size limit."""
-        length = request.headers.get("content-length")
-        limit = self.max_input_size
-        if length is not None:
-            size = _parse_length(length.encode("latin-1"), "Content-Length")
-            if size > limit:
-                raise _too_large(size, limit)
-        chunks = []
-        total = 0
-        async for chunk in request.stream():
-            total += len(chunk)
-            if total > limit:
-                raise _too_large(total, limit)
-            chunks.append(chunk)
-        body = b"".join(chunks)
-        encoding = request.headers.get("content-encoding")
-        if encoding:
-            body = _decompress(body, encoding.encode("latin-1"), limit)
+        """A control request's JSON body (None when empty), within the limits."""
+        body = await self.body.read_request(request.scope, request.receive)
         if not body.strip():
             return None
-        doc = codec.parse_json(body, what)
+        doc = self.body.parse_json(body, what)
         if type(doc) is not dict:
             raise InvalidArgument(f"the {what} body must be a JSON object")
         return doc
@@ -242,24 +163,23 @@ class HttpFrontend:
                 accept = value
         try:
             if content_length is not None:
-                content_length = _parse_length(content_length, "Content-Length")
-            body = await self._read_asgi_body(receive, content_length)
-            if encoding is not None:
-                body = _decompress(body, encoding, self.max_input_size)
+                content_length = parse_length(content_length, "Content-Length")
+            body = await self.body.read(receive, content_length, encoding)
             if header_length is not None:
-                header_length = _parse_length(header_length, "Inference-Header-Content-Length")
+                header_length = parse_length(header_length, "Inference-Header-Content-Length")
             if header_length == 0:
                 decoded = codec.decode_raw_request(model_name, model_version, body,
                                                    self.dataplane.model_config(model_name, model_version))
             else:
-                decoded = codec.decode_request(model_name, model_version, body, header_length)
+                decoded = codec.decode_request(model_name, model_version, body, header_length, self.tensor_limits,
+                                               self.body.max_json_depth)
             response, runtime = await self._run(decoded.request, receive)
             classifier = self._classifier(runtime) if decoded.classify else None
             payload, json_length = codec.encode_response(response, decoded, classifier)
         except ServerError as exc:
-            await _send_error(send, exc.status.http_code, exc.message)
+            await _send_error(send, exc.http_code, exc.message)
             return
-        except (_ClientGone, _Disconnected):
+        except (ClientGone, _Disconnected):
             return
         except Exception as exc:  # a bug, not bad input: report it without a stack trace
             log.exception("HTTP infer request for model '%s' failed", model_name)
@@ -360,6 +280,7 @@ class HttpApp(FastAPI):
     """FastAPI with the infer endpoint answered before routing (the hot path)."""
 
     frontend: HttpFrontend
+    infer_guard: Guard | None = None  # the access check of the inference group, None when it has none
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
@@ -367,15 +288,20 @@ class HttpApp(FastAPI):
             if path.endswith(_INFER_SUFFIX) and path.startswith(_INFER_PREFIX) and not scope.get("root_path"):
                 target = _infer_target(path)
                 if target is not None:
-                    await self.frontend.infer(scope, receive, send, target[0], target[1])
+                    guard = self.infer_guard
+                    if guard is None or await admit(guard, kserve_body, scope, send):
+                        await self.frontend.infer(scope, receive, send, target[0], target[1])
                     return
         await super().__call__(scope, receive, send)
 
 
-def create_app(dataplane, *, max_input_size: int = 64 * 1024 * 1024, api_key: str | None = None) -> HttpApp:
-    """The HTTP app: KServe v2 and Triton's extensions, plus the OpenAI routes (``api_key``: required by
-    the ``/v1`` routes only)."""
-    frontend = HttpFrontend(dataplane, max_input_size)
+def create_app(dataplane, *, max_input_size: int = DEFAULT_MAX_INPUT_SIZE, max_decompressed_size: int | None = None,
+               max_json_depth: int = codec.MAX_JSON_DEPTH, tensor_limits: TensorLimits | None = None,
+               access: AccessPolicy | None = None, openapi: bool = True, openai_limits=None) -> HttpApp:
+    """The HTTP app: KServe v2 and Triton's extensions, plus the OpenAI routes (``access``: the restricted
+    API groups and the API key, see server/access.py; ``openapi``: serve the API's description at
+    ``GET /openapi.json``; ``openai_limits``: what one /v1 request may ask for, server/openai/limits.py)."""
+    frontend = HttpFrontend(dataplane, BodyReader(max_input_size, max_decompressed_size, max_json_depth), tensor_limits)
     app = HttpApp(title="tideserve", docs_url=None, redoc_url=None, openapi_url=None)
     app.frontend = frontend
     dp = dataplane
@@ -383,11 +309,15 @@ def create_app(dataplane, *, max_input_size: int = 64 * 1024 * 1024, api_key: st
     # -- errors ----------------------------------------------------------------------------
     @app.exception_handler(ServerError)
     async def _server_error(_request, exc: ServerError):
-        return error_response(exc.status.http_code, exc.message)
+        return error_response(exc.http_code, exc.message)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request, exc: StarletteHTTPException):
         return error_response(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
+
+    @app.exception_handler(ClientGone)
+    async def _client_gone(_request, _exc: ClientGone):
+        return Response(status_code=499)  # nobody reads it: the client left before its body arrived
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_request, exc: RequestValidationError):
@@ -414,6 +344,13 @@ def create_app(dataplane, *, max_input_size: int = 64 * 1024 * 1024, api_key: st
     @app.get("/v2/models/stats")
     async def all_statistics():
         return json_response({"model_stats": dp.model_statistics("", "")})
+
+    if openapi:
+        from .. import openapi as openapi_document
+
+        @app.get(openapi_document.PATH)
+        async def openapi_json():
+            return Response(openapi_document.document_json(), media_type=JSON)
 
     def target(request: Request) -> tuple[str, str]:
         params = request.path_params
@@ -457,7 +394,7 @@ def create_app(dataplane, *, max_input_size: int = 64 * 1024 * 1024, api_key: st
     # -- OpenAI-compatible API (server/openai/) --------------------------------------------
     from ..openai import mount as mount_openai
 
-    mount_openai(app, frontend, api_key)
+    mount_openai(app, frontend, openai_limits)
 
     # -- model repository -----------------------------------------------------------------
     @app.post("/v2/repository/index")
@@ -497,6 +434,12 @@ def create_app(dataplane, *, max_input_size: int = 64 * 1024 * 1024, api_key: st
         await dp.unload_model(model_name)
         return Response(status_code=200)
 
+    # -- access control (server/access.py): each route behind the checks of its API group ----------
+    from ..openai.errors import OpenAIError
+
+    policy = access or AccessPolicy()
+    guard_routes(app, policy, lambda refusal: OpenAIError(refusal.message, refusal.status).json())
+    app.infer_guard = policy.http_guard(INFERENCE)  # the fast path answers infer before routing
     return app
 
 

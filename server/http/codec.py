@@ -17,9 +17,14 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from ..datatypes import DATATYPES, config_to_datatype, element_size, from_raw, numpy_dtype, to_raw
 from ..errors import InvalidArgument, Unsupported
+from ..limits import TensorLimits
 from ..types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 
-MAX_JSON_DEPTH = 64  # nesting of a tensor's "data" arrays
+MAX_JSON_DEPTH = 64  # default nesting limit of a request's arrays and objects (--http-max-json-depth)
+DEFAULT_TENSOR_LIMITS = TensorLimits()
+# Nesting level, in an infer request, of an input's "data" array and of an input's or an output's
+# "parameters" object (the root object is level 1, "inputs" 2, an input 3).
+_TENSOR_FIELD_DEPTH = 4
 
 # Python type of a parsed JSON value -> its JSON name, for error messages.
 _JSON_NAMES = {str: "string", bool: "boolean", int: "integer", float: "number", list: "array",
@@ -80,26 +85,53 @@ def _is_uint(value: Any) -> bool:
     return type(value) is int and value >= 0
 
 
-def _flatten(data: list, name: str, depth: int = 0) -> list:
-    if depth >= MAX_JSON_DEPTH:
-        raise InvalidArgument(f"input '{name}': 'data' nests arrays deeper than {MAX_JSON_DEPTH} levels")
+def _too_deep(limit: int) -> str:
+    return f"nests arrays and objects deeper than {limit} levels (--http-max-json-depth)"
+
+
+def _flatten(data: list, name: str, max_depth: int, depth: int = _TENSOR_FIELD_DEPTH) -> list:
+    if depth > max_depth:
+        raise InvalidArgument(f"input '{name}': 'data' {_too_deep(max_depth)}")
     out: list = []
     for item in data:
         if type(item) is list:
-            out.extend(_flatten(item, name, depth + 1))
+            out.extend(_flatten(item, name, max_depth, depth + 1))
         else:
             out.append(item)
     return out
 
 
-def parse_json(buffer: bytes | memoryview, what: str = "request") -> Any:
+def check_json_depth(value: Any, limit: int, what: str, depth: int = 1) -> None:
+    """InvalidArgument naming ``what`` if the arrays and objects of ``value``, itself at nesting level
+    ``depth`` (the document's root is level 1), nest deeper than ``limit`` levels."""
+    if type(value) is not dict and type(value) is not list:
+        return
+    stack = [(value, depth)]
+    while stack:
+        node, level = stack.pop()
+        if level > limit:
+            raise InvalidArgument(f"{what} {_too_deep(limit)}")
+        for item in (node.values() if type(node) is dict else node):
+            if type(item) is dict or type(item) is list:
+                stack.append((item, level + 1))
+
+
+def parse_json(buffer: bytes | memoryview, what: str = "request", max_depth: int | None = None) -> Any:
+    """The parsed JSON; with ``max_depth``, refused when it nests deeper than that (orjson's own limit is 1024)."""
     try:
-        return orjson.loads(buffer)
+        doc = orjson.loads(buffer)
     except orjson.JSONDecodeError as exc:
         raise InvalidArgument(f"failed to parse the {what} JSON: {exc}") from None
+    if max_depth is not None:
+        raw = buffer if type(buffer) is bytes else bytes(buffer)
+        # a document nests no deeper than its count of opening brackets: most skip the walk
+        if raw.count(b"[") + raw.count(b"{") > max_depth:
+            check_json_depth(doc, max_depth, f"the {what} JSON")
+    return doc
 
 
-def _json_tensor_data(name: str, datatype: str, shape: list[int], count: int, data: Any) -> np.ndarray:
+def _json_tensor_data(name: str, datatype: str, shape: list[int], count: int, data: Any,
+                      max_depth: int) -> np.ndarray:
     """A tensor given as JSON "data" (flat or nested, row-major) -> numpy array of ``shape``."""
     if type(data) is not list:
         raise InvalidArgument(f"input '{name}': 'data' must be an array, got {_json_name(data)}")
@@ -110,7 +142,7 @@ def _json_tensor_data(name: str, datatype: str, shape: list[int], count: int, da
     kinds = set(map(type, data))
     flat = data
     if list in kinds:
-        flat = _flatten(data, name)
+        flat = _flatten(data, name, max_depth)
         kinds = set(map(type, flat))
     allowed, description = accepted
     if not kinds <= allowed:
@@ -137,8 +169,14 @@ def _bad_shape(name: str, shape: Any) -> None:
 
 
 # -- requests --------------------------------------------------------------------------------
-def decode_request(model_name: str, model_version: str, body: bytes, header_length: int | None) -> DecodedRequest:
-    """Parse an infer request body: JSON, optionally followed by binary tensor data."""
+def decode_request(model_name: str, model_version: str, body: bytes, header_length: int | None,
+                   limits: TensorLimits = DEFAULT_TENSOR_LIMITS,
+                   max_json_depth: int = MAX_JSON_DEPTH) -> DecodedRequest:
+    """Parse an infer request body: JSON, optionally followed by binary tensor data.
+
+    The document has a fixed structure, so its nesting is checked where it is free: an input's
+    ``data`` arrays and the values of input and output ``parameters``.
+    """
     if header_length is None:
         header = body
         binary_len = 0
@@ -229,6 +267,8 @@ def decode_request(model_name: str, model_version: str, body: bytes, header_leng
             if type(dim) is not int or dim < 0:
                 _bad_shape(name, shape)
             count *= dim
+        if len(shape) > limits.max_rank or count > limits.max_elements or not count:
+            limits.check(f"input '{name}'", shape, count)
         tparams = item.get("parameters")
         size = None
         extra_params = None
@@ -240,6 +280,8 @@ def decode_request(model_name: str, model_version: str, body: bytes, header_leng
             size = tparams.get("binary_data_size")
             if len(tparams) > (size is not None):
                 extra_params = {k: v for k, v in tparams.items() if k != "binary_data_size"}
+                check_json_depth(extra_params, max_json_depth, f"input '{name}': 'parameters'",
+                                 _TENSOR_FIELD_DEPTH)
         has_data = "data" in item
         if size is not None:
             if has_data:
@@ -268,7 +310,7 @@ def decode_request(model_name: str, model_version: str, body: bytes, header_leng
             else:
                 array = from_raw(chunk, datatype, tuple(shape), name)
         elif has_data:
-            array = _json_tensor_data(name, datatype, shape, count, item["data"])
+            array = _json_tensor_data(name, datatype, shape, count, item["data"], max_json_depth)
         else:
             raise InvalidArgument(f"input '{name}' has neither 'data' nor a 'binary_data_size' parameter")
         tensor = Tensor(name, datatype, tuple(shape), array)
@@ -304,12 +346,14 @@ def decode_request(model_name: str, model_version: str, body: bytes, header_leng
                 if "shared_memory_region" in oparams:
                     raise Unsupported(f"output '{name}': shared memory outputs are not supported by this server")
                 binary = oparams.get("binary_data")
+                classes = oparams.get("classification")
+                if len(oparams) > (binary is not None) + (classes is not None):  # more than those two scalars
+                    check_json_depth(oparams, max_json_depth, f"output '{name}': 'parameters'", _TENSOR_FIELD_DEPTH)
                 if binary is not None:
                     if type(binary) is not bool:
                         raise InvalidArgument(f"output '{name}': 'binary_data' must be a boolean, "
                                               f"got {_json_name(binary)}")
                     options.binary = binary
-                classes = oparams.get("classification")
                 if classes is not None:
                     if not _is_uint(classes):
                         raise InvalidArgument(f"output '{name}': 'classification' must be a non-negative "

@@ -40,15 +40,13 @@ from ..types import InferenceRequest, InferenceResponse, Tensor
 from . import codec
 from .app import (
     _JSON_HEADER,
-    _ClientGone,
-    _decompress,
     _Disconnected,
     _DisconnectWatch,
     _error_body,
-    _parse_length,
     _send,
     _send_error,
 )
+from .body import ClientGone
 
 log = logging.getLogger(__name__)
 
@@ -245,9 +243,9 @@ class _RequestBuilder:
 
 
 def decode_generate_request(model_name: str, model_version: str, body: bytes, config: mc.ModelConfig,
-                            max_input_size: int) -> InferenceRequest:
+                            max_input_size: int, max_json_depth: int = codec.MAX_JSON_DEPTH) -> InferenceRequest:
     """Parse a generate request body into an InferenceRequest for ``config``'s model."""
-    doc = codec.parse_json(body, "generate request") if body.strip() else {}
+    doc = codec.parse_json(body, "generate request", max_json_depth) if body.strip() else {}
     if type(doc) is not dict:
         raise InvalidArgument(f"the generate request must be a JSON object, got {codec._json_name(doc)}")
     builder = _RequestBuilder(model_name, config, max_input_size)
@@ -355,21 +353,12 @@ class GenerateRoute:
 
 async def handle_generate(frontend, scope, receive, send, model_name: str, model_version: str,
                           streaming: bool) -> None:
-    content_length = encoding = None
-    for key, value in scope["headers"]:
-        if key == b"content-length":
-            content_length = value
-        elif key == b"content-encoding":
-            encoding = value
     dataplane = frontend.dataplane
     try:
         config = dataplane.model_config(model_name, model_version)
-        if content_length is not None:
-            content_length = _parse_length(content_length, "Content-Length")
-        body = await frontend._read_asgi_body(receive, content_length)
-        if encoding is not None:
-            body = _decompress(body, encoding, frontend.max_input_size)
-        request = decode_generate_request(model_name, model_version, body, config, frontend.max_input_size)
+        body = await frontend.body.read_request(scope, receive)
+        request = decode_generate_request(model_name, model_version, body, config, frontend.max_input_size,
+                                          frontend.body.max_json_depth)
         if not streaming:
             response = await _unary(dataplane, request, receive)
             payload = encode_generate_response(response)
@@ -377,9 +366,9 @@ async def handle_generate(frontend, scope, receive, send, model_name: str, model
             stream = dataplane.infer(request)
     except ServerError as exc:
         log.debug("generate request for model '%s' failed: %s", model_name, exc.message)
-        await _send_error(send, exc.status.http_code, exc.message)
+        await _send_error(send, exc.http_code, exc.message)
         return
-    except (_ClientGone, _Disconnected):
+    except (ClientGone, _Disconnected):
         return
     except Exception as exc:  # a bug, not bad input: report it without a stack trace
         log.exception("HTTP generate request for model '%s' failed", model_name)
@@ -418,7 +407,7 @@ async def _stream(stream, scope, receive, send) -> None:
             if event is not None:
                 first.append(event)
                 if response.error is not None:
-                    status = as_server_error(response.error).status.http_code
+                    status = as_server_error(response.error).http_code
                 break
     except asyncio.CancelledError:
         await stream.aclose()

@@ -3,8 +3,9 @@
 Mounted on the HTTP app (same port as KServe v2). Like every frontend it only translates: requests
 become DataPlane requests of the model's text interface (:mod:`.llm`), responses become OpenAI JSON
 or server-sent events. One package per endpoint (``models``, ``completion``, ``chat_completion``),
-as in vLLM's ``entrypoints/openai``. With an API key, the ``/v1`` routes answer 401 without
-``Authorization: Bearer <key>``; ``/health``, ``/v2`` and ``/metrics`` never ask for it.
+as in vLLM's ``entrypoints/openai``. The API key and the restricted API groups guard these routes
+like every other (server/access.py): with ``--api-key`` the ``/v1`` routes answer 401 without
+``Authorization: Bearer <key>``; ``/health`` never asks for the key.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from .chat_completion import create_chat_completion
 from .completion import create_completion
 from .errors import OpenAIError
 from .http import OpenAIRoute, OpenAIServer
+from .limits import OpenAILimits
 from .llm import Catalog
 from .models import get_model, list_models
 
-__all__ = ["mount"]
+__all__ = ["OpenAILimits", "mount"]
 
 
 async def _health(server, _doc, _scope) -> bytes:
@@ -27,10 +29,11 @@ async def _health(server, _doc, _scope) -> bytes:
     return b""
 
 
-def mount(app, frontend, api_key: str | None = None) -> OpenAIServer:
-    """Add the OpenAI routes to ``app`` (a FastAPI / Starlette app); ``frontend`` is the HttpFrontend."""
+def mount(app, frontend, limits: OpenAILimits | None = None) -> OpenAIServer:
+    """Add the OpenAI routes to ``app`` (a FastAPI / Starlette app); ``frontend`` is the HttpFrontend,
+    ``limits`` what one request may ask for (the ``--openai-*`` flags)."""
     dataplane = frontend.dataplane
-    server = OpenAIServer(dataplane, Catalog(dataplane), frontend, api_key)
+    server = OpenAIServer(dataplane, Catalog(dataplane), frontend, limits)
     routes = [
         ("/v1/models", list_models, ["GET"], False),
         ("/v1/models/{model:path}", get_model, ["GET"], False),
@@ -39,5 +42,5 @@ def mount(app, frontend, api_key: str | None = None) -> OpenAIServer:
     ]
     for path, handler, methods, body in routes:
         app.router.routes.append(Route(path, OpenAIRoute(server, handler, body), methods=methods))
-    app.router.routes.append(Route("/health", OpenAIRoute(server, _health, False, public=True), methods=["GET"]))
+    app.router.routes.append(Route("/health", OpenAIRoute(server, _health, False), methods=["GET"]))
     return server

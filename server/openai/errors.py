@@ -79,14 +79,17 @@ def from_server_error(exc: BaseException, fields: dict[str, str] | None = None,
         return exc
     if not isinstance(exc, ServerError):
         return OpenAIError(f"internal error: {type(exc).__name__}: {exc}", 500)
-    status = exc.status.http_code
-    param = None
+    status = exc.http_code
+    message, param = exc.message, None
     if exc.status is Status.INVALID_ARG:
-        match = _NAMED.search(exc.message)
+        match = _NAMED.search(message)
         if match:
-            param = (fields or {}).get(match.group(1), match.group(1))
-        elif any(word in exc.message.lower() for word in _PROMPT_WORDS):
+            name = match.group(1)
+            param = (fields or {}).get(name, name)
+            if param != name:  # the message speaks of the field the client sent
+                message = message.replace(f"'{name}'", f"'{param}'")
+        elif any(word in message.lower() for word in _PROMPT_WORDS):
             param = prompt_param
     elif exc.status is Status.NOT_FOUND:
         param = "model"
-    return OpenAIError(exc.message, status, param)
+    return OpenAIError(message, status, param)

@@ -1,26 +1,31 @@
-"""The ASGI side of the OpenAI routes: API key, body, JSON or server-sent events, client disconnects.
+"""The ASGI side of the OpenAI routes: body, JSON or server-sent events, client disconnects.
 
 A handler gets the parsed body and returns the JSON bytes of the answer or an :class:`EventStream`.
 Errors before the first byte are JSON in OpenAI's shape with their status; an error once a stream
 has started is one ``data: {"error": ...}`` event, then ``data: [DONE]``. A client that disconnects
-cancels the handler, which closes its DataPlane streams (the engine aborts the requests).
+cancels the handler, which closes its DataPlane streams (the engine aborts the requests). The API key
+and the restricted API groups are checked before a route runs (server/access.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import orjson
 
 from ..errors import ServerError
-from ..http.app import _ClientGone, _decompress, _DisconnectWatch, _parse_length
+from ..http.app import _DisconnectWatch
+from ..http.body import ClientGone
 from .errors import BadRequest, OpenAIError, from_server_error
+from .limits import OpenAILimits
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+_WORKERS = 4  # threads for blocking request work; a chat template's render is bounded in time
 
 _JSON_HEADERS = [(b"content-type", b"application/json")]
 _SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
@@ -43,41 +48,28 @@ class EventStream:
 
 
 class OpenAIServer:
-    """What the handlers share: the DataPlane, the model catalog, body limits and the API key."""
+    """What the handlers share: the DataPlane, the model catalog, body limits, the request limits and the
+    threads that keep blocking work (chat templates, token counts) off the event loop."""
 
-    def __init__(self, dataplane, catalog, frontend, api_key: str | None) -> None:
+    def __init__(self, dataplane, catalog, frontend, limits: OpenAILimits | None = None) -> None:
         self.dataplane = dataplane
         self.catalog = catalog
         self.frontend = frontend  # server.http.app.HttpFrontend: body size limit and reading
-        self.api_key = api_key.encode() if api_key else None
+        self.limits = limits or OpenAILimits()
+        self._workers = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="openai-work")
 
-    def authorized(self, scope) -> bool:
-        if self.api_key is None:
-            return True
-        for key, value in scope["headers"]:
-            if key == b"authorization":
-                scheme, _, token = value.partition(b" ")
-                return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
-        return False
+    async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on a worker thread: the event loop keeps serving meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self._workers, fn, *args)
 
     async def read_json(self, scope, receive) -> Any:
-        content_length = encoding = None
-        for key, value in scope["headers"]:
-            if key == b"content-length":
-                content_length = value
-            elif key == b"content-encoding":
-                encoding = value
+        """The request's JSON body, read within the HTTP frontend's limits (server/http/body.py)."""
+        _require_json(scope)
+        reader = self.frontend.body
         try:
-            length = _parse_length(content_length, "Content-Length") if content_length is not None else None
-            body = await self.frontend._read_asgi_body(receive, length)
-            if encoding is not None:
-                body = _decompress(body, encoding, self.frontend.max_input_size)
+            return reader.parse_json(await reader.read_request(scope, receive), "request body")
         except ServerError as exc:
             raise from_server_error(exc) from None
-        try:
-            return orjson.loads(body)
-        except orjson.JSONDecodeError as exc:
-            raise BadRequest(f"the request body is not valid JSON: {exc}") from None
 
 
 Handler = Callable[[OpenAIServer, Any, dict], Awaitable["bytes | EventStream"]]
@@ -86,24 +78,19 @@ Handler = Callable[[OpenAIServer, Any, dict], Awaitable["bytes | EventStream"]]
 class OpenAIRoute:
     """One endpoint as a plain ASGI app for the router."""
 
-    def __init__(self, server: OpenAIServer, handler: Handler, body: bool, public: bool = False) -> None:
+    def __init__(self, server: OpenAIServer, handler: Handler, body: bool) -> None:
         self.server = server
         self.handler = handler
         self.body = body
-        self.public = public  # answered without the API key (health)
 
     async def __call__(self, scope, receive, send) -> None:
         server = self.server
-        if not self.public and not server.authorized(scope):
-            await _send_error(send, OpenAIError("Invalid or missing API key: send 'Authorization: Bearer <key>'",
-                                                401), [(b"www-authenticate", b"Bearer")])
-            return
         try:
             doc = await server.read_json(scope, receive) if self.body else None
         except OpenAIError as exc:
             await _send_error(send, exc)
             return
-        except _ClientGone:
+        except ClientGone:
             return
         watch = _DisconnectWatch(receive, asyncio.current_task())
         watch.start()
@@ -138,6 +125,21 @@ class OpenAIRoute:
             if isinstance(reply, EventStream):
                 await reply.events.aclose()  # a generator left at a yield (client gone) ends here
                 await reply.close()
+
+
+def _require_json(scope) -> None:
+    """A body of another media type (or none named) is a 400 before it is read, as vLLM's server answers."""
+    for key, value in scope["headers"]:
+        if key == b"content-type":
+            media = value.split(b";", 1)[0].strip().lower()
+            if media == b"application/json":
+                return
+            shown = media.decode("latin-1")[:80]
+            break
+    else:
+        shown = "none"
+    raise BadRequest(f"Unsupported Media Type: the request body must be 'application/json' (Content-Type: "
+                     f"{shown})")
 
 
 def _error_event(exc: BaseException) -> bytes:

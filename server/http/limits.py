@@ -1,0 +1,226 @@
+"""Limits on what one HTTP connection can take, enforced where uvicorn parses the bytes.
+
+uvicorn's httptools protocol puts no bound on the size or number of request headers and no time
+limit on reading them or a body: a client can hold a connection by sending nothing, or a byte at a
+time, and can make the server buffer an unterminated header of any size. :class:`LimitedHttpToolsProtocol`
+adds those bounds; everything else is uvicorn's own.
+
+- The request line and headers (the head) are at most ``max_header_size`` bytes and
+  ``max_header_count`` headers, or the server answers 431 and closes the connection, having buffered
+  at most one socket read past the limit. The trailers of a chunked body are held to the same limits.
+- The head must be complete ``header_timeout`` seconds after the connection opens (or, on a
+  kept-alive connection, after the next request's first byte), or 408 and close; a new connection
+  that sent nothing at all is closed without an answer. Idle kept-alive connections are closed by
+  uvicorn's keep-alive timeout (5 s).
+- While a body is expected, at most ``body_timeout`` seconds may pass between two of its chunks, or
+  408 and close (only the close once the answer has started). Time during which the server itself
+  does not read (flow control: the app has not asked for more) does not count.
+
+The number of connections and requests in flight is uvicorn's own ``limit_concurrency``: past it,
+a request is answered 503 and its connection closed.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+import orjson
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_HEADER_SIZE = 64 * 1024
+DEFAULT_MAX_HEADER_COUNT = 100
+DEFAULT_HEADER_TIMEOUT_SECS = 10.0
+DEFAULT_BODY_TIMEOUT_SECS = 30.0
+DEFAULT_MAX_CONNECTIONS = 1000
+
+# What the connection waits for.
+_HEAD = 1  # a request line and headers
+_BODY = 2  # the rest of a request body
+_IDLE = 0  # nothing from the client: the server is answering, or the connection is kept alive
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionLimits:
+    max_header_size: int = DEFAULT_MAX_HEADER_SIZE
+    """Most bytes of request line and headers (``--http-max-header-size``)."""
+    max_header_count: int = DEFAULT_MAX_HEADER_COUNT
+    """Most headers in one request (``--http-max-header-count``)."""
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT_SECS
+    """Seconds the head may take to arrive (``--http-header-timeout-secs``)."""
+    body_timeout: float = DEFAULT_BODY_TIMEOUT_SECS
+    """Seconds allowed between two chunks of a body (``--http-body-timeout-secs``)."""
+    max_connections: int | None = DEFAULT_MAX_CONNECTIONS
+    """Most open connections and requests in flight, None for no limit (``--http-max-connections``)."""
+
+    def uvicorn_settings(self) -> dict:
+        """The ``uvicorn.Config`` arguments that apply these limits.
+
+        uvicorn answers 503 once the open connections, the one asking included, reach
+        ``limit_concurrency``: one more than ``max_connections`` serves that many. The server has no
+        WebSocket routes, so no connection is handed over to a WebSocket protocol, out of these limits.
+        """
+        concurrency = None if self.max_connections is None else self.max_connections + 1
+        return {"http": functools.partial(LimitedHttpToolsProtocol, limits=self), "limit_concurrency": concurrency,
+                "ws": "none"}
+
+
+class _Refusal(Exception):
+    """Raised in a parser callback to stop parsing; the protocol then answers 431 and closes."""
+
+
+class LimitedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with limits on the head's size and header count, and read timeouts."""
+
+    def __init__(self, *args, limits: ConnectionLimits, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.limits = limits
+        self._waiting = _HEAD
+        self._deadline = 0.0
+        self._timer = None
+        self._timer_at = 0.0
+        self._head_received = 0  # bytes read since the head began: a bound on its size
+        self._head_count = 0     # headers of the request whose body is being read (more are trailers)
+        self._unseen = 0         # bytes read while waiting for a body with none of it seen: trailers
+        self._refusal: tuple[int, str] | None = None
+
+    # -- what the connection waits for, and the one timer that bounds it -------------------
+    def _wait_for(self, what: int, timeout: float) -> None:
+        self._waiting = what
+        deadline = self._deadline = self.loop.time() + timeout
+        if self._timer is None or self._timer_at > deadline:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = self.loop.call_at(deadline, self._on_timer)
+            self._timer_at = deadline
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        if self._waiting == _IDLE or self.transport.is_closing():
+            return
+        now = self.loop.time()
+        cycle = self.cycle
+        if self.flow.read_paused or (self._waiting == _HEAD and cycle is not None and not cycle.response_complete):
+            # the server is the one not reading, or is answering the previous request: the client is not late
+            self._deadline = now + (self.limits.header_timeout if self._waiting == _HEAD else self.limits.body_timeout)
+        if now < self._deadline:
+            self._timer = self.loop.call_at(self._deadline, self._on_timer)
+            self._timer_at = self._deadline
+            return
+        if self._waiting == _BODY:
+            self._answer(408, f"no part of the request body arrived for {self.limits.body_timeout:g} s "
+                              "(--http-body-timeout-secs)")
+        elif self._head_received:
+            self._answer(408, f"the request line and headers did not arrive within "
+                              f"{self.limits.header_timeout:g} s (--http-header-timeout-secs)")
+        else:
+            self._close()  # a connection that never sent a byte gets no answer
+
+    def _close(self) -> None:
+        self._waiting = _IDLE
+        self.transport.close()
+
+    def _answer(self, status: int, message: str) -> None:
+        """Answer ``{"error": message}`` with ``status`` where HTTP allows it, and close the connection.
+
+        Waiting for a head, the answer goes out unless the previous request's is still due (it must
+        come first); waiting for a body, unless the app's answer has started (the app then sees the
+        client gone).
+        """
+        log.debug("HTTP %d to %s: %s", status, self.client, message)
+        cycle = self.cycle
+        if self._waiting == _HEAD:
+            answerable = cycle is None or cycle.response_complete
+        else:
+            answerable = cycle is not None and not cycle.response_started
+            if answerable:
+                cycle.disconnected = True  # the app's receive() and send() now see the client gone
+                cycle.message_event.set()
+        if answerable:
+            body = orjson.dumps({"error": message})
+            head = [STATUS_LINE[status]]
+            for name, value in self.server_state.default_headers:
+                head.extend([name, b": ", value, b"\r\n"])
+            head.append(b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+                        % len(body))
+            self.transport.write(b"".join(head) + body)
+        self._close()
+
+    def _too_large(self, size: int) -> str:
+        return (f"the request line and headers take more than {self.limits.max_header_size} bytes "
+                f"({size} so far; --http-max-header-size)")
+
+    def _check_head(self) -> None:
+        """Refuse (431) a complete head past the limits: raised in a parser callback, it stops the parser."""
+        limits = self.limits
+        message = None
+        if len(self.headers) > limits.max_header_count:
+            message = f"the request has more than {limits.max_header_count} headers (--http-max-header-count)"
+        elif self._head_received > limits.max_header_size:  # the read also held body bytes: measure the head
+            size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
+            if size > limits.max_header_size:
+                message = self._too_large(size)
+        if message is not None:
+            self._refusal = (431, message)
+            raise _Refusal(message)
+
+    # -- asyncio.Protocol -----------------------------------------------------------------
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._wait_for(_HEAD, self.limits.header_timeout)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._waiting = _IDLE
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        waiting = self._waiting
+        if waiting == _IDLE:  # the next request's first bytes
+            self._head_received = len(data)
+            self._wait_for(_HEAD, self.limits.header_timeout)
+        elif waiting == _HEAD:
+            self._head_received += len(data)
+        else:  # more of a body
+            self._deadline = self.loop.time() + self.limits.body_timeout
+            self._unseen += len(data)
+        super().data_received(data)
+        if self._waiting == _IDLE or self.transport.is_closing():
+            return
+        if self._waiting == _HEAD:
+            if self._head_received > self.limits.max_header_size:
+                self._answer(431, self._too_large(self._head_received))  # a header that does not end
+        elif self._unseen > self.limits.max_header_size or \
+                len(self.headers) - self._head_count > self.limits.max_header_count:
+            # a chunked body's trailers: held to the limits of a head
+            self._answer(431, "the request's trailers take more than the limits of its headers "
+                              "(--http-max-header-size, --http-max-header-count)")
+
+    def send_400_response(self, msg: str) -> None:
+        if self._refusal is None:
+            super().send_400_response(msg)
+        else:  # a parser callback refused the request
+            self._answer(*self._refusal)
+
+    # -- httptools callbacks (the head's size and header count are checked once it is complete: until
+    # then data_received bounds what is buffered) -----------------------------------------
+    def on_headers_complete(self) -> None:
+        if len(self.headers) > self.limits.max_header_count or self._head_received > self.limits.max_header_size:
+            self._check_head()
+        self._head_count = len(self.headers)
+        self._unseen = 0
+        self._wait_for(_BODY, self.limits.body_timeout)
+        super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        self._unseen = 0
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        self._waiting = _IDLE
+        super().on_message_complete()
