@@ -22,7 +22,8 @@ from .stats import Metrics
 from .types import InferenceRequest, InferenceResponse
 
 # Triton protocol extensions this server implements (listed in the server metadata).
-EXTENSIONS = ["classification", "model_repository", "schedule_policy", "model_configuration",
+EXTENSIONS = ["classification", "model_repository", "model_repository(unload_dependents)", "schedule_policy",
+              "model_configuration",
               "binary_tensor_data", "parameters", "statistics", "generate"]
 
 _FAILURE_REASON = {Status.CANCELLED: "CANCELED", Status.UNAVAILABLE: "REJECTED"}
@@ -155,8 +156,8 @@ class DataPlane:
     async def load_model(self, name: str, config_json: str | None = None) -> None:
         await self.repository.load(name, config_json)
 
-    async def unload_model(self, name: str) -> None:
-        await self.repository.unload(name)
+    async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
+        await self.repository.unload(name, unload_dependents=unload_dependents)
 
     # -- inference -----------------------------------------------------------------------
     def infer(self, request: InferenceRequest) -> InferenceStream:

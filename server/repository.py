@@ -46,6 +46,9 @@ class ModelEntry:
     reason: str = ""
     signature: tuple = ()
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # loaded because a client (or --load-model) named it, not only as a step of an ensemble that was loaded:
+    # unloading that ensemble with unload_dependents leaves such a model loaded
+    explicit: bool = False
 
 
 MAX_MODEL_NAME_BYTES = 255  # a directory name (NAME_MAX on Linux and macOS)
@@ -171,6 +174,9 @@ class ModelRepository:
             names = self.model_names()
         for wave in self.load_order(names):
             await asyncio.gather(*(self._load_quietly(name) for name in wave))
+        for name in names:
+            if name in self.entries:
+                self.entries[name].explicit = True
 
     async def _load_quietly(self, name: str) -> None:
         try:
@@ -287,6 +293,7 @@ class ModelRepository:
                 await self._retire(runtime)
         log.info("loaded model '%s' version(s) %s", name, sorted(runtimes))
         if not _internal:
+            entry.explicit = True
             self._changed()
 
     def _context(self, name: str, version: int, config: mc.ModelConfig, model_dir: Path) -> ModelContext:
@@ -332,7 +339,10 @@ class ModelRepository:
             raise kind(f"version {version}: {error.message}")
         return runtimes
 
-    async def unload(self, name: str, *, _internal: bool = False, drain_timeout: float | None = 30.0) -> None:
+    async def unload(self, name: str, *, _internal: bool = False, drain_timeout: float | None = 30.0,
+                     unload_dependents: bool = False) -> None:
+        """Unload every version of ``name``. ``unload_dependents``: also unload, recursively, the models this
+        ensemble runs that no other loaded ensemble runs and that were loaded only as its steps (as Triton)."""
         if not _internal and self.control_mode is not ControlMode.EXPLICIT:
             raise Unsupported("explicit model load / unload is not allowed unless the model control mode "
                               "is 'explicit'")
@@ -342,14 +352,26 @@ class ModelRepository:
             if name in self.model_names():
                 return
             raise NotFound(f"failed to unload '{name}': model is not known to the repository")
+        steps = self._loaded_steps(entry) if unload_dependents else []
         async with entry.lock:
             old, entry.versions = entry.versions, {}
             entry.state, entry.reason = ModelState.UNAVAILABLE.value, "unloaded"
+            entry.explicit = False
             for runtime in old.values():
                 await self._retire(runtime, drain_timeout)
         log.info("unloaded model '%s'", name)
+        for step in steps:
+            step_entry = self.entries.get(step)
+            if (step_entry is not None and step_entry.versions and not step_entry.explicit
+                    and not any(step in self._loaded_steps(other) for other in self.entries.values())):
+                await self.unload(step, _internal=True, drain_timeout=drain_timeout, unload_dependents=True)
         if not _internal:
             self._changed()
+
+    @staticmethod
+    def _loaded_steps(entry: ModelEntry) -> list[str]:
+        """The models the loaded versions of ``entry`` run as ensemble steps."""
+        return list(dict.fromkeys(model for runtime in entry.versions.values() for model, _ in runtime.steps))
 
     async def _retire(self, runtime: ModelRuntime, drain_timeout: float | None = 30.0) -> None:
         runtime.state = ModelState.UNLOADING

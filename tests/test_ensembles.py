@@ -473,6 +473,14 @@ def test_explicit_mode_loading_an_ensemble_loads_its_steps(repository, tmp_path)
             client.load_model("square")
             assert client.is_model_ready("a_nested") and client.is_model_ready("chain")
             np.testing.assert_array_equal(infer(client, "a_nested", IN=x).as_numpy("OUT"), ((x * 2 + 1) ** 2) * 2)
+
+            # unload_dependents: the steps loaded only for the ensemble go with it (recursively); a step a client
+            # loaded itself stays ('square' above, 'scale' here)
+            client.load_model("scale")
+            assert "model_repository(unload_dependents)" in client.get_server_metadata()["extensions"]
+            client.unload_model("a_nested", unload_dependents=True)
+            ready = {row["name"] for row in client.get_model_repository_index() if row["state"] == "READY"}
+            assert ready == {"scale", "square"}, ready
     finally:
         running.stop()
 

@@ -298,7 +298,8 @@ def test_repository_index(client):
 def test_load_unload_explicit(client, tideserve):
     name = "reloadable"
     assert client.is_model_ready(name)
-    client.unload_model(name)
+    client.unload_model(name, unload_dependents=True)  # a plain model has no steps: only itself goes
+    assert client.is_model_ready("add_sub")
     assert not client.is_model_ready(name)
     rows = {m.name: m for m in client.get_model_repository_index().models}
     assert rows[name].state == "UNAVAILABLE"

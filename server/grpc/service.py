@@ -236,7 +236,14 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def RepositoryModelUnload(self, request, context):
         try:
-            await self.dataplane.unload_model(request.model_name)
+            dependents = False
+            if "unload_dependents" in request.parameters:
+                param = request.parameters["unload_dependents"]
+                if param.WhichOneof("parameter_choice") != "bool_param":
+                    raise InvalidArgument("invalid value type for unload parameter 'unload_dependents', "
+                                          "expected bool_param")
+                dependents = param.bool_param
+            await self.dataplane.unload_model(request.model_name, unload_dependents=dependents)
         except Exception as exc:
             await _abort(context, exc)
         return pb.RepositoryModelUnloadResponse()

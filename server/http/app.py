@@ -431,7 +431,7 @@ def create_app(dataplane, *, max_input_size: int = DEFAULT_MAX_INPUT_SIZE, max_d
         dependents = params.get("unload_dependents", False)
         if type(dependents) is not bool:
             raise InvalidArgument("unload parameter 'unload_dependents' must be a boolean")
-        await dp.unload_model(model_name)
+        await dp.unload_model(model_name, unload_dependents=dependents)
         return Response(status_code=200)
 
     # -- access control (server/access.py): each route behind the checks of its API group ----------
