@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 # cores, then a stamp check), then serve. vLLM's CPU build wants VLLM_CPU_KVCACHE_SPACE (GiB of KV cache, else
 # it takes most of the RAM); nothing is downloaded (HF_HUB_OFFLINE). Both can be overridden from the environment.
 serve: $(VENV)/.installed
-	$(PY) -m server.examples.prepare model_repository
+	$(PY) -m tideserve.bench.examples.prepare model_repository
 	VLLM_CPU_KVCACHE_SPACE=$${VLLM_CPU_KVCACHE_SPACE:-1} HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} \
 	VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
 	$(VENV)/bin/tideserve --model-repository model_repository $(PORT_ARGS)

@@ -4,5 +4,5 @@ Everything lives in :mod:`general_backends.python.pb_utils`; this top-level modu
 name Triton models import.
 """
 
-from general_backends.python.pb_utils import *
-from general_backends.python.pb_utils import __all__  # noqa: F401
+from tideserve.general_backends.python.pb_utils import *
+from tideserve.general_backends.python.pb_utils import __all__  # noqa: F401

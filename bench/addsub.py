@@ -51,7 +51,7 @@ def start_server(kind: str, repo: Path, log: Path) -> tuple[subprocess.Popen, in
     http, grpc, metrics = free_ports(3)
     ports = ["--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
     if kind == "tideserve":
-        cmd = [sys.executable, "-m", "server.cli", "--model-repository", str(repo), *ports]
+        cmd = [sys.executable, "-m", "tideserve.cli", "--model-repository", str(repo), *ports]
     else:
         cmd = [str(PEERS_HOME / "bin" / "tritonserver-cpu"), "--model-repository", str(repo), *ports]
     # Triton runs from the log's folder: started in this repository, its Python stub would import

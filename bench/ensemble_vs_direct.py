@@ -3,7 +3,7 @@
 One tideserve process serves the example deployment's LLM models (``model_repository/llm``,
 ``llm_preprocess``, ``llm_postprocess``, ``llm_ensemble``: the same configs) over one vLLM engine, so
 both sides run on the same engine with the same engine arguments, in the same run. By default the
-engine runs the ~100M-parameter random Llama (``llm_backends.tiny_llama``, made offline) instead of
+engine runs the ~100M-parameter random Llama (``tideserve.bench.examples.tiny_llama``, made offline) instead of
 the example's tiny one, in bfloat16 with ``enforce_eager``.
 
 Each round sends ``--streams`` concurrent streaming requests of ``--tokens`` tokens each (greedy,
@@ -38,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 
-from bench.llm_servers import start_tideserve, stop_process, story_prompts
+from tideserve.bench.llm_servers import start_tideserve, stop_process, story_prompts
 
 EXAMPLE = ROOT / "model_repository"
 LLM_MODELS = ("llm", "llm_preprocess", "llm_postprocess", "llm_ensemble")
@@ -65,7 +65,7 @@ def cpu_seconds(pid: int) -> float:
 # -- the clients ----------------------------------------------------------------------------------
 def run_round(args, ports: dict, model: str, texts: list[str], max_tokens: int):
     """One round measured by tideserve-bench: every prompt at once, greedy, ``ignore_eos``."""
-    from bench.tideserve_bench.api import measure
+    from tideserve.bench.tideserve_bench.api import measure
 
     if args.protocol == "grpc":
         target, url = "grpc-stream", f"127.0.0.1:{ports['grpc']}"
@@ -91,7 +91,7 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "tideserve-bench-llm")
     args = parser.parse_args()
 
-    from llm_backends.tiny_llama import make_model
+    from tideserve.bench.examples.tiny_llama import make_model
 
     model_dir = make_model(args.model_dir / args.size, args.size).resolve()
     example_args = json.loads((EXAMPLE / "llm" / "1" / "model.json").read_text())

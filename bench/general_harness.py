@@ -106,7 +106,7 @@ def _wait_ready(label: str, proc: subprocess.Popen, http: int, models: list[str]
 
 def start_tideserve(label: str, repo: Path, models: list[str], log: Path) -> Server:
     http, grpc, metrics = free_ports(3)
-    cmd = [sys.executable, "-m", "server.cli", "--model-repository", str(repo), "--http-port", str(http),
+    cmd = [sys.executable, "-m", "tideserve.cli", "--model-repository", str(repo), "--http-port", str(http),
            "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)

@@ -1,6 +1,6 @@
 """vLLM through tideserve vs the same engine in-process: output tokens/s, TTFT p50 and ITL p50, one run.
 
-A ~100M-parameter random Llama (``llm_backends.tiny_llama``, made offline), ``--streams`` concurrent
+A ~100M-parameter random Llama (``tideserve.bench.examples.tiny_llama``, made offline), ``--streams`` concurrent
 streams of ``--tokens`` tokens each (``ignore_eos``, fixed prompts, greedy). Both sides stay up for the
 whole run: vLLM's ``AsyncLLM`` in this process, and a tideserve process serving the same engine
 arguments (``model.json``); the load rounds alternate between them (ABBA...), so the machine's
@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 
-from bench.llm_servers import start_tideserve, stop_process, story_prompts
+from tideserve.bench.llm_servers import start_tideserve, stop_process, story_prompts
 
 MODEL_NAME = "llm"
 SIDES = ("in-process AsyncLLM", "tideserve")
@@ -75,7 +75,7 @@ async def inprocess_round(engine, texts: list[str], max_tokens: int, tag: str) -
 
 # -- through tideserve ----------------------------------------------------------------------------
 async def served_round(protocol: str, ports: dict, texts: list[str], max_tokens: int) -> dict:
-    from bench.tideserve_bench.api import measure_async
+    from tideserve.bench.tideserve_bench.api import measure_async
 
     if protocol == "grpc":
         target, url = "grpc-stream", f"127.0.0.1:{ports['grpc']}"
@@ -140,7 +140,7 @@ def main() -> None:
     os.environ.update(env_updates)  # for the in-process engine (set before vLLM is imported)
     env = {**os.environ, **env_updates}
 
-    from llm_backends.tiny_llama import make_model
+    from tideserve.bench.examples.tiny_llama import make_model
 
     model = make_model(args.model_dir / args.size, args.size)
     engine_args = {"model": str(model), "dtype": args.dtype, "max_model_len": 1024, "enforce_eager": args.eager}

@@ -30,14 +30,15 @@ def story_prompts(count: int) -> list[str]:
 
 
 def start_tideserve(repo: Path, log: Path, env: dict, ready_model: str, timeout: float = 900,
-                    weights: Path | None = None) -> tuple[subprocess.Popen, int, int]:
+                    weights: Path | None = None, args: tuple[str, ...] = ()) -> tuple[subprocess.Popen, int, int]:
     """A tideserve process over ``repo`` (in its own session), once ``ready_model`` is ready: (process, http, grpc).
-    ``weights``: a model directory outside ``repo`` that the repository's configs name."""
+    ``weights``: a model directory outside ``repo`` that the repository's configs name; ``args``: more flags."""
     http, grpc, metrics = free_port(), free_port(), free_port()
-    cmd = [sys.executable, "-m", "server.cli", "--model-repository", str(repo), "--http-port", str(http),
+    cmd = [sys.executable, "-m", "tideserve.cli", "--model-repository", str(repo), "--http-port", str(http),
            "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
     if weights is not None:
         cmd += ["--allowed-model-root", str(weights)]
+    cmd += args
     with open(log, "wb") as log_file:  # the child keeps its own descriptor
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
                                 start_new_session=True)

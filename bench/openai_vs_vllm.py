@@ -1,6 +1,6 @@
 """tideserve's OpenAI frontend vs vLLM's own OpenAI server: the same model, the same engine arguments.
 
-A ~100M-parameter random Llama (``llm_backends.tiny_llama``, made offline; its tokenizer carries a chat
+A ~100M-parameter random Llama (``tideserve.bench.examples.tiny_llama``, made offline; its tokenizer carries a chat
 template). Both servers are started (one after the other) and stay up; then ``--rounds`` load rounds
 alternate between them (ABBA...), one side at a time after a few seconds' rest (an engine that has just
 finished a round keeps a core busy for a moment): a warm-up request, then ``--streams`` concurrent streaming
@@ -36,7 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
-from bench.llm_servers import free_port, stop_process
+from tideserve.bench.llm_servers import free_port, stop_process
 
 MODEL_NAME = "llm"
 SUBJECTS = ["the river", "a quiet town", "the old library", "an engineer", "the winter market", "a lighthouse",
@@ -64,7 +64,7 @@ def tideserve_command(engine_args: dict, port: int, work: Path) -> list[str]:
     (repo / MODEL_NAME / "1").mkdir(parents=True, exist_ok=True)
     (repo / MODEL_NAME / "config.pbtxt").write_text('backend: "vllm"\n')
     (repo / MODEL_NAME / "1" / "model.json").write_text(json.dumps(engine_args))
-    return [sys.executable, "-m", "server.cli", "--model-repository", str(repo), "--http-port", str(port),
+    return [sys.executable, "-m", "tideserve.cli", "--model-repository", str(repo), "--http-port", str(port),
             "--grpc-port", str(free_port()), "--metrics-port", str(free_port()),
             "--allowed-model-root", engine_args["model"]]  # the weights live outside the repository
 
@@ -102,7 +102,7 @@ class Server:
 # -- load -----------------------------------------------------------------------------------------
 def load(port: int, streams: int, max_tokens: int) -> dict:
     """One round: ``streams`` streaming chat completions at once, measured by tideserve-bench."""
-    from bench.tideserve_bench.api import measure
+    from tideserve.bench.tideserve_bench.api import measure
 
     url = f"http://127.0.0.1:{port}"
     measure("openai-chat", url, MODEL_NAME, ["warm up"], 8, extra={"temperature": 0})
@@ -140,7 +140,7 @@ def main() -> None:
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers on the way out
 
-    from llm_backends.tiny_llama import make_model
+    from tideserve.bench.examples.tiny_llama import make_model
 
     work = Path(tempfile.mkdtemp(prefix="tideserve-bench-openai-"))
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": args.kv_cache_gib, "HF_HUB_OFFLINE": "1",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from server.backend import Backend, Model
-from server.errors import InvalidArgument, ServerError, Unavailable
+from tideserve.backend import Backend, Model
+from tideserve.errors import InvalidArgument, ServerError, Unavailable
 
 from .plan import EnsemblePlan, Step, build_plan, read_steps
 from .scheduler import EnsembleScheduler

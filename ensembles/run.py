@@ -24,13 +24,13 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from server.errors import Cancelled, InternalError, ServerError, Status
-from server.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
+from tideserve.errors import Cancelled, InternalError, ServerError, Status
+from tideserve.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 
 from .plan import Label, Step
 
 if TYPE_CHECKING:
-    from server.dataplane import InferenceStream
+    from tideserve.dataplane import InferenceStream
 
     from .scheduler import EnsembleScheduler
 

@@ -13,15 +13,15 @@ import asyncio
 import time
 from typing import TYPE_CHECKING
 
-from server.errors import Unavailable
-from server.schedulers import Scheduler
-from server.types import InferenceRequest
+from tideserve.errors import Unavailable
+from tideserve.schedulers import Scheduler
+from tideserve.types import InferenceRequest
 
 from .plan import EnsemblePlan
 from .run import EnsembleRun
 
 if TYPE_CHECKING:
-    from server.runtime import ModelRuntime
+    from tideserve.runtime import ModelRuntime
 
 
 class EnsembleScheduler(Scheduler):

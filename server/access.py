@@ -267,7 +267,7 @@ def guard_routes(app, policy: AccessPolicy, openai_body: Render) -> None:
             guard, render = policy.http_guard(OPENAI_ROUTE_GROUPS[path], openai=True), openai_body
         else:
             raise RuntimeError(f"HTTP route {path!r} belongs to no API group: add it to "
-                               "server.access.HTTP_ROUTE_GROUPS or OPENAI_ROUTE_GROUPS")
+                               "tideserve.access.HTTP_ROUTE_GROUPS or OPENAI_ROUTE_GROUPS")
         if guard is not None:
             route.app = GuardedRoute(route.app, guard, render)
 

@@ -69,7 +69,7 @@ class ServerOptions:
     grpc_restricted_protocols: dict[str, Restriction] = field(default_factory=dict)
     openapi: bool = True  # serve the HTTP API's OpenAPI document at GET /openapi.json
     openai_limits: OpenAILimits = field(default_factory=OpenAILimits)  # what one /v1 request may ask for
-    # Freeze the garbage collector's heap once models are loaded (the CLI does; see server.heap). Off by default
+    # Freeze the garbage collector's heap once models are loaded (the CLI does; see tideserve.heap). Off by default
     # for servers embedded in another program, whose heap is that program's business.
     freeze_heap: bool = False
 

@@ -5,9 +5,9 @@ that model configs use (``backend: "python"``). Lifecycle hooks may be plain or 
 plain ones run on worker threads so the event loop never waits on them.
 
 ``ModelInstance.execute(requests)`` receives a batch. Each request carries a
-:class:`~server.responses.ResponseSender`; a backend either answers through it (required for
+:class:`~tideserve.responses.ResponseSender`; a backend either answers through it (required for
 decoupled models, which send 0..N responses and then FINAL) or returns a list with one
-:class:`~server.types.InferenceResponse` per request, which the scheduler sends as final.
+:class:`~tideserve.types.InferenceResponse` per request, which the scheduler sends as final.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class ModelContext:
         """The file or directory ``value`` names: absolute as given, else under the version directory,
         then the model directory (the first that exists); None when none exists. Symlinks are resolved
         and a path outside the model repository (or an allowed root) is refused with InvalidArgument
-        naming ``field`` (see :mod:`server.model_paths`)."""
+        naming ``field`` (see :mod:`tideserve.model_paths`)."""
         for path in model_paths.candidates(value, [self.version_path, self.model_path]):
             if path.exists():
                 return model_paths.check_inside(path, self.file_roots, self.name, field, value)

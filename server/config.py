@@ -50,7 +50,10 @@ def parse_text(text: str, source: str = CONFIG_FILE) -> mc.ModelConfig:
 def parse_json(text: str | bytes, source: str = "config override") -> mc.ModelConfig:
     config = mc.ModelConfig()
     try:
-        json_format.Parse(text, config)
+        doc = json.loads(text)
+        if not isinstance(doc, dict):  # json_format takes a JSON array as an empty message
+            raise ValueError(f"the configuration must be a JSON object, got {json.dumps(doc)[:40]}")
+        json_format.ParseDict(doc, config)
     except (json_format.ParseError, ValueError) as exc:
         raise InvalidArgument(f"failed to parse {source}: {exc}") from None
     return config

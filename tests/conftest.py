@@ -67,7 +67,7 @@ def start_server(repositories: list[Path], *extra_args: str, tmp_dir: Path, read
                  wait_ready: bool = True, env: dict | None = None) -> RunningServer:
     """Start ``tideserve`` as its own process and wait until it answers on HTTP."""
     http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
-    args = [sys.executable, "-m", "server.cli", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
+    args = [sys.executable, "-m", "tideserve.cli", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
             "--metrics-port", str(metrics_port)]
     for repo in repositories:
         args += ["--model-repository", str(repo)]

@@ -34,7 +34,7 @@ def missing_requirement() -> str | None:
 def prepare_repository() -> None:
     """Make the repository's generated files, as ``make serve`` does (a no-op once they exist). In its own
     process: importing transformers here would leave lazy modules behind for the other tests."""
-    done = subprocess.run([sys.executable, "-m", "server.examples.prepare", str(REPOSITORY), "--no-progress"],
+    done = subprocess.run([sys.executable, "-m", "tideserve.bench.examples.prepare", str(REPOSITORY), "--no-progress"],
                           capture_output=True, text=True, timeout=900, cwd=ROOT, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
 

@@ -20,8 +20,8 @@ import threading
 import time
 from pathlib import Path
 
-from server.app import Server, ServerOptions
-from server.backend import BackendRegistry
+from tideserve.app import Server, ServerOptions
+from tideserve.backend import BackendRegistry
 
 _WILDCARD_HOSTS = {"", "0.0.0.0", "::"}
 

@@ -31,7 +31,7 @@ from starlette.routing import Route
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.utils import InferenceServerException
 
-from server.access import (
+from tideserve.access import (
     GROUPS,
     GRPC_METHOD_GROUPS,
     HTTP_ROUTE_GROUPS,
@@ -40,9 +40,9 @@ from server.access import (
     guard_routes,
     parse_restrictions,
 )
-from server.app import ServerOptions
-from server.cli import build_parser, main, options_from_args
-from server.repository import ControlMode
+from tideserve.app import ServerOptions
+from tideserve.cli import build_parser, main, options_from_args
+from tideserve.repository import ControlMode
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -20,12 +20,12 @@ import numpy as np
 import pytest
 from llm_fixtures import VLLM_INSTALLED, metric_value, vllm_env, write_vllm_model
 
-from bench.tideserve_bench import compare as compare_mod
-from bench.tideserve_bench import metrics, plots
-from bench.tideserve_bench.records import RequestInput, RequestRecord, SSEParser
-from bench.tideserve_bench.runner import Runner, SweepPoint
-from bench.tideserve_bench.targets.base import Target, TargetOptions
-from bench.tideserve_bench.workload import (
+from tideserve.bench.tideserve_bench import compare as compare_mod
+from tideserve.bench.tideserve_bench import metrics, plots
+from tideserve.bench.tideserve_bench.records import RequestInput, RequestRecord, SSEParser
+from tideserve.bench.tideserve_bench.runner import Runner, SweepPoint
+from tideserve.bench.tideserve_bench.targets.base import Target, TargetOptions
+from tideserve.bench.tideserve_bench.workload import (
     JsonlWorkload,
     LengthDist,
     SyntheticWorkload,
@@ -243,7 +243,7 @@ def test_arrivals_are_poisson_scaled_to_the_rate():
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory):
-    from llm_backends.tiny_llama import train_tokenizer
+    from tideserve.bench.examples.tiny_llama import train_tokenizer
 
     path = tmp_path_factory.mktemp("tokenizer")
     train_tokenizer(1024).save_pretrained(path)
@@ -383,7 +383,7 @@ def test_a_timed_out_request_is_a_failure():
 def test_openai_chat_target_parses_a_stream(tmp_path):
     from aiohttp import web
 
-    from bench.tideserve_bench.targets import make_target
+    from tideserve.bench.tideserve_bench.targets import make_target
 
     seen = []
 
@@ -451,7 +451,7 @@ def _doc(label, values, tput):
 
 
 def test_compare_puts_results_side_by_side_as_ratios(tmp_path, capsys):
-    from bench.tideserve_bench.cli import main
+    from tideserve.bench.tideserve_bench.cli import main
 
     a, b = tmp_path / "a.json", tmp_path / "b" / "result.json"
     b.parent.mkdir()
@@ -479,7 +479,7 @@ def test_compare_puts_results_side_by_side_as_ratios(tmp_path, capsys):
 
 
 def test_cli_rejects_bad_arguments(capsys):
-    from bench.tideserve_bench.cli import main
+    from tideserve.bench.tideserve_bench.cli import main
 
     base = ["run", "--target", "kserve-generate", "--model", "m", "--tokenizer", "/nonexistent"]
     with pytest.raises(SystemExit):
@@ -498,7 +498,7 @@ MODEL = "tiny_llm"
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from llm_backends.tiny_llama import make_model
+    from tideserve.bench.examples.tiny_llama import make_model
 
     return make_model(tmp_path_factory.mktemp("bench_tiny_llama"), "tiny")
 
@@ -518,7 +518,7 @@ def llm_server(tmp_path_factory, tiny_model):
 
 
 def bench(*args: str, timeout: float = 150) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "bench.tideserve_bench", *args], cwd=REPO, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tideserve.bench.tideserve_bench", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=timeout, check=False)
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from server import config
-from server.errors import InvalidArgument
-from server.repository import check_model_name, select_versions
+from tideserve import config
+from tideserve.errors import InvalidArgument
+from tideserve.repository import check_model_name, select_versions
 
 FULL = """
 name: "add_sub"
@@ -53,6 +53,13 @@ def test_json_form_has_proto_names_and_numeric_dims(tmp_path):
     assert data["max_batch_size"] == 8
     # round trip through the JSON override path
     assert config.parse_json(config.to_json(cfg)) == cfg
+
+
+@pytest.mark.parametrize("text", ["[]", "null", "1", '"x"'])
+def test_json_override_must_be_an_object(text):
+    """protobuf's json_format reads a JSON array as an empty config; a load request must not (found by fuzzing)."""
+    with pytest.raises(InvalidArgument, match="must be a JSON object"):
+        config.parse_json(text)
 
 
 def test_syntax_error_names_file_and_position():

@@ -7,7 +7,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from server.errors import ServerError, Status
+from tideserve.errors import ServerError, Status
 from toy_backends import BATCHES, GATES, collect, start_core, sum_request, wait_for, write_model
 
 

@@ -22,13 +22,13 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import InferenceServerException
 
-from ensembles.plan import build_plan, read_steps
-from server.backend import Backend, BackendRegistry, Model, ModelInstance
-from server.dataplane import DataPlane
-from server.errors import InvalidArgument
-from server.repository import ControlMode, ModelRepository
-from server.stats import Metrics
-from server.types import InferenceRequest, InferenceResponse, Tensor
+from tideserve.ensembles.plan import build_plan, read_steps
+from tideserve.backend import Backend, BackendRegistry, Model, ModelInstance
+from tideserve.dataplane import DataPlane
+from tideserve.errors import InvalidArgument
+from tideserve.repository import ControlMode, ModelRepository
+from tideserve.stats import Metrics
+from tideserve.types import InferenceRequest, InferenceResponse, Tensor
 
 # -- the composing models --------------------------------------------------------------------------
 # One model.py for all of them; the config parameter "kind" picks the behaviour.

@@ -150,7 +150,7 @@ def http_client(server):
 def test_preparation_is_idempotent(server):
     """After the server fixture prepared the repository, a second run finds nothing to make."""
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "server.examples.prepare", str(REPOSITORY), "--check"],
+    done = subprocess.run([sys.executable, "-m", "tideserve.bench.examples.prepare", str(REPOSITORY), "--check"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     assert time.monotonic() - started < 30  # a check of stamps, no training or export
@@ -239,8 +239,8 @@ def classify_by_hand(texts: list[str]) -> np.ndarray:
     """tokenize (MiniLM's tokenizer.json) -> ONNX Runtime on the encoder file -> the head's formula."""
     import onnxruntime
 
-    from server.examples.minilm import minilm_inputs, minilm_tokenizer
-    from server.examples.text_classifier import head_parameters, softmax_head
+    from tideserve.bench.examples.minilm import minilm_inputs, minilm_tokenizer
+    from tideserve.bench.examples.text_classifier import head_parameters, softmax_head
 
     feeds = minilm_inputs(texts, minilm_tokenizer(256, REPOSITORY / "text_tokenizer" / "1" / "tokenizer.json"))
     encoder = onnxruntime.InferenceSession(str(REPOSITORY / "text_encoder" / "1" / "model.onnx"),
@@ -285,7 +285,7 @@ def test_classifier_scores_equal_its_steps_run_by_hand(grpc_client, http_client)
 def test_classifier_learnt_its_training_sentences(http_client):
     import tritonclient.http as httpclient
 
-    from server.examples.text_classifier import read_data
+    from tideserve.bench.examples.text_classifier import read_data
 
     texts, gold = read_data(REPOSITORY / "text_classifier_data.jsonl")
     labels = (REPOSITORY / "text_classifier" / "labels.txt").read_text().split()
@@ -392,3 +392,83 @@ def test_a_cancelled_ensemble_stream_aborts_the_engine_request(server, how):
                                                  "parameters": {"max_tokens": 4, "temperature": 0,
                                                                 "return_num_output_tokens": True}})
     assert sum(e["num_output_tokens"] for e in events) == 4
+
+
+# -- hostile input: refused with a 4xx that names what is wrong -------------------------------------
+CONTEXT = 1024  # llm's max_model_len (model_repository/llm/1/model.json)
+
+
+@pytest.mark.parametrize("model", ["llm", "llm_ensemble"])
+def test_max_tokens_beyond_the_context_is_400_naming_it(server, grpc_client, model):
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    for max_tokens in (CONTEXT + 1, 2**63):
+        status, answer = post_json(server, f"/v2/models/{model}/generate",
+                                   {"text_input": "Hi", "parameters": {"max_tokens": max_tokens}})
+        assert status == 400 and "'max_tokens'" in answer["error"], answer
+    status, answer = post_json(server, f"/v2/models/{model}/generate",
+                               {"text_input": "Hi", "parameters": {"max_tokens": 5000}})
+    assert f"maximum context length is {CONTEXT} tokens" in answer["error"]
+    if model == "llm_ensemble":  # the tokenizer step refuses what its INT32 output cannot hold
+        status, answer = post_json(server, f"/v2/models/{model}/generate",
+                                   {"text_input": "Hi", "parameters": {"max_tokens": 2**63}})
+        assert "'max_tokens' must be between 1 and 2147483647" in answer["error"]
+    with pytest.raises(InferenceServerException) as caught:
+        grpc_client.infer(model, llm_inputs(grpcclient, "Hi", sampling={"max_tokens": 5000}))
+    assert caught.value.status() == "StatusCode.INVALID_ARGUMENT" and "max_tokens" in str(caught.value)
+    status, answer = post_json(server, f"/v2/models/{model}/generate",  # the context is the limit
+                               {"text_input": "Hi", "parameters": {"max_tokens": CONTEXT, "temperature": 0}})
+    assert status == 200, answer
+
+
+@pytest.mark.parametrize("model", ["llm", "llm_ensemble"])
+def test_openai_max_tokens_beyond_the_context_is_400_naming_it(server, model):
+    import openai
+
+    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0) as client:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=model, prompt="Hi", max_tokens=5000)
+        assert info.value.body["param"] == "max_tokens"
+        assert f"maximum context length is {CONTEXT} tokens" in info.value.body["message"]
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                           max_completion_tokens=2**40, stream=True)
+        assert info.value.body["param"] == "max_completion_tokens"
+        assert "'max_completion_tokens'" in info.value.body["message"]
+
+
+def test_invalid_utf8_text_is_400_naming_the_input(http_client, grpc_client):
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    for module, client, status in ((httpclient, http_client, "400"),
+                                   (grpcclient, grpc_client, "StatusCode.INVALID_ARGUMENT")):
+        data = np.array([[b"fine"], [b"\xff\xfe not UTF-8"]], dtype=np.object_)
+        tensor = module.InferInput("text", list(data.shape), "BYTES")
+        tensor.set_data_from_numpy(data)
+        for model in ("text_tokenizer", "text_classifier"):
+            with pytest.raises(InferenceServerException) as caught:
+                client.infer(model, [tensor])
+            assert caught.value.status() == status, (model, caught.value)
+            assert "input 'text' element 1 is not valid UTF-8" in str(caught.value)
+    assert http_client.infer("text_classifier", classifier_inputs(httpclient, SENTENCES[:1])).as_numpy("scores") \
+        is not None
+
+
+def test_many_prompts_do_not_delay_health(server):
+    """5,000 prompts are refused at once; the most one request may hold (256) are answered while health checks
+    stay quick (the bound is generous: ~10-70 ms measured, 9.9 s before the prompts were limited)."""
+    import httpx
+    from health_probe import HealthProbe
+
+    url = f"{server.base_url}/v1/completions"
+    with HealthProbe(server.http_port) as probe:
+        refused = httpx.post(url, json={"model": "llm", "prompt": ["hi"] * 5000, "max_tokens": 1}, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt"
+    assert probe.worst < 1.0, probe.worst
+    with HealthProbe(server.http_port) as probe:
+        answered = httpx.post(url, json={"model": "llm", "prompt": ["hi"] * 256, "max_tokens": 2}, timeout=300)
+    assert answered.status_code == 200 and len(answered.json()["choices"]) == 256
+    assert probe.worst < 1.0, (probe.worst, sorted(probe.latencies)[-5:])

@@ -24,11 +24,11 @@ import pytest
 from conftest import free_port
 from in_process import InProcessServer
 
-from server.app import ServerOptions
-from server.backend import Backend, BackendRegistry, Model, ModelInstance
-from server.errors import InvalidArgument
-from server.http.generate import fit_shape
-from server.types import InferenceResponse, Tensor
+from tideserve.app import ServerOptions
+from tideserve.backend import Backend, BackendRegistry, Model, ModelInstance
+from tideserve.errors import InvalidArgument
+from tideserve.http.generate import fit_shape
+from tideserve.types import InferenceResponse, Tensor
 
 MAX_INPUT = 256 * 1024  # the test server's --http-max-input-size
 

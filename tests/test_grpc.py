@@ -25,11 +25,11 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from server.app import ServerOptions
-from server.backend import Backend, BackendRegistry, Model, ModelInstance
-from server.errors import InvalidArgument
-from server.repository import ControlMode
-from server.types import InferenceResponse, Tensor
+from tideserve.app import ServerOptions
+from tideserve.backend import Backend, BackendRegistry, Model, ModelInstance
+from tideserve.errors import InvalidArgument
+from tideserve.repository import ControlMode
+from tideserve.types import InferenceResponse, Tensor
 
 pytestmark = pytest.mark.timeout(60)
 

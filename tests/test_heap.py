@@ -10,8 +10,8 @@ import pytest
 from conftest import free_port
 from in_process import InProcessServer
 
-from server.app import ServerOptions
-from server.repository import ControlMode
+from tideserve.app import ServerOptions
+from tideserve.repository import ControlMode
 
 MODELS = Path(__file__).parent / "models"
 

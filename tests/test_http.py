@@ -25,11 +25,11 @@ from conftest import free_port
 from in_process import InProcessServer
 from tritonclient.utils import InferenceServerException
 
-from server.app import ServerOptions
-from server.backend import Backend, BackendRegistry, Model, ModelInstance
-from server.errors import InvalidArgument
-from server.repository import ControlMode
-from server.types import InferenceResponse, Tensor
+from tideserve.app import ServerOptions
+from tideserve.backend import Backend, BackendRegistry, Model, ModelInstance
+from tideserve.errors import InvalidArgument
+from tideserve.repository import ControlMode
+from tideserve.types import InferenceResponse, Tensor
 
 MAX_INPUT = 256 * 1024  # the test servers' --http-max-input-size
 

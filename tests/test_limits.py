@@ -26,7 +26,7 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from server.cli import build_parser, options_from_args
+from tideserve.cli import build_parser, options_from_args
 
 OPENAI_MODELS = Path(__file__).resolve().parent / "openai_models"
 HEADER_SIZE = 4096

@@ -19,10 +19,10 @@ from conftest import TEST_MODELS, free_port
 from in_process import InProcessServer
 from tritonclient.utils import InferenceServerException
 
-from server.app import ServerOptions
-from server.backend import ModelContext
-from server.errors import InvalidArgument
-from server.repository import ControlMode
+from tideserve.app import ServerOptions
+from tideserve.backend import ModelContext
+from tideserve.errors import InvalidArgument
+from tideserve.repository import ControlMode
 
 EVIL = '''
 import pathlib
@@ -131,7 +131,7 @@ def test_allowed_root_admits_a_directory_outside(layout, tmp_path):
 
 
 def test_vllm_engine_paths_are_confined(layout, tmp_path):
-    from llm_backends.vllm.config import _resolve_path
+    from tideserve.llm_backends.vllm.config import _resolve_path
 
     _root, repo, outside, _marker = layout
     ctx = ModelContext("llm", 1, None, repo / "add_sub")

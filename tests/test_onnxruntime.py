@@ -30,12 +30,12 @@ from model_factory import onnx_models
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import InferenceServerException
 
-from general_backends.onnxruntime.session import SessionSettings
-from general_backends.onnxruntime.signature import auto_complete, check_config
-from general_backends.onnxruntime.tensors import GraphTensor
-from server.app import ServerOptions
-from server.config import parse_text
-from server.errors import InvalidArgument, Unavailable
+from tideserve.general_backends.onnxruntime.session import SessionSettings
+from tideserve.general_backends.onnxruntime.signature import auto_complete, check_config
+from tideserve.general_backends.onnxruntime.tensors import GraphTensor
+from tideserve.app import ServerOptions
+from tideserve.config import parse_text
+from tideserve.errors import InvalidArgument, Unavailable
 
 CACHE = Path(tempfile.gettempdir()) / "tideserve-test-cache" / "onnx"
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "tideserve serves ONNX models",
@@ -269,7 +269,7 @@ def test_two_instances_run_in_parallel(srv, http):
 
 
 def _cores() -> int:
-    from general_backends.onnxruntime.session import available_cores
+    from tideserve.general_backends.onnxruntime.session import available_cores
 
     return available_cores()
 

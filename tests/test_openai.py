@@ -1,6 +1,6 @@
 """End to end: the OpenAI frontend over the vllm backend, driven by the official ``openai`` client.
 
-One engine for the module (the tiny random Llama of ``llm_backends/tiny_llama.py``, float32, so greedy
+One engine for the module (the tiny random Llama of ``bench/examples/tiny_llama.py``, float32, so greedy
 outputs equal Hugging Face ``transformers``; its tokenizer files carry a ChatML chat template). The
 frontend's pieces without an engine are in ``test_openai_frontend.py``.
 """
@@ -44,7 +44,7 @@ CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
 # -- fixtures -----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from llm_backends.tiny_llama import make_model
+    from tideserve.bench.examples.tiny_llama import make_model
 
     return make_model(tmp_path_factory.mktemp("tiny_llama"), "tiny")
 
@@ -303,6 +303,8 @@ def test_tool_choice_none_answers_in_text(client):
 @pytest.mark.parametrize("kwargs, param", [
     ({"temperature": 2.5}, "temperature"),
     ({"max_tokens": -1}, "max_tokens"),
+    ({"max_tokens": MAX_MODEL_LEN + 1}, "max_tokens"),  # beyond the context window
+    ({"max_completion_tokens": 2**63}, "max_completion_tokens"),
     ({"n": 0}, "n"),
     ({"top_p": 1.5}, "top_p"),
     ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),

@@ -17,17 +17,20 @@ import httpx
 import openai
 import pytest
 from conftest import TEST_MODELS, start_server
+from health_probe import HealthProbe
 
-from server.openai.chat_completion.protocol import ChatCompletionRequest
-from server.openai.chat_template import ChatTemplate, load_template, tokenizer_dir
-from server.openai.completion.protocol import CompletionRequest
-from server.openai.errors import BadRequest, from_server_error
-from server.openai.protocol import parse
+from tideserve.openai.chat_completion.protocol import ChatCompletionRequest
+from tideserve.openai.chat_template import ChatTemplate, load_template, tokenizer_dir
+from tideserve.openai.completion.protocol import CompletionRequest
+from tideserve.openai.errors import BadRequest, from_server_error
+from tideserve.openai.limits import OpenAILimits
+from tideserve.openai.protocol import parse
 
 TOY = Path(__file__).resolve().parent / "openai_models"
 TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}" \
            "{% if add_generation_prompt %}assistant:{% endif %}"
 API_KEY = "sk-tideserve-test"
+LIMITS = OpenAILimits()
 
 
 # -- request validation (no server) -------------------------------------------------------------
@@ -39,7 +42,7 @@ API_KEY = "sk-tideserve-test"
     ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": "x", "top_p": 0}, "top_p"),
     ({"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
-    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "logprobs": -1}, "logprobs"),
     ({"prompt": [1, -2]}, "prompt"),
     ({"prompt": "x", "stop": 5}, "stop"),
     ({"prompt": "x", "seed": "abc"}, "seed"),
@@ -62,21 +65,24 @@ def test_completion_fields_out_of_range_name_the_field(doc, param):
     ({"prompt": "x", "min_tokens": 20, "max_tokens": 10}, "min_tokens"),
     ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
     ({"prompt": "x", "response_format": {"type": "json_schema"}}, "response_format"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),   # the server's limits
+    ({"prompt": "x", "n": 129}, "n"),
+    ({"prompt": ["x"] * 257}, "prompt"),
 ])
 def test_completion_cross_field_checks(doc, param):
     with pytest.raises(BadRequest) as info:
         request = parse(CompletionRequest, doc)
-        request.check_completion()
-        request.prompts()
+        request.check_completion(LIMITS)
+        request.prompts(LIMITS)
     assert info.value.param == param
 
 
 def test_completion_prompts_and_sampling():
     request = parse(CompletionRequest, {"prompt": [[1, 2], [3]], "n": 2, "stop": "x", "top_k": 5, "ignore_eos": True,
                                         "logit_bias": {"7": -100}, "unknown_field": 1})
-    assert request.prompts() == [[1, 2], [3]]
-    assert parse(CompletionRequest, {"prompt": [5, 6]}).prompts() == [[5, 6]]
-    assert parse(CompletionRequest, {"prompt": ["a", "b"]}).prompts() == ["a", "b"]
+    assert request.prompts(LIMITS) == [[1, 2], [3]]
+    assert parse(CompletionRequest, {"prompt": [5, 6] * 300}).prompts(LIMITS) == [[5, 6] * 300]  # one prompt
+    assert parse(CompletionRequest, {"prompt": ["a", "b"]}).prompts(LIMITS) == ["a", "b"]
     assert request.sampling(16, None) == {"max_tokens": 16, "n": 2, "stop": ["x"], "top_k": 5, "ignore_eos": True,
                                           "logit_bias": {"7": -100}}
     schema = {"type": "object"}
@@ -97,6 +103,8 @@ def test_completion_prompts_and_sampling():
      "messages[0].content"),
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -5}, "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 129}, "n"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": []}, "tools"),
     ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
@@ -106,7 +114,7 @@ def test_completion_prompts_and_sampling():
 ])
 def test_malformed_chat_requests_name_the_field(doc, param):
     with pytest.raises(BadRequest) as info:
-        parse(ChatCompletionRequest, doc).check_chat()
+        parse(ChatCompletionRequest, doc).check_chat(LIMITS)
     assert info.value.param == param, info.value.message
 
 
@@ -117,7 +125,7 @@ def test_chat_messages_for_the_template():
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}}]},
         {"role": "tool", "content": "42", "tool_call_id": "c1"}]})
-    request.check_chat()
+    request.check_chat(LIMITS)
     assert request.template_messages() == [
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": "a\nb"},
@@ -151,7 +159,7 @@ def test_chat_template_renders_like_hugging_face():
 
 
 def test_chat_template_errors_are_template_errors():
-    from server.openai.chat_template import TemplateError
+    from tideserve.openai.chat_template import TemplateError
 
     template = ChatTemplate("{{ raise_exception('no system messages') }}", {}, "test")
     with pytest.raises(TemplateError, match="no system messages"):
@@ -160,8 +168,8 @@ def test_chat_template_errors_are_template_errors():
 
 class _Runtime:
     def __init__(self, tmp_path: Path, config_text: str, name: str = "m") -> None:
-        from server import config as config_module
-        from server.backend import ModelContext
+        from tideserve import config as config_module
+        from tideserve.backend import ModelContext
 
         (tmp_path / name / "1").mkdir(parents=True, exist_ok=True)
         config = config_module.parse_text(f'name: "{name}"\n{config_text}')
@@ -196,7 +204,7 @@ def test_chat_template_found_in_tokenizer_files_and_config(tmp_path):
 
 
 def test_llm_models_are_told_by_their_interface(tmp_path):
-    from server.openai.llm import describe
+    from tideserve.openai.llm import describe
 
     text = 'input [{ name: "text_input" data_type: TYPE_STRING dims: [1] }, ' \
            '{ name: "sampling_parameters" data_type: TYPE_STRING dims: [1] }]\n' \
@@ -216,7 +224,7 @@ def test_llm_models_are_told_by_their_interface(tmp_path):
 
 
 def test_backend_errors_keep_the_field_names():
-    from server.errors import InvalidArgument, NotFound
+    from tideserve.errors import InvalidArgument, NotFound
 
     error = from_server_error(InvalidArgument("invalid sampling parameter 'max_tokens': must be >= 1"),
                               {"max_tokens": "max_completion_tokens"})
@@ -230,7 +238,7 @@ def test_backend_errors_keep_the_field_names():
 
 
 def test_api_key_flag_and_environment(monkeypatch):
-    from server.cli import build_parser, options_from_args
+    from tideserve.cli import build_parser, options_from_args
 
     monkeypatch.delenv("TIDESERVE_API_KEY", raising=False)
     assert options_from_args(build_parser().parse_args(["--model-repository", "x"])).api_key is None
@@ -472,8 +480,8 @@ def test_api_key_guards_only_the_v1_routes(key_server):
 def test_vllm_backend_reads_add_special_tokens_and_text_for_token_prompts():
     import numpy as np
 
-    from llm_backends.vllm.inputs import parse_inputs
-    from server.types import InferenceRequest, RequestedOutput, Tensor
+    from tideserve.llm_backends.vllm.inputs import parse_inputs
+    from tideserve.types import InferenceRequest, RequestedOutput, Tensor
 
     ids = Tensor.from_numpy("input_ids", np.array([1, 2, 3], np.int32))
     request = InferenceRequest("llm", {"input_ids": ids}, parameters={"add_special_tokens": False, "n": 2},
@@ -482,3 +490,166 @@ def test_vllm_backend_reads_add_special_tokens_and_text_for_token_prompts():
     assert parsed.outputs == {"text_output"} and not parsed.add_special_tokens and parsed.sampling == {"n": 2}
     parsed = parse_inputs(InferenceRequest("llm", {"input_ids": ids}))
     assert parsed.outputs == {"output_ids"} and parsed.add_special_tokens  # Triton's token interface as before
+
+
+# -- limits and hostile input -------------------------------------------------------------------
+def test_openai_limit_flags():
+    from tideserve.cli import build_parser, options_from_args
+
+    assert options_from_args(build_parser().parse_args(["--model-repository", "x"])).openai_limits == OpenAILimits()
+    args = ["--model-repository", "x", "--openai-max-prompts", "3", "--openai-max-prompt-tokens", "100",
+            "--openai-max-n", "2", "--openai-max-logprobs", "0", "--openai-chat-template-timeout-secs", "0.5"]
+    assert options_from_args(build_parser().parse_args(args)).openai_limits == OpenAILimits(3, 100, 2, 0, 0.5)
+    for bad in (["--openai-max-prompts", "0"], ["--openai-max-logprobs", "-1"],
+                ["--openai-chat-template-timeout-secs", "0"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["--model-repository", "x", *bad])
+
+
+def test_prompt_tokens_are_counted_only_when_they_may_exceed_the_limit():
+    from tideserve.openai.limits import count_prompt_tokens
+
+    class NoTokenizer:
+        def tokenizer(self):
+            return None
+
+    limits = OpenAILimits(max_prompt_tokens=100)
+    assert not limits.may_exceed_tokens(["x" * 20, [1] * 10])
+    assert limits.may_exceed_tokens(["x" * 30])
+    assert count_prompt_tokens(NoTokenizer(), ["héllo", [1, 2, 3]]) == 9  # UTF-8 bytes without a tokenizer
+    limits.check_prompt_tokens(100, "prompt")
+    with pytest.raises(BadRequest) as info:
+        limits.check_prompt_tokens(101, "messages")
+    assert info.value.param == "messages" and "at most 100 prompt tokens" in info.value.message
+    with pytest.raises(BadRequest) as info:
+        limits.check_logprobs(21, "top_logprobs")
+    assert info.value.message == "Requested sample logprobs of 21, which is greater than max allowed: 20"
+
+
+@pytest.mark.parametrize("source, says", [
+    ("{% for i in range(10**9) %}x{% endfor %}", "arguments above"),
+    ("{{ 'x' * 10**9 }}", "built a value"),
+    ("{{ 'x'|center(10**9) }}", "arguments above"),
+    ("{{ 'x'.ljust(10**9) }}", "arguments above"),
+    ("{{ '%1000000000s' % 'x' }}", "width"),
+    ("{{ '{:>1000000000}'.format('x') }}", "width"),
+    ("{{ '{:>{}}'.format('x', 10**9) }}", "arguments above"),
+    ("{{ '%*s' % (10**9, 'x') }}", "arguments above"),
+    ("{{ 7 ** 100000 }}", "too large a number"),
+    ("{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+     "built a value"),
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "ran for more than"),
+    ("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}", "built a prompt"),
+    ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "RecursionError"),
+])
+def test_chat_template_bombs_stop_within_the_budget(source, says):
+    from tideserve.openai.chat_template import TemplateError
+    from tideserve.openai.template_sandbox import RenderBudget
+
+    start = time.monotonic()
+    with pytest.raises(TemplateError, match=says):
+        ChatTemplate(source, {}, "request").render([], budget=RenderBudget(0.5, 1 << 20))
+    assert time.monotonic() - start < 10  # generous: the budget is 0.5 s
+
+
+def test_a_template_within_the_budget_renders_as_without_one():
+    from tideserve.openai.template_sandbox import RenderBudget
+
+    source = "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}{{ m.role ~ ':' ~ " \
+             "m.content|trim|tojson }}{{ '%02d' % loop.index }}{% endfor %}{{ ns.n }}{{ '{:>4}'.format(2 ** 10) }}" \
+             "{{ '{}'.format(1700000000) }}"
+    template = ChatTemplate(source, {}, "test")
+    messages = [{"role": "user", "content": " a "}, {"role": "assistant", "content": "b"}]
+    assert template.render(messages, budget=RenderBudget(2, 1000)) == template.render(messages) == \
+        'user:"a"01assistant:"b"02210241700000000'
+
+
+@pytest.mark.parametrize("content_type", [b"text/plain", b"application/x-www-form-urlencoded", None])
+def test_non_json_bodies_are_refused(toy_server, content_type):
+    body = json.dumps({"model": "words", "prompt": "x", "max_tokens": 1}).encode()
+    headers = {"content-type": content_type.decode()} if content_type else {}
+    response = httpx.post(f"{toy_server.base_url}/v1/completions", content=body, headers=headers)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["type"] == "BadRequestError" and "Unsupported Media Type" in error["message"]
+    ok = httpx.post(f"{toy_server.base_url}/v1/completions", content=body,
+                    headers={"content-type": "Application/JSON; charset=utf-8"})
+    assert ok.status_code == 200
+
+
+def test_a_request_template_that_overflows_is_400_naming_it(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="words", messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+                                       extra_body={"chat_template": "{% for i in range(10**9) %}x{% endfor %}"})
+    assert info.value.body["param"] == "chat_template" and info.value.body["code"] == 400
+
+
+def test_5000_prompts_are_refused_without_delaying_health(toy_server):
+    with HealthProbe(toy_server.http_port) as probe:
+        start = time.monotonic()
+        response = httpx.post(f"{toy_server.base_url}/v1/completions", timeout=60,
+                              json={"model": "words", "prompt": ["hi"] * 5000, "max_tokens": 1})
+        took = time.monotonic() - start
+        time.sleep(0.1)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
+    assert "at most 256" in response.json()["error"]["message"]
+    assert took < 5 and probe.worst < 1.0, (took, probe.worst)  # generous bounds: ~10 ms each measured
+
+
+@pytest.mark.parametrize("kwargs, param, says", [
+    ({"n": 129}, "n", "at most 128"),
+    ({"logprobs": 21}, "logprobs", "greater than max allowed: 20"),
+    ({"prompt": "é" * 140_000}, "prompt", "at most 262144 prompt tokens"),  # no tokenizer: UTF-8 bytes
+])
+def test_completion_limits_are_400_naming_the_field(client, kwargs, param, says):
+    request = {"model": "words", "prompt": "hi", "max_tokens": 1, **kwargs}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(**request)
+    assert info.value.body["param"] == param and says in info.value.body["message"]
+
+
+# -- a server with other limits -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def limits_server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("openai_limits")
+    server = start_server([_repository(tmp)], "--openai-max-prompts", "5000", "--openai-max-prompt-tokens", "20000",
+                          "--openai-max-n", "1", "--openai-max-logprobs", "0",
+                          "--openai-chat-template-timeout-secs", "0.5", tmp_dir=tmp)
+    yield server
+    server.stop()
+
+
+def test_5000_prompts_allowed_are_answered_without_delaying_health(limits_server):
+    with HealthProbe(limits_server.http_port) as probe:
+        response = httpx.post(f"{limits_server.base_url}/v1/completions", timeout=120,
+                              json={"model": "words", "prompt": ["hi"] * 5000, "max_tokens": 1})
+    assert response.status_code == 200, response.text
+    choices = response.json()["choices"]
+    assert len(choices) == 5000 and {c["text"] for c in choices} == {"w0"}
+    assert probe.worst < 1.0, probe.worst  # generous: the prompts are started 16 per turn of the event loop
+
+
+def test_a_slow_chat_template_is_refused_without_stalling_the_server(limits_server):
+    nested = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    with HealthProbe(limits_server.http_port) as probe:
+        response = httpx.post(f"{limits_server.base_url}/v1/chat/completions", timeout=60, json={
+            "model": "words", "messages": [{"role": "user", "content": "hi"}], "chat_template": nested})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "chat_template" and "ran for more than 0.5 s" in error["message"]
+    assert probe.worst < 1.0, probe.worst  # the render runs on a worker thread
+
+
+def test_configured_limits_name_the_field(limits_server):
+    url = f"{limits_server.base_url}/v1"
+    chat = {"model": "words_chat", "messages": [{"role": "user", "content": "x" * 30_000}], "max_tokens": 1}
+    for path, body, param in [
+        ("/completions", {"model": "words", "prompt": "hi", "n": 2}, "n"),
+        ("/completions", {"model": "words", "prompt": "hi", "logprobs": 1}, "logprobs"),
+        ("/completions", {"model": "words", "prompt": ["x" * 10_000, "y" * 10_001]}, "prompt"),
+        ("/chat/completions", chat, "messages"),  # the rendered prompt
+        ("/chat/completions", {**chat, "messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                               "top_logprobs": 1}, "top_logprobs"),
+    ]:
+        response = httpx.post(url + path, json=body, timeout=30)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text

@@ -18,13 +18,13 @@ import pytest
 from conftest import TEST_MODELS
 
 import triton_python_backend_utils as pb_utils
-from server.backend import BackendRegistry
-from server.dataplane import DataPlane
-from server.errors import InternalError, InvalidArgument, Status
-from server.repository import ControlMode, ModelRepository
-from server.responses import ResponseSender
-from server.stats import Metrics
-from server.types import InferenceRequest, RequestedOutput, Tensor
+from tideserve.backend import BackendRegistry
+from tideserve.dataplane import DataPlane
+from tideserve.errors import InternalError, InvalidArgument, Status
+from tideserve.repository import ControlMode, ModelRepository
+from tideserve.responses import ResponseSender
+from tideserve.stats import Metrics
+from tideserve.types import InferenceRequest, RequestedOutput, Tensor
 
 
 # -- helpers ---------------------------------------------------------------------------------------

@@ -23,12 +23,12 @@ from conftest import free_port
 from in_process import InProcessServer
 from tritonclient.utils import InferenceServerException
 
-from general_backends.pytorch.naming import Argument, bind_inputs, bind_outputs
-from general_backends.pytorch.options import DEFAULT_INTRA_OP_THREADS, TorchOptions
-from server.app import ServerOptions
-from server.backend import BackendRegistry, ModelContext
-from server.config import parse_text
-from server.errors import InvalidArgument
+from tideserve.general_backends.pytorch.naming import Argument, bind_inputs, bind_outputs
+from tideserve.general_backends.pytorch.options import DEFAULT_INTRA_OP_THREADS, TorchOptions
+from tideserve.app import ServerOptions
+from tideserve.backend import BackendRegistry, ModelContext
+from tideserve.config import parse_text
+from tideserve.errors import InvalidArgument
 
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.filterwarnings("ignore:`torch.jit.*is deprecated:DeprecationWarning")]

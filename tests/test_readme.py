@@ -49,7 +49,7 @@ def test_readme_has_exactly_the_two_setup_commands():
     assert commands == ["make serve", "make test"]
     makefile = (ROOT / "Makefile").read_text()
     serve = makefile.split("\nserve:")[1].split("\n\n")[0]
-    assert "server.examples.prepare model_repository" in serve  # the models git does not hold
+    assert "tideserve.bench.examples.prepare model_repository" in serve  # the models git does not hold
     assert "--model-repository model_repository" in serve
     assert "pytest" in makefile.split("test:")[1].split("\n\n")[0]
     assert "make test" in (ROOT / ".ci" / "run").read_text()

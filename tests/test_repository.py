@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from server.errors import NotFound, ServerError, Unavailable, Unsupported
-from server.repository import ControlMode
+from tideserve.errors import NotFound, ServerError, Unavailable, Unsupported
+from tideserve.repository import ControlMode
 from toy_backends import collect, start_core, sum_request, write_model
 
 

@@ -151,14 +151,14 @@ def test_poll_mode_loads_a_model_added_later(tmp_path):
 
 
 def test_bad_repository_path_fails_with_a_message(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "server.cli", "--model-repository", str(tmp_path / "nope")],
+    result = subprocess.run([sys.executable, "-m", "tideserve.cli", "--model-repository", str(tmp_path / "nope")],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
     assert "is not a directory" in result.stderr
 
 
 def test_help_lists_triton_flags():
-    result = subprocess.run([sys.executable, "-m", "server.cli", "--help"], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "tideserve.cli", "--help"], capture_output=True, text=True,
                             timeout=60)
     for flag in ("--model-repository", "--http-port", "--grpc-port", "--metrics-port", "--model-control-mode",
                  "--load-model", "--repository-poll-secs", "--exit-timeout-secs", "--log-verbose",

@@ -37,21 +37,21 @@ from in_process import InProcessServer
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import InferenceServerException
 
-from general_backends.tensorrt import TensorRTBackend
-from general_backends.tensorrt.binding import (
+from tideserve.general_backends.tensorrt import TensorRTBackend
+from tideserve.general_backends.tensorrt.binding import (
     auto_complete,
     bind,
     choose_profile,
     config_profiles,
     engine_max_batch_size,
 )
-from general_backends.tensorrt.cuda import DeviceBuffer
-from general_backends.tensorrt.engine import describe_engine
-from server.app import ServerOptions
-from server.backend import Backend, BackendRegistry, Model, ModelInstance
-from server.config import parse_text
-from server.errors import InvalidArgument, Unsupported
-from server.types import InferenceResponse, Tensor
+from tideserve.general_backends.tensorrt.cuda import DeviceBuffer
+from tideserve.general_backends.tensorrt.engine import describe_engine
+from tideserve.app import ServerOptions
+from tideserve.backend import Backend, BackendRegistry, Model, ModelInstance
+from tideserve.config import parse_text
+from tideserve.errors import InvalidArgument, Unsupported
+from tideserve.types import InferenceResponse, Tensor
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -33,13 +33,13 @@ from conftest import free_port
 from in_process import InProcessServer
 from tritonclient.utils import InferenceServerException
 
-from llm_backends.tensorrt_llm import TensorRTLLMBackend
-from llm_backends.tensorrt_llm.interface import decode_word_list, encode_word_list
-from server.app import ServerOptions
-from server.backend import Backend, BackendRegistry, Model, ModelInstance
-from server.errors import InvalidArgument
-from server.repository import ControlMode
-from server.types import InferenceResponse, Tensor
+from tideserve.llm_backends.tensorrt_llm import TensorRTLLMBackend
+from tideserve.llm_backends.tensorrt_llm.interface import decode_word_list, encode_word_list
+from tideserve.app import ServerOptions
+from tideserve.backend import Backend, BackendRegistry, Model, ModelInstance
+from tideserve.errors import InvalidArgument
+from tideserve.repository import ControlMode
+from tideserve.types import InferenceResponse, Tensor
 
 pytestmark = pytest.mark.timeout(60)
 

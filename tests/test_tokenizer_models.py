@@ -23,11 +23,11 @@ from conftest import free_port
 from in_process import InProcessServer
 from tritonclient.utils import InferenceServerException
 
-from llm_backends.tokenizer.detokenizer import IncrementalDetokenizer, SequenceTable
-from server.app import ServerOptions
-from server.errors import Cancelled
-from server.repository import ControlMode
-from server.types import InferenceRequest, Tensor
+from tideserve.llm_backends.tokenizer.detokenizer import IncrementalDetokenizer, SequenceTable
+from tideserve.app import ServerOptions
+from tideserve.errors import Cancelled
+from tideserve.repository import ControlMode
+from tideserve.types import InferenceRequest, Tensor
 
 # Texts whose streams must come out exactly: CJK, multi-codepoint emoji (skin tone, flags, ZWJ family),
 # accents, and runs of spaces.
@@ -53,7 +53,7 @@ def _config(name: str, mode: str, tokenizer_dir: str, extra: str = "") -> str:
 # -- fixtures ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tokenizer_files(tmp_path_factory):
-    from llm_backends.tiny_llama import SIZES, train_tokenizer
+    from tideserve.bench.examples.tiny_llama import SIZES, train_tokenizer
 
     out = tmp_path_factory.mktemp("tiny_tokenizer")
     train_tokenizer(SIZES["tiny"]["vocab_size"]).save_pretrained(out)
@@ -244,6 +244,11 @@ def test_preprocess_generation_parameters(client, tokenizer):
     assert result.as_numpy("request_output_len").tolist() == [11]
     with pytest.raises(InferenceServerException, match="max_tokens"):
         preprocess(client, "Hello", max_tokens=0)
+    # what the INT32 outputs cannot hold is refused, naming the field (never wrapped, never a 500)
+    for name in ("max_tokens", "request_output_len", "end_id", "pad_id"):
+        with pytest.raises(InferenceServerException, match=f"'{name}' must be between .* 2147483647") as info:
+            preprocess(client, "Hello", parameters={name: 2**40})
+        assert info.value.status() == "StatusCode.INVALID_ARGUMENT"
 
 
 def test_chat_template(client, tokenizer):
@@ -497,7 +502,7 @@ def _sentencepiece_like_tokenizer():
     trained offline: decoding a token on its own drops its leading space."""
     from tokenizers import Tokenizer, decoders, models, normalizers, trainers
 
-    from llm_backends.tiny_llama import CORPUS
+    from tideserve.bench.examples.tiny_llama import CORPUS
 
     tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
     tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])

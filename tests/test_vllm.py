@@ -36,7 +36,7 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 # -- fixtures -----------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
-    from llm_backends.tiny_llama import make_model
+    from tideserve.bench.examples.tiny_llama import make_model
 
     return make_model(tmp_path_factory.mktemp("tiny_llama"), "tiny")
 
@@ -338,6 +338,8 @@ def test_llm_metrics_are_recorded(llm_server, http_client):
     ({"max_tokens": "many"}, "max_tokens"),
     ({"stop": 5}, "stop"),
     ({"no_such_knob": 1}, "no_such_knob"),
+    ({"max_tokens": MAX_MODEL_LEN + 1}, "max_tokens"),  # beyond the context window, as vLLM's server answers
+    ({"max_tokens": 2**63}, "max_tokens"),
 ])
 def test_bad_sampling_parameters_are_400_naming_the_field(grpc_client, http_client, sampling, field):
     import tritonclient.grpc as grpcclient

@@ -12,13 +12,13 @@ import pytest
 from llm_fixtures import VLLM_INSTALLED
 from tritonclient.grpc import model_config_pb2 as mc
 
-from llm_backends.vllm import config as vllm_config
-from llm_backends.vllm.inputs import parse_inputs
-from llm_backends.vllm.outputs import ResponseBuilder
-from server import config as config_module
-from server.backend import ModelContext
-from server.errors import InvalidArgument, Unavailable
-from server.types import InferenceRequest, RequestedOutput, Tensor
+from tideserve.llm_backends.vllm import config as vllm_config
+from tideserve.llm_backends.vllm.inputs import parse_inputs
+from tideserve.llm_backends.vllm.outputs import ResponseBuilder
+from tideserve import config as config_module
+from tideserve.backend import ModelContext
+from tideserve.errors import InvalidArgument, Unavailable
+from tideserve.types import InferenceRequest, RequestedOutput, Tensor
 
 needs_vllm = pytest.mark.skipif(not VLLM_INSTALLED, reason="vLLM is not installed")
 
@@ -221,7 +221,7 @@ def test_response_builder_n_completions_and_token_ids():
 def test_sampling_parameters_convert_and_name_bad_fields():
     from vllm.sampling_params import RequestOutputKind
 
-    from llm_backends.vllm.sampling import make_sampling_params
+    from tideserve.llm_backends.vllm.sampling import make_sampling_params
 
     params = make_sampling_params({"temperature": "0.5", "max_tokens": "7", "stop": "END", "ignore_eos": "true"})
     assert (params.temperature, params.max_tokens, params.stop, params.ignore_eos) == (0.5, 7, ["END"], True)
@@ -234,9 +234,20 @@ def test_sampling_parameters_convert_and_name_bad_fields():
             make_sampling_params(raw)
 
 
+@needs_vllm
+def test_max_tokens_beyond_the_context_window_is_refused():
+    from tideserve.llm_backends.vllm.sampling import check_output_budget, make_sampling_params
+
+    check_output_budget(make_sampling_params({"max_tokens": 512}), 512)
+    check_output_budget(make_sampling_params({"max_tokens": None}), 512)  # the engine fills in the rest
+    with pytest.raises(InvalidArgument, match="'max_tokens'") as info:
+        check_output_budget(make_sampling_params({"max_tokens": 2**63}), 512)
+    assert "This model's maximum context length is 512 tokens" in info.value.message
+
+
 # -- the scheduler ------------------------------------------------------------------------------
 async def test_pass_through_scheduler_runs_requests_concurrently():
-    from llm_backends.vllm.backend import PassThroughScheduler
+    from tideserve.llm_backends.vllm.backend import PassThroughScheduler
 
     started, release = [], asyncio.Event()
 

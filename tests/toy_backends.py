@@ -15,12 +15,12 @@ from pathlib import Path
 
 import numpy as np
 
-from server.backend import Backend, BackendRegistry, Model
-from server.batching import TensorModelInstance
-from server.dataplane import DataPlane
-from server.repository import ControlMode, ModelRepository
-from server.stats import Metrics
-from server.types import InferenceRequest, Tensor
+from tideserve.backend import Backend, BackendRegistry, Model
+from tideserve.batching import TensorModelInstance
+from tideserve.dataplane import DataPlane
+from tideserve.repository import ControlMode, ModelRepository
+from tideserve.stats import Metrics
+from tideserve.types import InferenceRequest, Tensor
 
 BATCHES: dict[str, list[list[int]]] = defaultdict(list)   # model -> list of batches (request ids as ints)
 GATES: dict[str, threading.Event] = {}

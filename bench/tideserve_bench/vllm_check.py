@@ -1,6 +1,6 @@
 """Cross-check tideserve-bench against ``vllm bench serve``: same server, same prompts, one run.
 
-    python -m bench.tideserve_bench.vllm_check --mode concurrent --target openai-completions \
+    python -m tideserve.bench.tideserve_bench.vllm_check --mode concurrent --target openai-completions \
         --url http://127.0.0.1:8000 --model NAME --tokenizer DIR --concurrency 2 --num-requests 80 \
         --input-len 128 --output-len 32 --repeats 3 --out DIR
 
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     save_workload(workload_path, [workload.request(0, i) for i in range(args.num_requests)])
 
     chat = args.target == "openai-chat"
-    ours_cmd = [sys.executable, "-m", "bench.tideserve_bench", "run", "--target", args.target, "--url", args.url,
+    ours_cmd = [sys.executable, "-m", "tideserve.bench.tideserve_bench", "run", "--target", args.target, "--url", args.url,
                 "--model", args.model, "--tokenizer", args.tokenizer, "--dataset", str(workload_path),
                 "--concurrency", str(args.concurrency), "--num-requests", str(args.num_requests),
                 "--warmup", str(args.warmup), "--ignore-eos", "--no-progress", "--no-plots", "--plain"]

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from server.errors import Unavailable, Unsupported
+from tideserve.errors import Unavailable, Unsupported
 
 from .options import FilOptions
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from server.backend import ModelContext
-from server.errors import InvalidArgument
+from tideserve.backend import ModelContext
+from tideserve.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 

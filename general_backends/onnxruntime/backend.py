@@ -3,7 +3,7 @@
 The model reads its session settings once; each instance opens its own ``InferenceSession`` (on
 its own worker thread, so instances run in parallel: ONNX Runtime releases the GIL while it runs)
 and checks the config against the graph the session loaded. Batches come concatenated along the
-batch dimension from :class:`~server.batching.TensorModelInstance`.
+batch dimension from :class:`~tideserve.batching.TensorModelInstance`.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import numpy as np
 import onnxruntime as ort
 from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
 
-from server.backend import Backend, Model
-from server.batching import TensorModelInstance
-from server.errors import InternalError, InvalidArgument, Unavailable
+from tideserve.backend import Backend, Model
+from tideserve.batching import TensorModelInstance
+from tideserve.errors import InternalError, InvalidArgument, Unavailable
 
 from .session import CPU, SessionSettings
 from .signature import auto_complete, check_config

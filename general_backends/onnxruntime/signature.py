@@ -18,7 +18,7 @@ import logging
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from server.errors import InvalidArgument
+from tideserve.errors import InvalidArgument
 
 from .tensors import GraphTensor
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from server.errors import InvalidArgument
+from tideserve.errors import InvalidArgument
 
 # ONNX Runtime's ``NodeArg.type`` -> Triton config datatype
 _CONFIG_TYPES = {

@@ -22,11 +22,11 @@ from pathlib import Path
 from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from server import config as config_module
-from server.backend import Backend, InstanceContext, Model, ModelContext, ModelInstance
-from server.errors import InternalError, InvalidArgument, Unavailable
-from server.types import InferenceRequest as CoreRequest
-from server.types import InferenceResponse as CoreResponse
+from tideserve import config as config_module
+from tideserve.backend import Backend, InstanceContext, Model, ModelContext, ModelInstance
+from tideserve.errors import InternalError, InvalidArgument, Unavailable
+from tideserve.types import InferenceRequest as CoreRequest
+from tideserve.types import InferenceResponse as CoreResponse
 
 from .errors import TritonModelException
 from .loader import ModelModule, import_model_file

@@ -12,14 +12,14 @@ import asyncio
 import time
 from typing import TYPE_CHECKING
 
-from server.errors import ServerError
+from tideserve.errors import ServerError
 
 from .errors import ErrorCode, TritonError, TritonModelException, from_server_error
 from .messages import InferenceRequest, InferenceResponse
 from .scope import ServerLink, current_link
 
 if TYPE_CHECKING:
-    from server.dataplane import InferenceStream
+    from tideserve.dataplane import InferenceStream
 
 
 def _timeout_error() -> TritonError:

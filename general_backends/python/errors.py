@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-from server.errors import (
+from tideserve.errors import (
     Cancelled,
     InternalError,
     InvalidArgument,

@@ -12,9 +12,9 @@ import json
 import threading
 from typing import Any
 
-from server.types import InferenceRequest as CoreRequest
-from server.types import InferenceResponse as CoreResponse
-from server.types import RequestedOutput
+from tideserve.types import InferenceRequest as CoreRequest
+from tideserve.types import InferenceResponse as CoreResponse
+from tideserve.types import RequestedOutput
 
 from .errors import TritonError, TritonModelException, from_server_error, to_server_error
 from .tensor import Tensor

@@ -1,7 +1,7 @@
 """``pb_utils.ModelConfig`` (what ``auto_complete_config`` edits) and the config lookup helpers.
 
 The configuration is the JSON form of Triton's ``ModelConfig`` message with proto field names,
-every field present and 64-bit integers as numbers (see :func:`server.config.to_dict`).
+every field present and 64-bit integers as numbers (see :func:`tideserve.config.to_dict`).
 """
 
 from __future__ import annotations

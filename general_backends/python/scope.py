@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from .errors import TritonModelException
 
 if TYPE_CHECKING:
-    from server.dataplane import DataPlane
+    from tideserve.dataplane import DataPlane
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ the reason. Each instance then holds its own copy of the module on its device (`
 own; TorchScript releases the GIL while it runs, so instances execute in parallel.
 
 A batch (the dynamic batcher's requests concatenated along dimension 0, by
-:class:`~server.batching.TensorModelInstance`) becomes one ``forward()`` call under
+:class:`~tideserve.batching.TensorModelInstance`) becomes one ``forward()`` call under
 ``torch.inference_mode()``. Outputs are the tensors ``forward()`` returned, copied to numpy as they are.
 """
 
@@ -24,10 +24,10 @@ import numpy as np
 import torch
 from tritonclient.grpc import model_config_pb2 as mc
 
-from server.backend import Backend, InstanceContext, Model
-from server.batching import TensorModelInstance
-from server.datatypes import config_to_datatype
-from server.errors import InternalError, InvalidArgument, Unavailable
+from tideserve.backend import Backend, InstanceContext, Model
+from tideserve.batching import TensorModelInstance
+from tideserve.datatypes import config_to_datatype
+from tideserve.errors import InternalError, InvalidArgument, Unavailable
 
 from .naming import Argument, InputBinding, OutputBinding, bind_inputs, bind_outputs
 from .options import TorchOptions

@@ -18,7 +18,7 @@ import logging
 import re
 from dataclasses import dataclass
 
-from server.errors import InvalidArgument
+from tideserve.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ import logging
 import os
 from dataclasses import dataclass
 
-from server.backend import ModelContext
-from server.errors import InvalidArgument
+from tideserve.backend import ModelContext
+from tideserve.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ bound to it (:mod:`.binding`). Each instance makes one execution context per opt
 may use (the instance group's ``profile`` list, else profile 0) on its own CUDA stream.
 
 Running a batch (requests concatenated along dimension 0 by
-:class:`~server.batching.TensorModelInstance`): pick the profile that takes the batch's input shapes,
+:class:`~tideserve.batching.TensorModelInstance`): pick the profile that takes the batch's input shapes,
 ``set_input_shape`` for dynamic inputs, copy inputs to device buffers, ``set_tensor_address`` for
 every input and output (outputs sized by ``get_tensor_shape`` after the inputs are set),
 ``execute_async_v3`` on the instance's stream, copy the outputs back.
@@ -30,10 +30,10 @@ from typing import Any
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
-from server.backend import Backend, Model
-from server.batching import TensorModelInstance
-from server.datatypes import numpy_dtype
-from server.errors import InternalError, InvalidArgument, Unavailable, Unsupported
+from tideserve.backend import Backend, Model
+from tideserve.batching import TensorModelInstance
+from tideserve.datatypes import numpy_dtype
+from tideserve.errors import InternalError, InvalidArgument, Unavailable, Unsupported
 
 from .binding import Bindings, auto_complete, bind, choose_profile, client_shape, parse_profiles
 from .cuda import CudaDevice, DeviceBuffer, TorchCudaDevice

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
-from server.datatypes import config_to_datatype, datatype_to_config, numpy_dtype
-from server.errors import InvalidArgument, Unsupported
+from tideserve.datatypes import config_to_datatype, datatype_to_config, numpy_dtype
+from tideserve.errors import InvalidArgument, Unsupported
 
 from .engine import EngineInfo, EngineTensor, Shape
 

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from server.errors import Unavailable
+from tideserve.errors import Unavailable
 
 
 @dataclass

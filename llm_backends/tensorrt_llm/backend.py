@@ -23,11 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from server import model_paths
-from server.backend import Backend, Model, ModelInstance
-from server.errors import Cancelled, InternalError, InvalidArgument, ServerError, Unavailable
-from server.schedulers.base import Scheduler, drop_cancelled
-from server.types import InferenceRequest
+from tideserve import model_paths
+from tideserve.backend import Backend, Model, ModelInstance
+from tideserve.errors import Cancelled, InternalError, InvalidArgument, ServerError, Unavailable
+from tideserve.schedulers.base import Scheduler, drop_cancelled
+from tideserve.types import InferenceRequest
 
 from ..metrics import LLMMetrics
 from .interface import Job, Row, auto_complete, logprobs_json, make_response, parse_request, token_logprob

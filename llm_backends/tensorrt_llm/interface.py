@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
-from server.errors import InvalidArgument
-from server.types import InferenceRequest, InferenceResponse, Tensor
+from tideserve.errors import InvalidArgument
+from tideserve.types import InferenceRequest, InferenceResponse, Tensor
 
 # -- config ---------------------------------------------------------------------------------------
 # (name, config data type, dims, optional); dims exclude the batch dimension as in Triton's config.

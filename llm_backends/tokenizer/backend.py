@@ -19,10 +19,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from server.backend import Backend, Model, ModelContext, ModelInstance
-from server.errors import ServerError, Unavailable, as_server_error
-from server.schedulers import DirectScheduler, DynamicBatcher, Scheduler
-from server.types import InferenceRequest, InferenceResponse
+from tideserve.backend import Backend, Model, ModelContext, ModelInstance
+from tideserve.errors import ServerError, Unavailable, as_server_error
+from tideserve.schedulers import DirectScheduler, DynamicBatcher, Scheduler
+from tideserve.types import InferenceRequest, InferenceResponse
 
 from . import config as tokenizer_config
 from .config import Mode, Settings
@@ -33,7 +33,7 @@ from .routing import SequenceRouter
 from .tensors import OutputBuilder
 
 if TYPE_CHECKING:
-    from server.runtime import ModelRuntime
+    from tideserve.runtime import ModelRuntime
 
 log = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ from pathlib import Path
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from server.backend import ModelContext
-from server.errors import InvalidArgument, Unavailable
+from tideserve.backend import ModelContext
+from tideserve.errors import InvalidArgument, Unavailable
 
 
 class Mode(str, enum.Enum):

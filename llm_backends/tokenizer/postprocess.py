@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from server.errors import Cancelled, InvalidArgument
-from server.types import InferenceRequest, InferenceResponse
+from tideserve.errors import Cancelled, InvalidArgument
+from tideserve.types import InferenceRequest, InferenceResponse
 
 from .config import Settings
 from .detokenizer import REPLACEMENT, Decode, SequenceTable

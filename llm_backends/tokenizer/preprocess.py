@@ -18,8 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from server.errors import InvalidArgument
-from server.types import InferenceRequest, InferenceResponse
+from tideserve.datatypes import numpy_dtype
+from tideserve.errors import InvalidArgument
+from tideserve.types import InferenceRequest, InferenceResponse
 
 from .config import Settings
 from .tensors import OutputBuilder, Rows, utf8
@@ -59,6 +60,9 @@ class Preprocessor:
         self.end_id = -1 if eos is None else int(eos)
         pad = tokenizer.pad_token_id
         self.pad_id = self.end_id if pad is None else int(pad)
+        # what the integer outputs can hold (a request value beyond it is refused, never wrapped or a 500)
+        self._ranges = {name: np.iinfo(numpy_dtype(datatype)) for name, datatype in outputs.datatypes.items()
+                        if name in ("request_output_len", "end_id", "pad_id")}
 
     def respond(self, request: InferenceRequest) -> InferenceResponse:
         rows = Rows(request, self.batched)
@@ -74,19 +78,29 @@ class Preprocessor:
         ids = list(self.tokenizer.encode(text, add_special_tokens=add_special))
         if not ids:
             raise InvalidArgument("input 'text_input' encodes to no tokens: a prompt needs at least one")
-        max_tokens = rows.integer("max_tokens", r)
-        if max_tokens is None:
-            max_tokens = rows.integer("request_output_len", r)
+        name = "max_tokens" if rows.scalar("max_tokens", r) is not None else "request_output_len"
+        max_tokens = rows.integer(name, r)
         if max_tokens is None:
             max_tokens = self.settings.default_max_tokens
-        if max_tokens < 1:
-            raise InvalidArgument(f"'max_tokens' must be >= 1, got {max_tokens}")
+        self._check_range(name, max_tokens, "request_output_len", low=1)
         stop_words, stop_ids = self._words(rows, "stop_words", r)
         bad_words, bad_ids = self._words(rows, "bad_words", r)
         end_id = rows.integer("end_id", r)
         pad_id = rows.integer("pad_id", r)
+        for field, value in (("end_id", end_id), ("pad_id", pad_id)):
+            if value is not None:
+                self._check_range(field, value, field)
         return Encoded(ids, max_tokens, stop_words, bad_words, stop_ids, bad_ids,
                        self.end_id if end_id is None else end_id, self.pad_id if pad_id is None else pad_id)
+
+    def _check_range(self, name: str, value: int, output: str, low: int | None = None) -> None:
+        """Refuse a value of request field ``name`` that ``output``'s integer type cannot hold."""
+        bounds = self._ranges.get(output)
+        if bounds is None:
+            return
+        low = int(bounds.min) if low is None else max(low, int(bounds.min))
+        if not low <= value <= int(bounds.max):
+            raise InvalidArgument(f"'{name}' must be between {low} and {int(bounds.max)}, got {value}")
 
     def _render_chat(self, text: str) -> str:
         try:

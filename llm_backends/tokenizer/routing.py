@@ -15,11 +15,11 @@ import zlib
 from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
-from server.schedulers.base import Scheduler, drop_cancelled
-from server.types import InferenceRequest
+from tideserve.schedulers.base import Scheduler, drop_cancelled
+from tideserve.types import InferenceRequest
 
 if TYPE_CHECKING:
-    from server.runtime import InstanceSlot, ModelRuntime
+    from tideserve.runtime import InstanceSlot, ModelRuntime
 
 log = logging.getLogger(__name__)
 

@@ -7,9 +7,9 @@ from typing import Any
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
-from server.datatypes import config_to_datatype, numpy_dtype
-from server.errors import InvalidArgument
-from server.types import InferenceRequest, Tensor
+from tideserve.datatypes import config_to_datatype, numpy_dtype
+from tideserve.errors import InvalidArgument
+from tideserve.types import InferenceRequest, Tensor
 
 TRUE = ("1", "true", "t", "yes", "y", "on")
 FALSE = ("0", "false", "f", "no", "n", "off")

@@ -14,16 +14,16 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry
 from tritonclient.grpc import model_config_pb2 as mc
 
-from llm_backends.metrics import LLMMetrics
-from server.backend import Backend, Model, ModelContext, ModelInstance
-from server.datatypes import config_to_datatype, numpy_dtype
-from server.schedulers.base import Scheduler, drop_cancelled
-from server.types import InferenceRequest
+from tideserve.llm_backends.metrics import LLMMetrics
+from tideserve.backend import Backend, Model, ModelContext, ModelInstance
+from tideserve.datatypes import config_to_datatype, numpy_dtype
+from tideserve.schedulers.base import Scheduler, drop_cancelled
+from tideserve.types import InferenceRequest
 
 from . import config as vllm_config
 
 if TYPE_CHECKING:
-    from server.runtime import ModelRuntime
+    from tideserve.runtime import ModelRuntime
 
     from .engine import EngineState
     from .generation import Generator

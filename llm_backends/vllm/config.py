@@ -19,9 +19,9 @@ from typing import Any
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from server import model_paths
-from server.backend import ModelContext
-from server.errors import InvalidArgument, Unavailable
+from tideserve import model_paths
+from tideserve.backend import ModelContext
+from tideserve.errors import InvalidArgument, Unavailable
 
 log = logging.getLogger(__name__)
 

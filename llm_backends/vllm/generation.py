@@ -20,13 +20,13 @@ from vllm.renderers.inputs.preprocess import parse_model_prompt
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
-from llm_backends.metrics import GenerationTracker, LLMMetrics
-from server.errors import Cancelled, InternalError, InvalidArgument, ServerError, Unavailable
-from server.types import InferenceRequest
+from tideserve.llm_backends.metrics import GenerationTracker, LLMMetrics
+from tideserve.errors import Cancelled, InternalError, InvalidArgument, ServerError, Unavailable
+from tideserve.types import InferenceRequest
 
 from .inputs import parse_inputs
 from .outputs import ResponseBuilder
-from .sampling import make_sampling_params
+from .sampling import check_output_budget, make_sampling_params
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,7 @@ class Generator:
         try:
             inputs = parse_inputs(request)
             params = make_sampling_params(inputs.sampling)
+            check_output_budget(params, self.engine.model_config.max_model_len)
             builder = ResponseBuilder(inputs, params.n, self.output_dtypes)
         except ServerError as exc:
             sender.send_error(exc)

@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from server.errors import InvalidArgument
-from server.types import InferenceRequest
+from tideserve.errors import InvalidArgument
+from tideserve.types import InferenceRequest
 
 # Extra outputs and the flag that asks for each.
 RETURN_FLAGS = {

@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from server.errors import InvalidArgument
-from server.types import InferenceResponse, Tensor
+from tideserve.errors import InvalidArgument
+from tideserve.types import InferenceResponse, Tensor
 
 from .inputs import GenerateInputs
 

@@ -3,7 +3,7 @@
 Keys are ``SamplingParams`` fields (as Triton's vLLM backend takes them). Values may be JSON-typed or
 strings that convert (``"0.7"``, ``"true"``: Triton's clients send strings). An unknown key, a value of
 the wrong type and any of vLLM's own range checks (``temperature`` < 0, ``max_tokens`` < 1...) raise
-:class:`~server.errors.InvalidArgument`.
+:class:`~tideserve.errors.InvalidArgument`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import msgspec
 from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
-from server.errors import InvalidArgument
+from tideserve.errors import InvalidArgument
 
 # Fields that are the engine's business, not the client's.
 _INTERNAL = frozenset({"output_kind", "skip_clone", "output_text_buffer_length"})
@@ -59,6 +59,16 @@ def make_sampling_params(raw: dict[str, Any]) -> SamplingParams:
         raise InvalidArgument(f"invalid sampling parameter{where}: {exc}") from None
     params.output_kind = RequestOutputKind.DELTA
     return params
+
+
+def check_output_budget(params: SamplingParams, max_model_len: int) -> None:
+    """Refuse ``max_tokens`` beyond the context window, as vLLM's OpenAI server does (a prompt plus
+    ``max_tokens`` beyond it is not refused: the engine stops at the context length)."""
+    if params.max_tokens is not None and params.max_tokens > max_model_len:
+        raise InvalidArgument(f"invalid sampling parameter 'max_tokens': This model's maximum context length is "
+                              f"{max_model_len} tokens. However, you requested {params.max_tokens} output tokens "
+                              f"('max_tokens' cannot be greater than max_model_len={max_model_len}). Please request "
+                              "fewer output tokens.")
 
 
 def _named_field(message: str) -> str | None:

@@ -1,4 +1,4 @@
-"""The access checks of :mod:`server.access` on the gRPC server: one interceptor, only when a method is guarded.
+"""The access checks of :mod:`tideserve.access` on the gRPC server: one interceptor, only when a method is guarded.
 
 A refused call ends with UNAUTHENTICATED (no valid API key) or PERMISSION_DENIED (restricted group)
 before its handler runs; the request message is not even decoded.

@@ -6,7 +6,7 @@ The body comes from the ASGI ``receive`` channel chunk by chunk. Its size on the
 ``--http-max-decompressed-size``: the compressed bytes are never held whole, and a small compressed
 body cannot make the server inflate more than the limit. A Content-Encoding the server cannot read is
 refused with 415 before any of the body is read. JSON bodies are parsed with the nesting limit
-``--http-max-json-depth``. Every refusal is a :class:`~server.errors.ServerError` naming the limit.
+``--http-max-json-depth``. Every refusal is a :class:`~tideserve.errors.ServerError` naming the limit.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Everything here is plain functions over ``bytes`` and dicts parsed by ``orjson``: no pydantic, no
 per-request objects beyond the core's own. Every problem with a request raises
-:class:`~server.errors.InvalidArgument` naming the tensor or field, so the frontend answers 400.
+:class:`~tideserve.errors.InvalidArgument` naming the tensor or field, so the frontend answers 400.
 """
 
 from __future__ import annotations

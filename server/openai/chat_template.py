@@ -14,7 +14,9 @@ ensemble, the first of its steps that has one.
 
 Rendering follows Hugging Face's ``apply_chat_template``: a sandboxed environment with
 ``trim_blocks`` / ``lstrip_blocks``, ``loopcontrols``, the ``tojson`` filter, ``raise_exception`` and
-``strftime_now``, and the tokenizer's special tokens (``bos_token``, ``eos_token``...) as variables.
+``strftime_now``, and the tokenizer's special tokens (``bos_token``, ``eos_token``...) as variables. A
+render given a :class:`~.template_sandbox.RenderBudget` stops when it runs too long or builds too large a
+value (:mod:`.template_sandbox`); the frontend renders on a worker thread with one.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ServerError
+from .template_sandbox import BoundedEnvironment, RenderBudget
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +52,10 @@ class ChatTemplate:
         self._template = _compile(source)  # raises TemplateError when it does not compile
 
     def render(self, messages: list[dict], *, tools: list[dict] | None = None, add_generation_prompt: bool = True,
-               continue_final_message: bool = False, extra: dict[str, Any] | None = None) -> str:
+               continue_final_message: bool = False, extra: dict[str, Any] | None = None,
+               budget: RenderBudget | None = None) -> str:
+        """The prompt; blocking (a template may loop), so the frontend calls it on a worker thread with a
+        ``budget``. Every failure is a :class:`TemplateError`."""
         import jinja2
 
         variables = dict(self.special_tokens)
@@ -58,10 +64,15 @@ class ChatTemplate:
         variables.update(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt and
                          not continue_final_message)
         try:
-            text = self._template.render(**variables)
+            if budget is None:
+                text = self._template.render(**variables)
+            else:
+                with budget.applied():
+                    text = budget.join(self._template.generate(**variables))
         except jinja2.TemplateError as exc:
             raise TemplateError(f"the chat template failed to render the messages: {exc}") from None
-        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError, ArithmeticError, RecursionError,
+                MemoryError) as exc:  # ArithmeticError: OverflowError of a range over the sandbox's limit
             raise TemplateError(f"the chat template failed to render the messages: {type(exc).__name__}: "
                                 f"{exc}") from None
         if continue_final_message:
@@ -86,7 +97,6 @@ def _cut_after_final_message(text: str, messages: list[dict]) -> str:
 def _compile(source: str):
     import jinja2
     from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message):
         raise TemplateError(f"the chat template raised: {message}")
@@ -97,14 +107,16 @@ def _compile(source: str):
     def strftime_now(fmt):
         return datetime.now().strftime(fmt)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    env.filters["tojson"] = tojson
+    env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.add_filter("tojson", tojson)
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
     try:
         return env.from_string(source)
     except jinja2.TemplateError as exc:
         raise TemplateError(f"the chat template does not compile: {exc}") from None
+    except (RecursionError, MemoryError) as exc:  # nesting too deep for the compiler
+        raise TemplateError(f"the chat template does not compile: {type(exc).__name__}") from None
 
 
 # -- finding the files ---------------------------------------------------------------------------

@@ -13,9 +13,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import BadRequest
+from .limits import OpenAILimits
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 
 
 class OpenAIModel(BaseModel):
@@ -43,7 +43,7 @@ class SamplingRequest(OpenAIModel):
     """The fields completions and chat completions share."""
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=128)
+    n: int = Field(1, ge=1)  # at most OpenAILimits.max_n
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
@@ -67,8 +67,9 @@ class SamplingRequest(OpenAIModel):
     spaces_between_special_tokens: bool = True
     structured_outputs: dict[str, Any] | None = None  # vLLM StructuredOutputsParams: options, or a constraint
 
-    def check(self, max_tokens: int | None, max_tokens_field: str) -> None:
-        """Cross-field checks (the per-field ranges are in the schema)."""
+    def check(self, max_tokens: int | None, max_tokens_field: str, limits: OpenAILimits) -> None:
+        """Cross-field checks and the server's limits (the per-field ranges are in the schema)."""
+        limits.check_n(self.n)
         if self.stream_options is not None and not self.stream:
             raise BadRequest("Stream options can only be defined when `stream=True`.", "stream_options")
         if max_tokens is not None and self.min_tokens > max_tokens:

@@ -5,7 +5,7 @@
   package ships, exported whole: ``input_ids`` and ``attention_mask`` (INT64 ``[-1, -1]``) in,
   ``sentence_embedding`` (FP32 ``[-1, 384]``) out. Mean pooling over the attention mask and L2
   normalisation are inside the graph, so the output is what ``SentenceTransformer.encode`` gives.
-  It lives in :mod:`server.examples.minilm` (the example deployment uses it) and is re-exported here.
+  It lives in :mod:`tideserve.bench.examples.minilm` (the example deployment uses it) and is re-exported here.
 * :func:`make_identity` -- ``Identity`` graphs built with ``onnx.helper``, one per datatype,
   string tensors included (Triton's BYTES).
 * :func:`make_fixed_add` -- ``SUM = A + B`` with fixed shapes (a model that cannot batch).
@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 # MiniLM lives in the installed package (the example deployment exports it too); re-exported here.
-from server.examples.minilm import (  # noqa: F401
+from tideserve.bench.examples.minilm import (  # noqa: F401
     _MINILM_RECIPE,
     MINILM_DIM,
     MINILM_FILE,
@@ -40,8 +40,8 @@ from server.examples.minilm import (  # noqa: F401
     minilm_reference,
     minilm_tokenizer,
 )
-from server.examples.minilm import export_onnx as _export
-from server.examples.minilm import minilm_stamp as _minilm_stamp  # noqa: F401
+from tideserve.bench.examples.minilm import export_onnx as _export
+from tideserve.bench.examples.minilm import minilm_stamp as _minilm_stamp  # noqa: F401
 
 MLP_IN, MLP_HIDDEN, MLP_OUT = 16, 32, 4
 

@@ -1,7 +1,7 @@
-"""The tree models of the tests: :mod:`server.examples.tree_models` (installed, the example deployment
+"""The tree models of the tests: :mod:`tideserve.bench.examples.tree_models` (installed, the example deployment
 trains its ``tabular`` model with it), re-exported under the tests' import path."""
 
-from server.examples.tree_models import (  # noqa: F401
+from tideserve.bench.examples.tree_models import (  # noqa: F401
     KINDS,
     N_TREES,
     SEED,

@@ -2,9 +2,11 @@
 
 It answers with the words "w0 w1 w2 ..." (``max_tokens`` of them, 8 by default), one response per word
 when ``stream`` is true (``DELAY_MS`` apart), else one response with all of them. A prompt containing
-``FAIL`` sends two words, then an error. A cancelled request stops early.
+``FAIL`` sends two words, then an error. A cancelled request stops early. Config parameters
+``delay_ms`` (default 20) and ``max_words`` (default: no limit) change the pace and cap the count.
 """
 
+import json
 import threading
 import time
 
@@ -19,6 +21,9 @@ class TritonPythonModel:
     def initialize(self, args):
         self.threads = set()
         self.lock = threading.Lock()
+        parameters = json.loads(args["model_config"]).get("parameters", {})
+        self.delay_s = float(parameters.get("delay_ms", {}).get("string_value", DELAY_MS)) / 1000
+        self.max_words = int(parameters.get("max_words", {}).get("string_value", 0)) or None
 
     def execute(self, requests):
         for request in requests:
@@ -27,6 +32,7 @@ class TritonPythonModel:
             stream = bool(stream.as_numpy().reshape(-1)[0]) if stream is not None else False
             count = pb_utils.get_input_tensor_by_name(request, "max_tokens")
             count = int(count.as_numpy().reshape(-1)[0]) if count is not None else 8
+            count = min(count, self.max_words) if self.max_words else count
             thread = threading.Thread(target=self.answer, daemon=True,
                                       args=(request.get_response_sender(), prompt, stream, count))
             with self.lock:
@@ -40,7 +46,7 @@ class TritonPythonModel:
                 sender.send(_text("".join(words)), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 return
             for i, word in enumerate(words):
-                time.sleep(DELAY_MS / 1000)
+                time.sleep(self.delay_s)
                 if sender.is_cancelled():
                     break
                 if "FAIL" in prompt and i == 2:

@@ -1,6 +1,7 @@
 """MiniLM's tokenizer as a Triton Python model: ``text`` (BYTES [batch, 1]) -> ``input_ids`` and
 ``attention_mask`` (INT64 [batch, length]), padded to the longest sentence of the request and
-truncated at the ``max_length`` parameter, as sentence-transformers tokenizes for this model."""
+truncated at the ``max_length`` parameter, as sentence-transformers tokenizes for this model. A request
+whose text is not UTF-8 is answered with an INVALID_ARG error (HTTP 400, gRPC INVALID_ARGUMENT)."""
 
 import json
 from pathlib import Path
@@ -18,7 +19,7 @@ class TritonPythonModel:
         path = Path(args["model_repository"]) / args["model_version"] / "tokenizer.json"
         if not path.is_file():
             raise pb_utils.TritonModelException(
-                f"{path} is missing: run `python -m server.examples.prepare` (make serve does) first")
+                f"{path} is missing: run `python -m tideserve.bench.examples.prepare` (make serve does) first")
         self.tokenizer = Tokenizer.from_file(str(path))
         self.tokenizer.enable_truncation(int(parameters.get("max_length", "256")))
         self.tokenizer.enable_padding(pad_id=0, pad_token="[PAD]")
@@ -27,10 +28,25 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             texts = pb_utils.get_input_tensor_by_name(request, "text").as_numpy().reshape(-1)
-            encodings = self.tokenizer.encode_batch(
-                [t.decode("utf-8") if isinstance(t, bytes) else str(t) for t in texts])
+            try:
+                sentences = [_text(t, i) for i, t in enumerate(texts)]
+            except ValueError as exc:  # this request's answer; the batch's others still run
+                responses.append(pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)))
+                continue
+            encodings = self.tokenizer.encode_batch(sentences)
             ids = np.array([e.ids for e in encodings], dtype=np.int64).reshape(len(texts), -1)
             mask = np.array([e.attention_mask for e in encodings], dtype=np.int64).reshape(len(texts), -1)
             responses.append(pb_utils.InferenceResponse(output_tensors=[
                 pb_utils.Tensor("input_ids", ids), pb_utils.Tensor("attention_mask", mask)]))
         return responses
+
+
+def _text(value, index: int) -> str:
+    if not isinstance(value, bytes):
+        return str(value)
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"input 'text' element {index} is not valid UTF-8: {exc.reason} at byte {exc.start}") \
+            from None

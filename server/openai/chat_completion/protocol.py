@@ -16,7 +16,8 @@ from typing import Any, Literal
 from pydantic import Field
 
 from ..errors import BadRequest
-from ..protocol import MAX_LOGPROBS, OpenAIModel, SamplingRequest
+from ..limits import OpenAILimits
+from ..protocol import OpenAIModel, SamplingRequest
 
 
 class ContentPart(OpenAIModel):
@@ -69,7 +70,7 @@ class ChatCompletionRequest(SamplingRequest):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0)  # at most OpenAILimits.max_logprobs
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -93,8 +94,9 @@ class ChatCompletionRequest(SamplingRequest):
             return "none"
         return "named" if isinstance(self.tool_choice, NamedToolChoice) else str(self.tool_choice)
 
-    def check_chat(self) -> None:
-        self.check(*self.max_output)
+    def check_chat(self, limits: OpenAILimits) -> None:
+        self.check(*self.max_output, limits)
+        limits.check_logprobs(self.top_logprobs, "top_logprobs")
         if self.top_logprobs and not self.logprobs:
             raise BadRequest("when using `top_logprobs`, `logprobs` must be set to true", "top_logprobs")
         if self.add_generation_prompt and self.continue_final_message:

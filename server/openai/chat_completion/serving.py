@@ -4,7 +4,7 @@ Streaming sends, per choice, a first chunk with the role, then one ``chat.comple
 response that adds something (the last carries ``finish_reason``), then a usage chunk when
 ``stream_options.include_usage``, then ``data: [DONE]``. A named tool streams its arguments as
 ``tool_calls`` deltas; ``required`` tool calls come whole in the finishing chunk (they are parsed from
-the complete JSON array).
+the complete JSON array). The template renders on a worker thread within the server's time and size limits.
 """
 
 from __future__ import annotations
@@ -17,12 +17,14 @@ import orjson
 
 from ...errors import ServerError
 from ..chat_template import ChatTemplate, TemplateError, special_tokens
+from ..limits import OpenAILimits
 from ..errors import BadRequest, from_server_error
 from ..generation import Run, Usage, chunk_event, close_all, collect, merged
 from ..http import DONE, EventStream, event
 from ..llm import LLMModel
 from ..logprobs import chat_content
 from ..protocol import parse
+from ..template_sandbox import RenderBudget
 from .protocol import ChatCompletionRequest
 
 OBJECT, CHUNK = "chat.completion", "chat.completion.chunk"
@@ -33,14 +35,16 @@ async def create_chat_completion(server, doc, _scope) -> bytes | EventStream:
     request: ChatCompletionRequest = parse(ChatCompletionRequest, doc)
     catalog = server.catalog
     llm = catalog.get(request.model) if request.model else catalog.default()
-    request.check_chat()
+    limits = server.limits
+    request.check_chat(limits)
     mode = request.tool_mode
     constraint = request.constraint()
     if constraint is not None and not llm.structured_outputs:
         raise BadRequest(f"model '{llm.name}' has no structured output, which "
                          f"{'tool_choice' if mode != 'none' else 'response_format'} needs (a vLLM model has it)",
                          "tool_choice" if mode != "none" else "response_format")
-    prompt = _render(request, llm)
+    prompt = await server.run_blocking(_render, request, llm, limits)
+    await limits.check_prompts_fit(llm, [prompt], "messages", server.run_blocking)
     max_tokens, max_field = request.max_output
     sampling = request.sampling(max_tokens, (request.top_logprobs or 0) if request.logprobs else None)
     fields = {"max_tokens": max_field, "logprobs": "top_logprobs",
@@ -81,7 +85,9 @@ async def create_chat_completion(server, doc, _scope) -> bytes | EventStream:
     return orjson.dumps({**header, "choices": out, "usage": usage.doc()})
 
 
-def _render(request: ChatCompletionRequest, llm: LLMModel) -> str:
+def _render(request: ChatCompletionRequest, llm: LLMModel, limits: OpenAILimits) -> str:
+    """The prompt (blocking: on a worker thread). A failure of the request's own template names
+    ``chat_template``, one of the model's names ``messages``."""
     template = llm.template
     if request.chat_template is not None:
         special = template.special_tokens if template is not None else (
@@ -94,13 +100,14 @@ def _render(request: ChatCompletionRequest, llm: LLMModel) -> str:
         raise BadRequest(f"model '{llm.name}' has no chat template: its tokenizer files define none and its config "
                          "sets no 'chat_template' parameter; send 'chat_template' with the request or use "
                          "/v1/completions")
+    budget = RenderBudget(limits.chat_template_timeout_s, limits.max_rendered_chars)
     try:
         return template.render(request.template_messages(), tools=request.template_tools(),
                                add_generation_prompt=request.add_generation_prompt,
                                continue_final_message=request.continue_final_message,
-                               extra=request.chat_template_kwargs)
+                               extra=request.chat_template_kwargs, budget=budget)
     except TemplateError as exc:
-        raise BadRequest(str(exc), "messages") from None
+        raise BadRequest(str(exc), "chat_template" if request.chat_template is not None else "messages") from None
 
 
 def _tool_call_id() -> str:

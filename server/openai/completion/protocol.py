@@ -7,7 +7,8 @@ from typing import Annotated
 from pydantic import Field
 
 from ..errors import BadRequest
-from ..protocol import MAX_LOGPROBS, SamplingRequest
+from ..limits import OpenAILimits
+from ..protocol import SamplingRequest
 
 TokenId = Annotated[int, Field(ge=0)]
 
@@ -15,14 +16,14 @@ TokenId = Annotated[int, Field(ge=0)]
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]] | None = None
     max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0)  # at most OpenAILimits.max_logprobs
     echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
     add_special_tokens: bool = True  # vLLM extension: BOS and the like when tokenizing the prompt
 
-    def prompts(self) -> list[str | list[int]]:
-        """One entry per prompt: text, or token ids."""
+    def prompts(self, limits: OpenAILimits) -> list[str | list[int]]:
+        """One entry per prompt: text, or token ids (at most ``limits.max_prompts``)."""
         prompt = self.prompt
         if prompt is None or prompt == "" or prompt == []:
             raise BadRequest("'prompt' must be a non-empty string, list of strings, or token ids", "prompt")
@@ -30,13 +31,15 @@ class CompletionRequest(SamplingRequest):
             return [prompt]
         if isinstance(prompt[0], int):
             return [list(prompt)]
+        limits.check_prompt_count(len(prompt))
         for item in prompt:
             if len(item) == 0:
                 raise BadRequest("'prompt' must not hold an empty prompt", "prompt")
         return list(prompt)
 
-    def check_completion(self) -> None:
-        self.check(self.max_tokens, "max_tokens")
+    def check_completion(self, limits: OpenAILimits) -> None:
+        self.check(self.max_tokens, "max_tokens", limits)
+        limits.check_logprobs(self.logprobs, "logprobs")
         if self.suffix:
             raise BadRequest("'suffix' is not supported", "suffix")
         if self.best_of is not None and self.best_of != self.n:

@@ -3,6 +3,7 @@
 Choice ``index`` is ``prompt_index * n + i`` (as vLLM numbers them). Streaming sends one
 ``text_completion`` chunk per choice and model response that adds text (the last one carries
 ``finish_reason``), then a usage chunk when ``stream_options.include_usage``, then ``data: [DONE]``.
+The prompts' requests are started a slice at a time, the event loop serving other work in between.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ..protocol import parse
 from .protocol import CompletionRequest
 
 OBJECT = "text_completion"
+SLICE = 16  # prompts started per turn of the event loop
 FIELDS = {"structured_outputs": "response_format"}
 DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default, also for an explicit null
 
@@ -30,8 +32,10 @@ async def create_completion(server, doc, _scope) -> bytes | EventStream:
     request: CompletionRequest = parse(CompletionRequest, doc)
     catalog = server.catalog
     llm = catalog.get(request.model) if request.model else catalog.default()
-    request.check_completion()
-    prompts = request.prompts()
+    limits = server.limits
+    request.check_completion(limits)
+    prompts = request.prompts(limits)
+    await limits.check_prompts_fit(llm, prompts, "prompt", server.run_blocking)
     if request.constraint() is not None and not llm.structured_outputs:
         raise BadRequest(f"model '{llm.name}' has no structured output (response_format needs a vLLM model)",
                          "response_format" if request.response_format is not None else "structured_outputs")
@@ -44,6 +48,8 @@ async def create_completion(server, doc, _scope) -> bytes | EventStream:
     runs: list[Run] = []
     try:
         for k, prompt in enumerate(prompts):
+            if k and k % SLICE == 0:
+                await asyncio.sleep(0)  # let the loop run the requests started so far, and other clients
             inference = llm.request(prompt, sampling, stream=stream, logprobs=request.logprobs is not None,
                                     add_special_tokens=request.add_special_tokens, request_id=f"{request_id}-{k}")
             runs.append(Run(server.dataplane, llm, inference, n, index=k * n))

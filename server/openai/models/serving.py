@@ -1,4 +1,4 @@
-"""The served models: every ready LLM model (see :mod:`server.openai.llm`), one entry per name."""
+"""The served models: every ready LLM model (see :mod:`tideserve.openai.llm`), one entry per name."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ the regressor ``load_diabetes`` (10 features), the multi-class model ``load_iris
 model. :func:`write_fil_model` writes a ready Triton model directory (``config.pbtxt`` and
 ``1/<file>``) for a kind, for tests, benchmarks and example deployments alike::
 
-    from server.examples.tree_models import write_fil_model
+    from tideserve.bench.examples.tree_models import write_fil_model
     write_fil_model(Path("model_repository"), "cancer_xgb", "xgboost_json", predict_proba=True)
 
 The example deployment's ``tabular`` model is the ``xgboost_json`` kind; the tests use every kind

@@ -7,7 +7,7 @@ normalisation are inside the graph, so the output is what ``SentenceTransformer.
 (``tokenizers`` only, no transformers).
 
 Importing transformers leaves lazy modules in ``sys.modules`` that other code may trip over: a process
-that should stay clean of it runs the export as a command (``python -m server.examples.minilm OUT_DIR``).
+that should stay clean of it runs the export as a command (``python -m tideserve.bench.examples.minilm OUT_DIR``).
 
 ``torch.onnx.export(..., dynamo=False)`` (the TorchScript exporter; needs ``onnx``, not ``onnxscript``)
 is used while torch keeps it: it is quick and its output is byte-for-byte deterministic. Torch builds

