@@ -148,6 +148,11 @@ class Model:
     def create_instance(self, ctx: InstanceContext) -> ModelInstance:
         return self.instance_class(self, ctx)
 
+    def waiting_requests(self) -> int | None:
+        """Requests waiting in the model's own engine (a backend that batches continuously), or None
+        when the model does not know; the pass-through scheduler reports it as the pending count."""
+        return None
+
     def finalize(self) -> None:
         """Release what :meth:`initialize` acquired."""
 

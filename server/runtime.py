@@ -176,7 +176,10 @@ class ModelRuntime:
         self.scheduler.enqueue(request)
 
     async def execute(self, slot: InstanceSlot, requests: list[InferenceRequest]) -> None:
-        """Run one batch on one instance, answer whatever the backend left unanswered."""
+        """Run one batch on one instance, answer whatever the backend left unanswered.
+
+        The batch's compute time is the time ``execute`` takes: for a backend that answers inline
+        (those on the pass-through scheduler), from the request's start to its last response."""
         start = time.monotonic_ns()
         stats = self.stats
         for request in requests:

@@ -328,6 +328,10 @@ def test_llm_metrics_are_recorded(llm_server, http_client):
                  "tideserve:request_success_total"):
         assert (metric_value(text, name, **labels) or 0) > 0, name
     assert metric_value(text, "nv_inference_request_success", model=MODEL, version="1") > 0
+    # the generation runs inside the instance's execute: compute time is the request's time, not ~0
+    assert metric_value(text, "nv_inference_compute_infer_duration_us", model=MODEL, version="1") > 0
+    stats = http_client.get_inference_statistics(MODEL)["model_stats"][0]["inference_stats"]
+    assert int(stats["compute_infer"]["ns"]) >= int(stats["success"]["ns"]) // 2, stats
 
 
 # -- bad requests -------------------------------------------------------------------------------

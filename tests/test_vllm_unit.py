@@ -247,13 +247,14 @@ def test_max_tokens_beyond_the_context_window_is_refused():
 
 # -- the scheduler ------------------------------------------------------------------------------
 async def test_pass_through_scheduler_runs_requests_concurrently():
-    from tideserve.llm_backends.vllm.backend import PassThroughScheduler
+    from tideserve.schedulers import PassThroughScheduler
 
     started, release = [], asyncio.Event()
 
     class Runtime:
         slots = ("slot",)
         model = None
+        config = mc.ModelConfig()
 
         async def execute(self, slot, requests):
             started.extend(requests)

@@ -1,9 +1,9 @@
 """``backend: "tensorrtllm"``: serve a TensorRT-LLM model through its LLM API (``tensorrt_llm.LLM``).
 
-The engine batches in flight, so tideserve does not: the model's scheduler hands each request to
-``execute`` at once, ``execute`` submits one engine request per request row (``generate_async``) and
-returns, and one asyncio task per request streams the engine's outputs back through the request's
-ResponseSender. ``tensorrt_llm`` is imported only when a model of this backend loads; when it cannot
+The engine batches in flight, so tideserve does not: the pass-through scheduler hands each request to
+``execute`` at once, in a task of its own; ``execute`` submits one engine request per request row
+(``generate_async``) and streams the engine's outputs back through the request's ResponseSender until
+the last. ``tensorrt_llm`` is imported only when a model of this backend loads; when it cannot
 be imported (no NVIDIA GPU, not installed) that model is UNAVAILABLE with the reason and the rest of
 the server serves on.
 
@@ -26,7 +26,7 @@ import numpy as np
 from tideserve import model_paths
 from tideserve.backend import Backend, Model, ModelInstance
 from tideserve.errors import Cancelled, InternalError, InvalidArgument, ServerError, Unavailable
-from tideserve.schedulers.base import Scheduler, drop_cancelled
+from tideserve.schedulers import PassThroughScheduler, Scheduler
 from tideserve.types import InferenceRequest
 
 from ..metrics import LLMMetrics
@@ -176,36 +176,6 @@ class Settings:
         return kwargs
 
 
-# -- the scheduler: no queue, the engine batches ---------------------------------------------------
-class PassThroughScheduler(Scheduler):
-    """Hands each request to an instance at once; the engine does the (in-flight) batching."""
-
-    def __init__(self, runtime) -> None:
-        super().__init__(runtime)
-        self._next = 0
-        self._tasks: set[asyncio.Task] = set()
-
-    def enqueue(self, request: InferenceRequest) -> None:
-        if drop_cancelled(request):
-            return
-        slots = self.runtime.slots
-        slot = slots[self._next % len(slots)]
-        self._next += 1
-        task = asyncio.get_running_loop().create_task(self.runtime.execute(slot, [request]))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def start(self) -> None:
-        if self.runtime.config.HasField("dynamic_batching"):
-            log.info("model '%s': dynamic_batching is ignored, TensorRT-LLM batches in flight", self.runtime.name)
-
-    async def stop(self) -> None:
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
 # -- one request in the engine ---------------------------------------------------------------------
 class RowRun:
     """One engine request (one row of a tideserve request) and what has been sent of it."""
@@ -324,19 +294,22 @@ class RowRun:
 
 
 class JobRun:
-    """One tideserve request in flight: its rows in the engine and the task that answers it."""
+    """One tideserve request in flight: its rows in the engine and the task that answers it (the
+    scheduler's task for the request, which runs the job inline)."""
 
-    def __init__(self, request: InferenceRequest, job: Job, runs: list[RowRun]) -> None:
+    def __init__(self, request: InferenceRequest, job: Job, runs: list[RowRun], task: asyncio.Task) -> None:
         self.request = request
         self.job = job
         self.runs = runs
         self.remaining = len(runs)
-        self.task: asyncio.Task | None = None
+        self.task = task
         self.cancel_error: ServerError | None = None
+        self.done = False
 
     def cancel(self, error: ServerError) -> None:
-        """Abort the engine requests and stop answering (client gone, unload)."""
-        if self.cancel_error is not None or self.task is None or self.task.done():
+        """Abort the engine requests and stop answering (the request's cancellation: client gone,
+        timeout, shutdown past the exit timeout)."""
+        if self.cancel_error is not None or self.done:
             return
         self.cancel_error = error
         for run in self.runs:
@@ -347,9 +320,10 @@ class JobRun:
 # -- the model ------------------------------------------------------------------------------------
 class TensorRTLLMInstance(ModelInstance):
     async def execute(self, requests: list[InferenceRequest]) -> None:
+        """Run the request (the pass-through scheduler sends one per call) from submission to its end."""
         for request in requests:
             try:
-                self.model.submit(request)
+                await self.model.run(request)
             except ServerError as exc:
                 request.response_sender.send_error(exc)
 
@@ -363,7 +337,6 @@ class TensorRTLLMModel(Model):
         self.llm: Any = None
         self.trtllm: Any = None
         self.tokenizer: Any = None
-        self.jobs: set[JobRun] = set()
         self.active_rows = 0
         self.llm_metrics: LLMMetrics | None = None
         self._labels = (ctx.name, str(ctx.version))
@@ -417,13 +390,10 @@ class TensorRTLLMModel(Model):
         return trt.LLM
 
     async def finalize(self) -> None:
+        # the runtime stops the scheduler first: no request of this model runs any more
         if self._stats_task is not None:
             self._stats_task.cancel()
             await asyncio.gather(self._stats_task, return_exceptions=True)
-        jobs = list(self.jobs)
-        for job in jobs:
-            job.cancel(Unavailable(f"model '{self.ctx.name}' is unloading"))
-        await asyncio.gather(*(j.task for j in jobs if j.task is not None), return_exceptions=True)
         llm, self.llm = self.llm, None
         if self.llm_metrics is not None:
             self.llm_metrics.set_engine_state(*self._labels, running=0, waiting=0, kv_cache_usage=0.0)
@@ -434,8 +404,8 @@ class TensorRTLLMModel(Model):
                 log.exception("model '%s': TensorRT-LLM shutdown failed", self.ctx.name)
 
     # -- requests --
-    def submit(self, request: InferenceRequest) -> None:
-        """Parse ``request``, put its rows into the engine, start the task that answers it."""
+    async def run(self, request: InferenceRequest) -> None:
+        """Parse ``request``, put its rows into the engine and answer it, in the calling task."""
         if self.llm is None:
             raise Unavailable(f"model '{self.ctx.name}' is not loaded")
         config = self.config
@@ -458,9 +428,7 @@ class TensorRTLLMModel(Model):
             for run in runs:
                 run.abort()
             raise
-        job_run = JobRun(request, job, runs)
-        job_run.task = asyncio.get_running_loop().create_task(self._answer(job_run))
-        self.jobs.add(job_run)
+        job_run = JobRun(request, job, runs, asyncio.current_task())
         self.active_rows += len(runs)
         self._publish_state()
         loop = asyncio.get_running_loop()
@@ -472,6 +440,7 @@ class TensorRTLLMModel(Model):
                 pass
 
         request.cancellation.add_callback(on_cancel)
+        await self._answer(job_run)
 
     def _sampling_params(self, row: Row) -> Any:
         kwargs = dict(row.sampling)
@@ -508,6 +477,9 @@ class TensorRTLLMModel(Model):
         return params
 
     async def _answer(self, job_run: JobRun) -> None:
+        """Stream the engine's outputs back until the last. A cancellation of the request itself
+        (:meth:`JobRun.cancel`) ends it here; a cancellation of the task from outside (the scheduler
+        stopping) propagates once the request is answered."""
         request, job = job_run.request, job_run.job
         sender = request.response_sender
         try:
@@ -533,6 +505,9 @@ class TensorRTLLMModel(Model):
                 if not run.finished and run.tracker is not None:
                     run.tracker.finish(run.prompt_tokens(), aborted=True)
             sender.send_error(job_run.cancel_error or Cancelled("the request was cancelled"))
+            if job_run.cancel_error is None:
+                raise
+            asyncio.current_task().uncancel()  # the request's own cancellation, handled: the task goes on
         except ServerError as exc:
             for run in job_run.runs:
                 run.abort()
@@ -543,7 +518,7 @@ class TensorRTLLMModel(Model):
                 run.abort()
             sender.send_error(InternalError(f"TensorRT-LLM engine error: {type(exc).__name__}: {exc}"))
         finally:
-            self.jobs.discard(job_run)
+            job_run.done = True
             self.active_rows -= len(job_run.runs)
             self._publish_state()
 

@@ -1,8 +1,9 @@
 """The ``vllm`` backend: vLLM's in-process ``AsyncLLM`` behind Triton's vLLM tensor interface.
 
 A model version owns one engine (built from ``<version>/model.json`` on a worker thread, so the
-server keeps answering while it starts). Its scheduler hands every request straight to the model,
-which runs it as a task of its own: the engine does the continuous batching.
+server keeps answering while it starts). The pass-through scheduler runs every request at once as a
+task of its own, in which the instance's ``execute`` awaits the whole generation: the engine does
+the continuous batching.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from tideserve.llm_backends.metrics import LLMMetrics
 from tideserve.backend import Backend, Model, ModelContext, ModelInstance
 from tideserve.datatypes import config_to_datatype, numpy_dtype
-from tideserve.schedulers.base import Scheduler, drop_cancelled
+from tideserve.schedulers import PassThroughScheduler, Scheduler
 from tideserve.types import InferenceRequest
 
 from . import config as vllm_config
@@ -31,39 +32,15 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class PassThroughScheduler(Scheduler):
-    """Runs every request at once on the model's one instance; the engine batches continuously."""
-
-    def __init__(self, runtime: ModelRuntime) -> None:
-        super().__init__(runtime)
-        self._running: set[asyncio.Task] = set()
-
-    async def start(self) -> None:  # no worker loop: nothing waits here
-        pass
-
-    def enqueue(self, request: InferenceRequest) -> None:
-        if drop_cancelled(request):
-            return
-        task = asyncio.get_running_loop().create_task(self.runtime.execute(self.runtime.slots[0], [request]))
-        self._running.add(task)
-        task.add_done_callback(self._running.discard)
-
-    def pending(self) -> int:
-        model = self.runtime.model
-        return model.state.waiting if isinstance(model, VllmModel) and model.state is not None else 0
-
-    async def stop(self) -> None:
-        await asyncio.gather(*self._running, return_exceptions=True)
-
-
 class VllmInstance(ModelInstance):
     """The model's single instance (KIND_MODEL): the engine places itself on its devices."""
 
     model: VllmModel
 
     async def execute(self, requests: list[InferenceRequest]) -> None:
+        """Generate for the request (the pass-through scheduler sends one per call), start to FINAL."""
         for request in requests:
-            self.model.submit(request)
+            await self.model.generator.run(request)
 
 
 class VllmModel(Model):
@@ -74,7 +51,6 @@ class VllmModel(Model):
         self.engine = None
         self.generator: Generator | None = None
         self.state: EngineState | None = None
-        self._tasks: set[asyncio.Task] = set()
         self._watchdog: asyncio.Task | None = None
         self.metrics: LLMMetrics = (ctx.metrics.extension("llm", LLMMetrics) if ctx.metrics is not None
                                     else LLMMetrics(CollectorRegistry()))
@@ -85,6 +61,10 @@ class VllmModel(Model):
 
     def create_scheduler(self, runtime: ModelRuntime) -> Scheduler:
         return PassThroughScheduler(runtime)
+
+    def waiting_requests(self) -> int | None:
+        """The engine's waiting requests, from its last reported state."""
+        return self.state.waiting if self.state is not None else None
 
     async def initialize(self) -> None:
         self.engine = await asyncio.to_thread(self._start_engine)
@@ -119,18 +99,10 @@ class VllmModel(Model):
     def _set_state_gauges(self, **values) -> None:
         self.metrics.set_engine_state(*self._labels, **values)
 
-    def submit(self, request: InferenceRequest) -> None:
-        """Start ``request``'s generation as its own task on the server's loop."""
-        task = asyncio.get_running_loop().create_task(self.generator.run(request))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
     async def finalize(self) -> None:
+        # the runtime stops the scheduler first: no request of this model runs any more
         if self._watchdog is not None:
             self._watchdog.cancel()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
         engine, self.engine, self.generator = self.engine, None, None
         if engine is not None:
             from .engine import stop_engine

@@ -7,11 +7,12 @@ from typing import TYPE_CHECKING
 from .base import Scheduler
 from .direct import DirectScheduler
 from .dynamic_batcher import DynamicBatcher
+from .passthrough import PassThroughScheduler
 
 if TYPE_CHECKING:
     from ..runtime import ModelRuntime
 
-__all__ = ["Scheduler", "DirectScheduler", "DynamicBatcher", "make_scheduler"]
+__all__ = ["Scheduler", "DirectScheduler", "DynamicBatcher", "PassThroughScheduler", "make_scheduler"]
 
 
 def make_scheduler(runtime: "ModelRuntime") -> Scheduler:

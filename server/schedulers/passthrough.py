@@ -1,0 +1,101 @@
+"""The pass-through scheduler, for backends whose engine batches continuously (vLLM, TensorRT-LLM).
+
+No queue and no batches: each request goes at once to an instance (round robin over the model's
+instances) as one task that runs ``runtime.execute(slot, [request])`` to the request's end. The
+instance's ``execute`` awaits the whole generation and answers through the request's
+ResponseSender, so the statistics' compute time covers the request from its start to its last
+response. The engine's own waiting count, when the model knows it (``Model.waiting_requests``), is
+the model's pending count.
+
+Stopping: the repository drains a model (waits up to the unload or exit timeout for the requests in
+flight) before it unloads it, so by :meth:`PassThroughScheduler.stop` that time is spent. ``stop``
+waits at most ``stop_timeout_s`` more (requests whose end is already under way: an engine abort, a
+last response), then cancels the tasks still running, each answered with UNAVAILABLE first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from ..errors import InternalError, Unavailable
+from ..types import InferenceRequest
+from .base import Scheduler, drop_cancelled
+
+if TYPE_CHECKING:
+    from ..runtime import InstanceSlot, ModelRuntime
+
+log = logging.getLogger(__name__)
+
+STOP_TIMEOUT_S = 1.0
+
+
+class PassThroughScheduler(Scheduler):
+    """Runs every request at once, one task each; the backend's engine does the batching.
+
+    ``stop_timeout_s``: how long :meth:`stop` waits, after the repository's drain, before it cancels
+    the requests still running.
+    """
+
+    def __init__(self, runtime: ModelRuntime, stop_timeout_s: float = STOP_TIMEOUT_S) -> None:
+        super().__init__(runtime)
+        self.stop_timeout_s = stop_timeout_s
+        self._next = 0
+        self._running: dict[asyncio.Task, InferenceRequest] = {}
+
+    async def start(self) -> None:  # no worker loop: nothing waits here
+        if self.runtime.config.HasField("dynamic_batching"):
+            log.info("model '%s': dynamic_batching is ignored, the backend's engine batches continuously",
+                     self.runtime.name)
+
+    def enqueue(self, request: InferenceRequest) -> None:
+        if drop_cancelled(request):
+            return
+        slots = self.runtime.slots
+        slot = slots[self._next % len(slots)]
+        self._next += 1
+        task = asyncio.get_running_loop().create_task(self._run(slot, request))
+        self._running[task] = request
+        task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task) -> None:
+        self._running.pop(task, None)
+
+    async def _run(self, slot: InstanceSlot, request: InferenceRequest) -> None:
+        sender = request.response_sender
+        try:
+            await self.runtime.execute(slot, [request])
+        except asyncio.CancelledError:
+            sender.send_error(self._stopped_error())  # a no-op when the request is answered already
+            raise
+        except Exception:  # the runtime answers a failing execute; this is what lies outside it
+            log.exception("model '%s': request execution failed", self.runtime.name)
+            sender.send_error(InternalError(f"model '{self.runtime.name}' failed to run the request"))
+
+    def pending(self) -> int:
+        """The engine's waiting requests when the model reports them; nothing waits in this scheduler."""
+        return self.runtime.model.waiting_requests() or 0
+
+    async def stop(self) -> None:
+        """Wait up to ``stop_timeout_s`` for the running requests, then cancel the rest, each answered
+        with UNAVAILABLE. The repository has already drained the model with its own timeout."""
+        if not self._running:
+            return
+        _, late = await asyncio.wait(list(self._running), timeout=self.stop_timeout_s)
+        late = [task for task in late if not task.done()]
+        if not late:
+            return
+        log.warning("model '%s' version %s: cancelling %d request(s) still running at unload",
+                    self.runtime.name, self.runtime.version, len(late))
+        error = self._stopped_error()
+        for task in late:
+            request = self._running.get(task)
+            if request is not None:
+                request.response_sender.send_error(error)
+            task.cancel()
+        await asyncio.gather(*late, return_exceptions=True)
+
+    def _stopped_error(self) -> Unavailable:
+        return Unavailable(f"model '{self.runtime.name}' version {self.runtime.version} was unloaded "
+                           f"before the request finished")
