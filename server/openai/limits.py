@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 from .errors import BadRequest
 
-
 # Special tokens (BOS and the like) a tokenizer may add to one prompt, on top of one token per UTF-8 byte.
 _SPECIAL_TOKENS_PER_PROMPT = 4
 # A rendered chat prompt longer than this many characters per allowed prompt token cannot fit the token

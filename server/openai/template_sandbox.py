@@ -10,8 +10,8 @@ on the current thread (renders run on the OpenAI frontend's worker threads, neve
   an integer of more than 65,536 bits); an integer argument of a call or filter may not exceed that size
   (``'x'.ljust(n)``, ``center(n)``; numbers to format are not sizes), nor may what a call, macro or filter
   returns or what a ``namespace`` holds; a format string may not ask for a width of a million or more;
-  the rendered text may not grow past the size. Filters are never evaluated while compiling (jinja2 folds constant expressions), so these
-  checks see every call.
+  the rendered text may not grow past the size. Filters are never evaluated while compiling (where jinja2
+  folds constant expressions), so these checks see every call.
 
 A render over its budget raises :class:`TemplateLimitError`. Without a budget (no render under
 :meth:`RenderBudget.applied`) the environment is jinja2's immutable sandbox.
