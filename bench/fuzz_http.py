@@ -5,13 +5,16 @@ The requests are boofuzz ``Request`` templates of what the port serves, each a v
 toy deployment (``bench/toy_repository.py``) before mutation: a JSON infer, a binary-tensor infer
 (``Inference-Header-Content-Length``), a chunked infer, a gzip generate, generate / generate_stream, and
 /v1 completions and chat completions (streamed). boofuzz mutates one primitive at a time: the
-request line (method, path, HTTP version), header names and values, Content-Length (as a number and
-as text), the chunk sizes of a chunked body, and fields of the JSON bodies (long strings, format
-strings, delimiters, control bytes, odd numbers).
+request line (method, path, HTTP version), header names and values, Content-Length (boundary values:
+0, off by one, huge), Transfer-Encoding and the chunk sizes and data of a chunked body, the binary
+tensor bytes, the gzip bytes, and fields of the JSON bodies (long strings, format strings, delimiters,
+control bytes, odd numbers).
 
 For each request the answer's status is recorded (or that the server closed or reset the connection,
-or sent nothing within ``--timeout``: the mutation may have left the request incomplete). Every
-``--batch`` requests the server must still run and answer every kind of model correctly. It fails on
+or sent nothing in time). A request complete by its own framing (one Content-Length equal to its body)
+must be answered within ``--timeout``, else it counts as a hang; one the mutation left incomplete (a
+short body, a broken chunk) may get no answer, and is waited for half a second. Every 250 requests
+the server must still run and answer every kind of model correctly. It fails on
 a 500 (an internal error: a bug), on any 5xx the server does not send on purpose, on a dead or sick
 server, and on a traceback in the server's log.
 
@@ -45,6 +48,7 @@ from tideserve.bench.llm_servers import start_tideserve, stop_process
 
 DELIBERATE_5XX = frozenset({501, 503, 504})  # unsupported, unavailable / shutting down, request timeout
 MAX_STRING = 70_000  # longest mutated string: past the server's 64 KiB request-head limit
+INCOMPLETE_WAIT = 0.5  # seconds to wait for an answer to a request that is not complete by its own framing
 _STATUS = re.compile(rb"HTTP/1\.[01] (\d{3})")
 _LOG_PROBLEMS = ("Traceback (most recent call last)", "Exception in ASGI application")
 
@@ -231,17 +235,17 @@ async def _exchange(host: str, port: int, data: bytes, timeout: float) -> str:
     """Send one request on a new connection; the answer's status, or what happened instead."""
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
-    except (OSError, asyncio.TimeoutError):
+    except (TimeoutError, OSError):
         return "connect failed"
     try:
         try:
             writer.write(data)
             await asyncio.wait_for(writer.drain(), timeout)
-        except (OSError, asyncio.TimeoutError):
+        except (TimeoutError, OSError):
             pass  # the server may answer and close before reading all of a bad request
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n"), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return "no answer"
         except asyncio.IncompleteReadError as exc:
             head = exc.partial
@@ -254,14 +258,14 @@ async def _exchange(host: str, port: int, data: bytes, timeout: float) -> str:
             return "not http"
         try:  # drain the rest (a stream ends when the server closes the connection)
             await asyncio.wait_for(reader.read(), timeout)
-        except (OSError, asyncio.TimeoutError):
+        except (TimeoutError, OSError):
             pass
         return match.group(1).decode()
     finally:
         writer.close()
         try:
             await asyncio.wait_for(writer.wait_closed(), 1)
-        except (OSError, asyncio.TimeoutError):
+        except (TimeoutError, OSError):
             pass
 
 
@@ -312,13 +316,14 @@ async def fuzz(base_url: str, *, stride: int = 1, limit: int | None = None, conc
     gate = asyncio.Semaphore(concurrency)
 
     async def one(name: str, data: bytes) -> None:
+        complete = framed(data)  # owed an answer; anything else may be waiting for bytes that never come
         async with gate:
-            outcome = await _exchange(host, int(port), data, timeout)
+            outcome = await _exchange(host, int(port), data, timeout if complete else min(timeout, INCOMPLETE_WAIT))
         kind = _kind(outcome)
         result.outcomes[kind] += 1
         if outcome.isdigit() and int(outcome) >= 500 and int(outcome) not in DELIBERATE_5XX:
             result.server_errors.append(f"{name}: {outcome} for {data[:160]!r}")
-        elif outcome == "no answer" and framed(data):
+        elif outcome == "no answer" and complete:
             result.problems.append(f"{name}: no answer in {timeout:g}s to a complete request {data[:160]!r}")
 
     pending = iter(cases(stride, limit))

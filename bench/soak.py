@@ -38,9 +38,9 @@ from tideserve.bench import toy_repository
 from tideserve.bench.llm_servers import start_tideserve, stop_process
 
 
-def process_tree_rss(pid: int) -> int:
-    """Resident bytes of ``pid`` and every descendant (Linux /proc)."""
-    total, todo, seen = 0, [pid], set()
+def process_tree_rss(pid: int) -> tuple[int, int]:
+    """Resident bytes of ``pid`` and every descendant together, and of ``pid`` alone (Linux /proc)."""
+    total, own, todo, seen = 0, 0, [pid], set()
     while todo:
         current = todo.pop()
         if current in seen:
@@ -50,13 +50,15 @@ def process_tree_rss(pid: int) -> int:
             with open(f"/proc/{current}/status") as status:
                 for line in status:
                     if line.startswith("VmRSS:"):
-                        total += int(line.split()[1]) * 1024
+                        rss = int(line.split()[1]) * 1024
+                        total += rss
+                        own = rss if current == pid else own
             for task in os.listdir(f"/proc/{current}/task"):
                 with open(f"/proc/{current}/task/{task}/children") as children:
                     todo.extend(int(child) for child in children.read().split())
         except (FileNotFoundError, ProcessLookupError):
             continue
-    return total
+    return total, own
 
 
 @dataclass
@@ -68,7 +70,8 @@ class Soak:
     tokens_generated: int = 0   # as the usage of each stream says
     lost_tokens: int = 0
     errors: dict[str, int] = field(default_factory=dict)
-    rss_samples: list[tuple[float, int]] = field(default_factory=list)  # (seconds since start, bytes)
+    # (seconds since start, bytes of the process tree, bytes of the server process alone)
+    rss_samples: list[tuple[float, int, int]] = field(default_factory=list)
     seconds: float = 0.0
 
     def error(self, message: str) -> None:
@@ -76,9 +79,10 @@ class Soak:
         self.errors[key] = self.errors.get(key, 0) + 1
         self.streams_failed += 1
 
-    def rss_growth(self, warmup: float) -> tuple[int, int] | None:
-        """(RSS at the first sample after the warm-up, RSS at the last sample)."""
-        after = [rss for t, rss in self.rss_samples if t >= warmup]
+    def rss_growth(self, warmup: float, which: int = 1) -> tuple[int, int] | None:
+        """(RSS at the first sample after the warm-up, RSS at the last sample); ``which``: 1 the tree, 2 the
+        server process alone."""
+        after = [sample[which] for sample in self.rss_samples if sample[0] >= warmup]
         return (after[0], after[-1]) if len(after) >= 2 else None
 
 
@@ -139,7 +143,7 @@ async def soak_run(base_url: str, model: str, *, streams: int, duration: float, 
             while time.monotonic() < deadline:
                 try:
                     await _stream(session, url, body, count, soak)
-                except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+                except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
                     soak.error(f"{type(exc).__name__}: {exc}")
                     await asyncio.sleep(1)
 
@@ -147,7 +151,7 @@ async def soak_run(base_url: str, model: str, *, streams: int, duration: float, 
         last_report = started
         while time.monotonic() < deadline:
             if pid is not None:
-                soak.rss_samples.append((round(time.monotonic() - started, 1), process_tree_rss(pid)))
+                soak.rss_samples.append((round(time.monotonic() - started, 1), *process_tree_rss(pid)))
             if time.monotonic() - last_report >= 60:
                 last_report = time.monotonic()
                 rss = f", RSS {soak.rss_samples[-1][1] / 2**20:.0f} MiB" if soak.rss_samples else ""
@@ -158,7 +162,7 @@ async def soak_run(base_url: str, model: str, *, streams: int, duration: float, 
     tasks = [asyncio.create_task(client()) for _ in range(streams)]
     await asyncio.gather(sampler(), *tasks)
     if pid is not None:
-        soak.rss_samples.append((round(time.monotonic() - started, 1), process_tree_rss(pid)))
+        soak.rss_samples.append((round(time.monotonic() - started, 1), *process_tree_rss(pid)))
     soak.seconds = time.monotonic() - started
     return soak
 
@@ -213,8 +217,10 @@ def main() -> int:
     ok = soak.lost_tokens == 0 and soak.streams_failed == 0
     if growth is not None:
         first, last = growth
-        print(f"RSS of the server process tree: {first / 2**20:.0f} MiB after the warm-up -> {last / 2**20:.0f} MiB "
-              f"({(last - first) / 2**20:+.1f} MiB, {100 * (last - first) / first:+.1f}%)")
+        for what, (start, end) in (("server process tree", growth),
+                                   ("server process alone", soak.rss_growth(args.warmup_secs, 2))):
+            print(f"RSS of the {what}: {start / 2**20:.0f} MiB after the warm-up -> {end / 2**20:.0f} MiB "
+                  f"({(end - start) / 2**20:+.1f} MiB, {100 * (end - start) / start:+.1f}%)")
         if args.max_growth_mib is not None and (last - first) / 2**20 > args.max_growth_mib:
             ok = False
     elif pid is None:

@@ -32,8 +32,9 @@ MODELS = TENSOR_MODELS + TEXT_MODELS
 SERVER_ARGS = ("--model-control-mode", "explicit", "--load-model", "*")  # load / unload answer, not 501
 
 
-def write(root: Path, *, delay_ms: float = 2, max_words: int = 64) -> Path:
-    """The repository under ``root`` (created); returns its path."""
+def write(root: Path, *, delay_ms: float = 2, max_words: int = 64, words_in_server: bool = False) -> Path:
+    """The repository under ``root`` (created); returns its path. ``words_in_server``: the words models
+    run in the server's process (``process_isolation: "false"``), where a test can see their threads."""
     repository = root / "models"
     repository.mkdir(parents=True, exist_ok=True)
     for name in TENSOR_MODELS:
@@ -43,6 +44,8 @@ def write(root: Path, *, delay_ms: float = 2, max_words: int = 64) -> Path:
     config.write_text(config.read_text().replace('name: "add_sub"', 'name: "spare"'))
     params = (f'parameters {{ key: "delay_ms" value {{ string_value: "{delay_ms:g}" }} }}\n'
               f'parameters {{ key: "max_words" value {{ string_value: "{max_words}" }} }}\n')
+    if words_in_server:
+        params += 'parameters { key: "process_isolation" value { string_value: "false" } }\n'
     chat = f'parameters {{ key: "chat_template" value {{ string_value: {json.dumps(CHAT_TEMPLATE)} }} }}\n'
     for name, extra in (("words", ""), ("words_chat", chat)):
         (repository / name / "1").mkdir(parents=True, exist_ok=True)

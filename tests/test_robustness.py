@@ -23,9 +23,9 @@ from in_process import InProcessServer
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
-from tideserve.bench import fuzz_api, fuzz_http, toy_repository
 from tideserve import openapi
 from tideserve.app import ServerOptions
+from tideserve.bench import fuzz_api, fuzz_http, toy_repository
 from tideserve.cli import build_parser, options_from_args
 from tideserve.http import create_app
 from tideserve.repository import ControlMode
@@ -77,11 +77,17 @@ def test_openapi_flag_defaults_off_with_restricted_apis():
 
 
 # -- schemathesis and boofuzz ----------------------------------------------------------------------
-def test_schemathesis_finds_no_server_error(toy_server, tmp_path):
-    """Examples, coverage and fuzzing phases over every operation (~40 s on two cores)."""
+def _report(capsys, text: str) -> None:
+    """The counts in the test output, captured or not."""
+    with capsys.disabled():
+        print(f"\n{text}")
+
+
+def test_schemathesis_finds_no_server_error(toy_server, tmp_path, capsys):
+    """Examples, coverage and fuzzing phases over every operation (~30-40 s on two cores)."""
     result = fuzz_api.run(toy_server.base_url, tmp_path / "schemathesis", max_examples=40, seed=1, workers=1,
                           timeout=240)
-    print(result.summary())
+    _report(capsys, result.summary())
     assert result.requests >= 1000, result.output[-3000:]
     assert result.server_errors == 0 and not result.failures and not result.errors, \
         result.summary() + "\n" + result.output[-6000:]
@@ -90,11 +96,11 @@ def test_schemathesis_finds_no_server_error(toy_server, tmp_path):
     assert fuzz_http.log_problems(toy_server.log_path) == []
 
 
-def test_boofuzz_http_protocol_fuzzing(toy_server):
-    """1,500 mutated requests (every 60th mutation of each template), the server checked every 250."""
+def test_boofuzz_http_protocol_fuzzing(toy_server, capsys):
+    """1,545 mutated requests (every 60th mutation of each template), the server checked every 250."""
     result = asyncio.run(fuzz_http.fuzz(toy_server.base_url, stride=60, timeout=2.0, log_path=toy_server.log_path,
                                         alive=lambda: toy_server.process.poll() is None))
-    print(result.summary())
+    _report(capsys, result.summary())
     assert result.requests >= 1000
     assert result.server_errors == [] and result.problems == [], result.summary()
     assert result.outcomes["2xx"] >= len(fuzz_http.TEMPLATES)  # the unmutated requests are answered
@@ -104,7 +110,8 @@ def test_boofuzz_http_protocol_fuzzing(toy_server):
 # -- disconnect storm ------------------------------------------------------------------------------
 @pytest.fixture()
 def storm_server(tmp_path):
-    repository = toy_repository.write(tmp_path, delay_ms=20, max_words=1000)
+    # the words models in the server's process: the test sees their threads (one per request answered)
+    repository = toy_repository.write(tmp_path, delay_ms=20, max_words=1000, words_in_server=True)
     running = InProcessServer(ServerOptions(model_repositories=[repository], http_port=free_port(),
                                             grpc_port=free_port(), metrics_port=free_port(),
                                             model_control_mode=ControlMode.EXPLICIT, load_models=["*"],
@@ -176,7 +183,16 @@ def test_disconnect_storm_leaves_nothing_in_flight(storm_server):
     dataplane = storm_server.server.dataplane
     succeeded_before, failed_before = runtime.stats.success.count, runtime.stats.fail.count
 
+    most_threads = 0  # the threads seen answering at once during the storm: the check below can see them
+
+    async def count_threads():
+        nonlocal most_threads
+        while True:
+            most_threads = max(most_threads, len(_answering_threads()))
+            await asyncio.sleep(0.01)
+
     async def storm():
+        counter = asyncio.create_task(count_threads())
         channel = grpc.aio.insecure_channel(storm_server.grpc_url)
         stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
         generate = {"text_input": "storm", "max_tokens": TEXT_WORDS, "stream": True}
@@ -194,10 +210,12 @@ def test_disconnect_storm_leaves_nothing_in_flight(storm_server):
                         for _ in range(10)]
             results = await asyncio.wait_for(asyncio.gather(*clients), 60)
         await channel.close()
+        counter.cancel()
         return results
 
     results = asyncio.run(storm())
     assert len(results) == 60 and all(r is None or r >= 2 for r in results)
+    assert most_threads >= 20
     deadline = time.monotonic() + 10
     while runtime.inflight or dataplane.active or _answering_threads():
         assert time.monotonic() < deadline, (f"after the storm: {runtime.inflight} in flight, "
