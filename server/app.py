@@ -44,6 +44,7 @@ class ServerOptions:
     # directories outside the model repositories that model configs may name files in (absolute tokenizer or
     # weight paths); nothing else outside the repositories can be named (server/model_paths.py)
     allowed_model_roots: list[Path] = field(default_factory=list)
+    model_max_instances: int = 64  # instances one model version may ask for (0: no limit)
     load_models: list[str] = field(default_factory=list)
     repository_poll_secs: float = 15.0
     exit_timeout_secs: float = 30.0
@@ -89,7 +90,8 @@ class Server:
         self.backends = backends or BackendRegistry()
         self.repository = ModelRepository(options.model_repositories, self.backends, self.metrics,
                                           options.model_control_mode, options.load_models,
-                                          allowed_roots=options.allowed_model_roots)
+                                          allowed_roots=options.allowed_model_roots,
+                                          max_instances=options.model_max_instances)
         self.dataplane = DataPlane(self.repository, self.metrics, strict_readiness=options.strict_readiness)
         self.access = AccessPolicy(options.http_restricted_apis, options.grpc_restricted_protocols,
                                    options.api_key, options.api_key_scope)

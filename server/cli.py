@@ -135,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allowed-model-root", dest="allowed_model_roots", action="append", default=[], type=Path,
                    help="a directory outside the model repositories whose files model configurations may name "
                         "(weights, tokenizers); repeatable. Any other path outside the repositories is refused")
+    p.add_argument("--model-max-instances", type=int, default=64,
+                   help="most instances (threads or processes) one model version may ask for in its instance_group, "
+                        "on disk or in a load request's override (default 64; 0: no limit)")
     p.add_argument("--load-model", action="append", default=[],
                    help="model to load at start-up in explicit mode; '*' loads all; repeatable")
     p.add_argument("--repository-poll-secs", type=float, default=15.0,
@@ -178,7 +181,7 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
         grpc_port=args.grpc_port, metrics_port=args.metrics_port, allow_http=args.allow_http,
         allow_grpc=args.allow_grpc, allow_metrics=args.allow_metrics,
         model_control_mode=ControlMode(args.model_control_mode), load_models=args.load_model,
-        allowed_model_roots=args.allowed_model_roots,
+        allowed_model_roots=args.allowed_model_roots, model_max_instances=args.model_max_instances,
         repository_poll_secs=args.repository_poll_secs, exit_timeout_secs=args.exit_timeout_secs,
         strict_readiness=args.strict_readiness, http_max_input_size=args.http_max_input_size,
         **_limit_options(args), openai_limits=_openai_limits(args),

@@ -79,6 +79,18 @@ def check_config_files(ctx: ModelContext) -> None:
             ctx.local_path(value.strip(), f"parameter '{key}'")  # refused when it exists outside
 
 
+DEFAULT_MAX_INSTANCES = 64  # per model version (--model-max-instances)
+
+
+def check_instance_count(config: mc.ModelConfig, limit: int) -> None:
+    """Refuse a configuration (or a load request's override) asking for more instances than the server allows:
+    each is a thread or a process, and a load could otherwise ask for a hundred thousand."""
+    count = sum(group.count * max(1, len(group.gpus)) for group in config.instance_group)
+    if limit > 0 and count > limit:
+        raise InvalidArgument(f"model '{config.name}': instance_group asks for {count} instances; this server runs "
+                              f"at most {limit} per model (--model-max-instances)")
+
+
 # Config parameters the OpenAI frontend and the tokenizer models read as paths (relative to the version, then
 # the model directory) whatever the backend; checked at load so a config override cannot name a file elsewhere.
 # Backend-specific paths (vLLM's model.json, TensorRT-LLM's engine_dir) are checked by their backends.
@@ -128,9 +140,10 @@ def _signature(model_dir: Path) -> tuple:
 class ModelRepository:
     def __init__(self, paths: list[Path], backends: BackendRegistry, metrics: Metrics,
                  control_mode: ControlMode = ControlMode.NONE, startup_models: list[str] | None = None,
-                 allowed_roots: list[Path] | None = None) -> None:
+                 allowed_roots: list[Path] | None = None, max_instances: int = DEFAULT_MAX_INSTANCES) -> None:
         self.paths = [Path(p).resolve() for p in paths]
         self.allowed_roots = tuple(Path(p).resolve() for p in allowed_roots or ())
+        self.max_instances = max_instances
         for path in self.paths:
             if not path.is_dir():
                 raise InvalidArgument(f"model repository '{path}' is not a directory")
@@ -185,10 +198,12 @@ class ModelRepository:
             log.error("failed to load model '%s': %s", name, exc)
 
     async def poll(self) -> None:
-        """Load new or changed models, unload removed ones (``--model-control-mode=poll``)."""
+        """Load new or changed models, and models that broke while serving (a model process that died);
+        unload removed ones (``--model-control-mode=poll``)."""
         names = set(self.model_names())
         changed = {name for name in names if name not in self.entries
-                   or _signature(self.model_dir(name)) != self.entries[name].signature}
+                   or _signature(self.model_dir(name)) != self.entries[name].signature
+                   or any(r.state is ModelState.UNAVAILABLE for r in self.entries[name].versions.values())}
         composing = {name: set(self._composing(name)) for name in names}
         while True:  # an ensemble reloads with its composing models (and loads once they appear)
             dependents = {name for name, uses in composing.items() if uses & changed} - changed
@@ -310,6 +325,7 @@ class ModelRepository:
         else:
             config = config_module.read_config(model_dir)
         config = config_module.normalize(config, name, model_dir)
+        check_instance_count(config, self.max_instances)
         composing = composing_models(config)
         if composing:
             self._check_cycle(name, composing)

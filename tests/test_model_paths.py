@@ -143,3 +143,12 @@ def test_vllm_engine_paths_are_confined(layout, tmp_path):
         _resolve_path("a/b/../../../etc", ctx, "model")
     assert _resolve_path("facebook/opt-125m", ctx, "model") == "facebook/opt-125m"  # a hub id stays one
     assert _resolve_path(".", ctx, "model") == str((repo / "add_sub" / "1").resolve())
+
+
+def test_a_load_cannot_ask_for_unbounded_instances(running):
+    with httpclient.InferenceServerClient(running.http_url) as client:
+        override = _override(client, instance_group=[{"kind": "KIND_CPU", "count": 100000}])
+        with pytest.raises(InferenceServerException) as info:
+            client.load_model("add_sub", config=override)
+        assert info.value.status() == "400" and "--model-max-instances" in info.value.message()
+        assert client.is_model_ready("add_sub")
