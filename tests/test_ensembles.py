@@ -43,8 +43,6 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-ACTIVE = [0]  # executions running now, over all instances of the model
-LOCK = threading.Lock()
 
 
 def read(request, name):
@@ -122,12 +120,12 @@ class TritonPythonModel:
         raise pb_utils.TritonModelException("intentional step failure")
 
     def run_slow_double(self, requests):
-        with LOCK:
-            ACTIVE[0] += 1
-            active = ACTIVE[0]
+        # executions running now over all instances, each in a process of its own: one marker file per execution
+        mine = os.path.join(self.markers, f"active-{self.name}-{os.getpid()}-{threading.get_ident()}")
+        open(mine, "w").close()
+        active = sum(1 for name in os.listdir(self.markers) if name.startswith(f"active-{self.name}-"))
         time.sleep(self.delay)
-        with LOCK:
-            ACTIVE[0] -= 1
+        os.remove(mine)
         return [reply(tensor("OUT", read(r, "IN") * 2, np.int32), tensor("ACTIVE", [active], np.int32))
                 for r in requests]
 
@@ -252,7 +250,7 @@ def build_repository(repo: Path, markers: Path) -> None:
     write_model(repo, "accumulate", "accumulate", [("IN", I32, "1")], STATE_OUT)
     write_model(repo, "accumulate_opt", "accumulate", [("IN", I32, "1", "optional")], STATE_OUT)
     write_model(repo, "slow_double", "slow_double", [("IN", I32, "1")], [("OUT", I32, "1"), ("ACTIVE", I32, "1")],
-                count=4, delay_s=0.1)
+                count=4, delay_s=0.1, marker_dir=markers)
     write_model(repo, "ticker", "ticker", [("IN", I32, "1")], [("OUT", I32, "1")], decoupled=True,
                 marker_dir=markers)
     write_model(repo, "fan", "fan", [("IN", I32, "1")], [("OUT", I32, "1")], decoupled=True)

@@ -94,6 +94,9 @@ FP32_IO = """
 """
 
 
+IN_PROCESS = 'parameters { key: "process_isolation" value { string_value: "false" } }\n'
+
+
 def add_sub_inputs(rows: int = 1, seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     return {"INPUT0": rng.random((rows, 4), dtype=np.float32), "INPUT1": rng.random((rows, 4), dtype=np.float32)}
@@ -135,11 +138,11 @@ async def test_repeat_stops_early_when_cancelled(core):
     first = await stream.__anext__()
     assert int(first.output("OUT").data[0]) == 0
     await stream.aclose()
-    model = core.instance("repeat").python_model
+    instance = core.instance("repeat")  # the model's process answers FINAL once its thread sees the cancellation
     deadline = time.monotonic() + 2
-    while model.threads and time.monotonic() < deadline:
+    while instance.requests_in_flight and time.monotonic() < deadline:
         await asyncio.sleep(0.02)
-    assert not model.threads  # 50 x 20 ms would take a second
+    assert not instance.requests_in_flight  # 50 x 20 ms would take a second
 
 
 async def test_repeat_reports_bad_delay_as_error_response(core):
@@ -238,6 +241,7 @@ async def test_every_model_gets_its_own_module_and_sibling_imports(tmp_path, mak
 
 
 async def test_unloading_a_model_forgets_its_modules_and_paths(tmp_path, make_core):
+    """In the server's process (process_isolation false), where models share sys.modules and sys.path."""
     import sys
     version_dir = write_model(tmp_path, "forgettable", """
         import triton_python_backend_utils as pb_utils
@@ -246,7 +250,7 @@ async def test_unloading_a_model_forgets_its_modules_and_paths(tmp_path, make_co
         class TritonPythonModel:
             def execute(self, requests):
                 return [pb_utils.InferenceResponse([pb_utils.get_input_tensor_by_name(r, "IN")]) for r in requests]
-    """, FP32_IO.replace("OUT", "IN"), files={"local_helper.py": "X = 1\n"})
+    """, FP32_IO.replace("OUT", "IN") + IN_PROCESS, files={"local_helper.py": "X = 1\n"})
     core = await make_core(tmp_path, load=["forgettable"])
     package = core.dataplane.model("forgettable").model.module.package
     assert f"{package}.local_helper" in sys.modules and str(version_dir) in sys.path
@@ -337,7 +341,7 @@ async def test_execute_return_checks_fail_the_batch(tmp_path, make_core):
     assert "decoupled mode and the execute function must return None" in response.error.message
 
 
-async def test_response_sender_rules(tmp_path, make_core):
+async def test_response_sender_rules(tmp_path, make_core, caplog):
     write_model(tmp_path, "default_mode_sender", """
         import json
         import numpy as np
@@ -368,15 +372,16 @@ async def test_response_sender_rules(tmp_path, make_core):
                     self.problems = problems
                 return None
     """, FP32_IO)
+    caplog.set_level("INFO", logger="tideserve.python_model.default_mode_sender")
     core = await make_core(tmp_path)
     response = await core.infer("default_mode_sender", IN=np.ones(1, np.float32))
     assert response.output("OUT").data.tolist() == [1.0]
-    model = core.instance("default_mode_sender").python_model
-    for _ in range(500):  # the response is out before execute records its last problem
-        if hasattr(model, "problems"):
+    for _ in range(500):  # the response is out before execute logs its problems (from the model's process)
+        logged = [r.getMessage() for r in caplog.records if r.name == "tideserve.python_model.default_mode_sender"]
+        if logged:
             break
         await asyncio.sleep(0.01)
-    problems = model.problems
+    problems = json.loads(logged[0])
     assert "cannot send complete final before sending a response" in problems[0]
     assert "cannot send more than one response" in problems[1]
     assert "Response sender has been closed" in problems[2]
@@ -615,11 +620,11 @@ async def test_cancelling_a_decoupled_bls_call_stops_the_called_model(tmp_path, 
     core = await make_core([TEST_MODELS, tmp_path], load=["repeat", "cancel_caller"])
     response = await core.infer("cancel_caller", IN=np.ones(1, np.float32))
     assert response.output("OUT").data.tolist() == [0.0, 0.0]
-    repeat = core.instance("repeat").python_model
+    repeat = core.instance("repeat")
     deadline = time.monotonic() + 2
-    while repeat.threads and time.monotonic() < deadline:
+    while repeat.requests_in_flight and time.monotonic() < deadline:
         await asyncio.sleep(0.02)
-    assert not repeat.threads  # 100 x 20 ms would take two seconds
+    assert not repeat.requests_in_flight  # 100 x 20 ms would take two seconds
 
 
 async def test_inputs_are_writable_and_reload_runs_the_new_code(tmp_path, make_core):

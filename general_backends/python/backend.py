@@ -1,10 +1,15 @@
-"""The ``python`` backend: runs Triton Python-backend models (``<model>/<version>/model.py``) in-process.
+"""The ``python`` backend: runs Triton Python-backend models (``<model>/<version>/model.py``).
+
+By default every instance runs in a process of its own (:mod:`.process`), as Triton's stub processes
+do: a model that crashes, exits or holds the GIL fails or slows only itself. The parameter
+``process_isolation: "false"`` runs a model in the server's process instead, with the classes below;
+a model process hosts these same classes.
 
 Each model version imports its ``model.py`` as its own module (:mod:`.loader`); each instance makes
-its own ``TritonPythonModel()`` and runs every hook of it on one thread of its own, as Triton's stub
-process would. ``async def execute`` runs on an event loop of the instance (decoupled models in the
-background, so the instance takes the next batch at once), never on the server's loop: a model that
-blocks there, or calls the blocking ``exec()``, cannot stall the server.
+its own ``TritonPythonModel()`` and runs every hook of it on one thread of its own. ``async def
+execute`` runs on an event loop of the instance (decoupled models in the background, so the instance
+takes the next batch at once), never on the server's loop: a model that blocks there, or calls the
+blocking ``exec()``, cannot stall the server.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -32,11 +38,21 @@ from .errors import TritonModelException
 from .loader import ModelModule, import_model_file
 from .messages import InferenceRequest, InferenceResponse
 from .model_config import ModelConfig
+from .process import ProcessModel, process_isolation
 from .scope import ModelScope, ServerLink, remember_link, reset_scope, set_scope
 
 log = logging.getLogger(__name__)
 
 STUCK_WAIT_S = 5.0  # at unload, how long to wait for work that outlived the drain before abandoning it
+
+
+class ModelExit(InternalError):
+    """The model called ``sys.exit`` (raised SystemExit) in execute: its instance stops for good."""
+
+    def __init__(self, message: str, reason: str, code: int) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.code = code
 
 
 class InstanceThread:
@@ -54,6 +70,10 @@ class InstanceThread:
         self._queue.put((future, fn, args))
         return future
 
+    def post(self, fn, *args) -> None:
+        """Run ``fn(*args)`` on the thread with no future to wait on (``fn`` answers for itself)."""
+        self._queue.put((None, fn, args))
+
     def _run(self, scope: ModelScope) -> None:
         set_scope(scope)
         while True:
@@ -61,15 +81,19 @@ class InstanceThread:
             if item is None:
                 return
             future, fn, args = item
-            if not future.set_running_or_notify_cancel():
+            if future is not None and not future.set_running_or_notify_cancel():
                 continue
             self.busy = True
             try:
                 result = fn(*args)
             except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
-                future.set_exception(exc)
+                if future is None:
+                    log.exception("instance thread: %s failed", getattr(fn, "__qualname__", fn))
+                else:
+                    future.set_exception(exc)
             else:
-                future.set_result(result)
+                if future is not None:
+                    future.set_result(result)
             finally:
                 self.busy = False
                 del future, fn, args, item
@@ -167,6 +191,9 @@ class PythonInstance(ModelInstance):
         self._aloop_thread: threading.Thread | None = None
         self._background: set[concurrent.futures.Future] = set()  # async decoupled executions
         self._background_lock = threading.Lock()
+        # what happens when the model calls sys.exit in execute: here the model turns UNAVAILABLE; a model
+        # process ends itself instead (see .stub)
+        self.on_exit: Callable[[ModelExit], None] = lambda exc: model.ctx.report_failure(exc.reason)
 
     # -- lifecycle (all model code runs on self.thread) -------------------------------------
     async def _on_thread(self, fn, *args):
@@ -248,7 +275,10 @@ class PythonInstance(ModelInstance):
 
     async def _scoped(self, coro):
         set_scope(self.scope)  # the task's own context
-        return await coro
+        try:
+            return await coro
+        except SystemExit as exc:  # asyncio would stop the instance's loop with it: carry it out as an error
+            raise self._exit(exc) from None
 
     def _submit(self, coro) -> concurrent.futures.Future:
         return asyncio.run_coroutine_threadsafe(self._scoped(coro), self._event_loop())
@@ -258,15 +288,25 @@ class PythonInstance(ModelInstance):
 
     # -- execute -----------------------------------------------------------------------------
     async def execute(self, requests: list[CoreRequest]) -> None:
-        answers = await self._on_thread(self._execute, requests)
+        try:
+            answers = await self._on_thread(self.run_execute, requests)
+        except ModelExit as exc:
+            self.on_exit(exc)
+            raise
+        self.answer(answers)
+
+    @staticmethod
+    def answer(answers: list[tuple[CoreRequest, CoreResponse]] | None) -> None:
+        """Send the responses execute returned."""
         for request, response in answers or ():
             if response.error is not None:
                 request.response_sender.send_error(response.error)
             else:
                 request.response_sender.send(response, final=True)
 
-    def _execute(self, requests: list[CoreRequest]) -> list[tuple[CoreRequest, CoreResponse]] | None:
-        """Run the model's execute; return the responses it returned, paired with their requests."""
+    def run_execute(self, requests: list[CoreRequest]) -> list[tuple[CoreRequest, CoreResponse]] | None:
+        """Run the model's execute, on the instance's thread; return the responses it returned, paired with
+        their requests (None when it answers through the senders). Raises the batch's error, or ModelExit."""
         pb_requests = [InferenceRequest._wrap(r, self.decoupled) for r in requests]
         try:
             result = self.python_model.execute(pb_requests)
@@ -279,6 +319,12 @@ class PythonInstance(ModelInstance):
                     return None
                 result = self._submit(result).result()
             return self._returned(pb_requests, result)
+        except ModelExit:
+            self._close_senders(pb_requests)
+            raise
+        except SystemExit as exc:  # sys.exit() in execute: never the server's exit
+            self._close_senders(pb_requests)
+            raise self._exit(exc) from None
         except Exception as exc:  # noqa: BLE001 - whatever the model raises fails its batch
             raise self._failure(pb_requests, exc) from None
 
@@ -310,11 +356,24 @@ class PythonInstance(ModelInstance):
             answers.append((request._core, response._core()))
         return answers
 
-    def _failure(self, pb_requests: list[InferenceRequest], exc: BaseException) -> InternalError:
-        """The error every request of a failed execute gets; closes their senders, as Triton does."""
+    @staticmethod
+    def _close_senders(pb_requests: list[InferenceRequest]) -> None:
         for request in pb_requests:
             if request._sender is not None:
                 request._sender._close()
+
+    def _exit(self, exc: SystemExit) -> ModelExit:
+        code = exc.code
+        reason = (f"instance '{self.ctx.name}' of model '{self.model.ctx.name}' called sys.exit({code!r}) "
+                  f"in execute")
+        log.error("%s", reason)
+        status = 0 if code is None else code if isinstance(code, int) else 1
+        return ModelExit(f"Failed to process the request(s) for model '{self.ctx.name}', message: {reason}",
+                         reason, status)
+
+    def _failure(self, pb_requests: list[InferenceRequest], exc: BaseException) -> InternalError:
+        """The error every request of a failed execute gets; closes their senders, as Triton does."""
+        self._close_senders(pb_requests)
         message = (f"Failed to process the request(s) for model '{self.ctx.name}', message: "
                    f"{type(exc).__name__}: {exc}")
         log.error("%s", message)
@@ -333,13 +392,24 @@ class PythonInstance(ModelInstance):
                                            f"the execute function must return None.")
             if exc is None:
                 return
-            error = self._failure(pb_requests, exc)
+            if isinstance(exc, ModelExit):
+                self._close_senders(pb_requests)
+                self.on_exit(exc)
+                error = exc
+            else:
+                error = self._failure(pb_requests, exc)
         for request in pb_requests:
             request._core.response_sender.send_error(error)
 
 
 class PythonBackend(Backend):
-    """``backend: "python"``: Triton Python-backend models, unchanged."""
+    """``backend: "python"``: Triton Python-backend models, unchanged; each instance in a process of its
+    own unless the model's ``process_isolation`` parameter is "false"."""
 
     name = "python"
     model_class = PythonModel
+
+    def create_model(self, ctx: ModelContext) -> Model:
+        if process_isolation(ctx):
+            return ProcessModel(self, ctx)
+        return PythonModel(self, ctx)

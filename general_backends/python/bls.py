@@ -9,6 +9,7 @@ Errors come back as responses carrying a TritonError, as in Triton.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from typing import TYPE_CHECKING
 
@@ -203,7 +204,6 @@ def _drain_soon(stream: InferenceStream) -> None:
     task.add_done_callback(_draining.discard)
 
 
-
 # -- model control from inside a model --------------------------------------------------------
 def _call_on_loop(link: ServerLink, coro):
     if link.on_loop():
@@ -233,7 +233,7 @@ def load_model(model_name: str, config: str = "", files: dict | None = None) -> 
 def unload_model(model_name: str, unload_dependents: bool = False) -> None:
     link = current_link()
     dataplane = link.require_dataplane()
-    _call_on_loop(link, _raise_as_model_exception(lambda: dataplane.unload_model(model_name)))
+    _call_on_loop(link, _raise_as_model_exception(lambda: dataplane.unload_model(model_name, unload_dependents)))
 
 
 def is_model_ready(model_name: str, model_version: str = "") -> bool:
@@ -241,7 +241,9 @@ def is_model_ready(model_name: str, model_version: str = "") -> bool:
     dataplane = link.require_dataplane()
 
     async def ready() -> bool:
-        return dataplane.model_ready(model_name, str(model_version or ""))
+        answer = dataplane.model_ready(model_name, str(model_version or ""))
+        # in a model process the server answers over the connection: the answer is awaited
+        return await answer if inspect.isawaitable(answer) else answer
 
     if link.on_loop():
         return dataplane.model_ready(model_name, str(model_version or ""))

@@ -44,6 +44,12 @@ class ModelModule:
             self.paths = []
 
 
+def model_paths() -> list[str]:
+    """The ``sys.path`` entries added for the models loaded in this process."""
+    with _lock:
+        return list(_model_paths)
+
+
 def _inside(module: ModuleType, directories: tuple[str, ...]) -> bool:
     # Read the module's own attributes only: ``getattr`` on a lazy module (transformers has many)
     # would import it, and that import may fail.

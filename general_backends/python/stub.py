@@ -1,0 +1,500 @@
+"""A model process: one instance of a Python model, hosted with the in-process classes.
+
+Forked from the zygote (:mod:`.zygote`), the process serves the server over one socket. It builds the
+same :class:`~.backend.PythonModel` and :class:`~.backend.PythonInstance` the server would build in
+process, and feeds them real core requests rebuilt from the server's messages, whose response senders
+write the responses back (tensors through the response arena). Everything a model reaches through
+``pb_utils`` goes to the server:
+
+- BLS and model control: the model's :class:`~.scope.ServerLink` holds a :class:`ServerProxy` whose
+  ``infer`` / ``infer_unary`` send the request to the server, which runs it through its DataPlane and
+  streams the responses back;
+- custom metrics: :class:`ProcessMetrics` keeps each series in a shared page the server reads;
+- logging: every record goes to the server's log (:class:`LogForwarder`).
+
+A reader thread takes the server's messages: a batch goes straight to the instance's thread (where
+model code runs, as in the server), BLS responses and the model's lifecycle to an event loop on the
+main thread, which runs BLS calls and ``auto_complete_config`` / ``initialize`` / ``finalize``. Writes
+are blocking, under a lock, from whichever thread answers; what a batch returns goes out in one write. The process exits when
+the server asks (after ``finalize``), when its socket closes (the server is gone), or when the model
+calls ``sys.exit`` in execute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import ctypes
+import itertools
+import logging
+import os
+import socket
+import sys
+import threading
+from functools import partial
+from pathlib import Path
+
+from tritonclient.grpc import model_config_pb2 as mc
+
+from tideserve.backend import InstanceContext, ModelContext
+from tideserve.errors import as_server_error
+from tideserve.responses import ResponseSender
+from tideserve.types import InferenceRequest as CoreRequest
+from tideserve.types import InferenceResponse as CoreResponse
+from tideserve.types import RequestedOutput
+
+from . import metrics, shm, wire
+from .backend import ModelExit, PythonBackend, PythonInstance, PythonModel
+
+log = logging.getLogger(__name__)
+
+METRICS_PAGE = 64 * 1024  # bytes of shared memory per page of custom metric values
+
+
+def run(spec: wire.ProcessSpec, sock_fd: int, request_fd: int, response_fd: int) -> int:
+    """The life of a model process (in the child the zygote forked); its exit code."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(line_buffering=True)  # a model's prints reach the log in order
+        except AttributeError:
+            pass
+    if "numpy.random" in sys.modules:  # forked children would otherwise share the zygote's random state
+        sys.modules["numpy.random"].seed()
+    os.set_inheritable(sock_fd, False)  # a program the model starts must not keep the connection open
+    stub = Stub(spec, socket.socket(fileno=sock_fd), request_fd, response_fd)
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    root.addHandler(LogForwarder(stub))
+    root.setLevel(spec.log_level)
+    _name_process(spec.label)
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    loop.run_until_complete(stub.serve())
+    _flush_output()
+    return 0
+
+
+def _name_process(label: str) -> None:
+    """Name the process after what it serves, for ps and top (Linux keeps 15 characters)."""
+    threading.current_thread().name = label
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None).prctl(15, label.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+        except (OSError, AttributeError):
+            pass
+
+
+def _flush_output() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+
+
+class Stub:
+    """The model process's end of the connection, and the model and instance it hosts."""
+
+    def __init__(self, spec: wire.ProcessSpec, sock: socket.socket, request_fd: int, response_fd: int) -> None:
+        self.spec = spec
+        self.sock = sock
+        self.sock.setblocking(True)
+        self.reader = wire.FrameReader(wire.ToProcess)
+        self.requests_in = shm.Inbox(request_fd, spec.request_arena, self._released)
+        os.close(request_fd)
+        self.responses_out = shm.Outbox(shm.Arena(spec.response_arena, "", fd=response_fd))
+        self.responses_out.arena.close_fd()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._write_lock = threading.Lock()
+        self._local = threading.local()
+        self._releases: collections.deque[int] = collections.deque()  # blocks of the request arena read
+        self._release_scheduled = False
+        self._done: asyncio.Future | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self.model: PythonModel | None = None
+        self.instance: PythonInstance | None = None
+        self.requests: dict[int, CoreRequest] = {}  # by the server's id, until their final response
+        self.calls: dict[int, RemoteCall] = {}  # BLS calls in flight
+        self.controls: dict[int, asyncio.Future] = {}
+        self._ids = itertools.count(1)
+        self.server = ServerProxy(self)
+
+    # -- the connection ------------------------------------------------------------------------------
+    async def serve(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._done = self.loop.create_future()
+        threading.Thread(target=self._read, name=f"{self.spec.label}-reader", daemon=True).start()
+        await self._done
+
+    def send(self, *messages, fd: int | None = None) -> None:
+        """Write ``messages`` at once (with ``fd``, which is then closed); from any thread, blocking."""
+        data = b"".join(map(wire.frame, messages))
+        with self._write_lock:
+            if self._releases:
+                data = wire.frame(wire.Release(_drain(self._releases))) + data
+            if fd is None:
+                self.sock.sendall(data)
+            else:
+                sent = socket.send_fds(self.sock, [data], [fd])
+                if sent < len(data):
+                    self.sock.sendall(data[sent:])
+        if fd is not None:
+            os.close(fd)
+
+    def _read(self) -> None:
+        """The reader thread: hands each message to whoever handles it (the instance's thread for a batch,
+        the event loop for BLS responses and the model's lifecycle)."""
+        while True:
+            try:
+                messages = self.reader.receive(self.sock)
+            except OSError:
+                messages = None
+            if messages is None:  # the server is gone: nobody is left to answer
+                _flush_output()
+                os._exit(0)
+            for message in messages:
+                try:
+                    self._handle(message)
+                except Exception:
+                    log.exception("model process '%s': cannot handle %s", self.spec.label, type(message).__name__)
+
+    def _handle(self, message) -> None:
+        loop = self.loop
+        match message:
+            case wire.Execute(batch=batch, requests=requests, payload=payload):
+                block = self.requests_in.block(payload, self._fd_of(payload))
+                cores = [self._request(meta, block) for meta in requests]
+                del block
+                self.instance.thread.post(self._run_batch, batch, cores)
+            case wire.Cancel(rid=rid):
+                request = self.requests.get(rid)
+                if request is not None:
+                    request.cancellation.cancel()
+            case wire.CallResponse(call=call, response=response, payload=payload):
+                block = self.requests_in.block(payload, self._fd_of(payload))
+                remote = self.calls.get(call)
+                if remote is not None:
+                    loop.call_soon_threadsafe(remote.deliver, self._response(response, block))
+            case wire.ControlResult():
+                loop.call_soon_threadsafe(self._control_result, message)
+            case wire.Release(offsets=offsets):
+                for offset in offsets:
+                    self.responses_out.arena.release(offset)
+            case wire.AutoComplete(call=call, model=model):
+                loop.call_soon_threadsafe(self._spawn, self._reply(call, self._auto_complete(model)))
+            case wire.CreateInstance(call=call, model=model, instance=instance):
+                loop.call_soon_threadsafe(self._spawn, self._reply(call, self._create_instance(model, instance)))
+            case wire.Finalize(call=call):
+                loop.call_soon_threadsafe(self._spawn, self._finalize(call))
+
+    def _fd_of(self, payload: wire.Payload | None) -> int | None:
+        return self.reader.take_fd() if payload is not None and payload.offset == shm.OWN_FILE else None
+
+    def _spawn(self, coro) -> None:
+        task = self.loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _released(self, offset: int) -> None:
+        """A block of the request arena is no longer read (called where its last array was dropped). The
+        server hears of it with the next message, or a few milliseconds later when none goes out."""
+        self._releases.append(offset)
+        if not self._release_scheduled:
+            self._release_scheduled = True
+            try:
+                self.loop.call_soon_threadsafe(self.loop.call_later, shm.RELEASE_DELAY_S, self._send_releases)
+            except RuntimeError:  # the loop is closed: the process is exiting
+                pass
+
+    def _send_releases(self) -> None:
+        self._release_scheduled = False
+        if self._releases:
+            self.send(wire.Release(_drain(self._releases)))
+
+    # -- requests and responses ---------------------------------------------------------------------------
+    def _request(self, meta: wire.Request, block) -> CoreRequest:
+        inputs = {t.name: t for t in shm.read_tensors(block, meta.inputs)}
+        request = CoreRequest(meta.model_name, inputs, model_version=meta.model_version, id=meta.id,
+                              outputs=[RequestedOutput(o.name, dict(o.parameters)) for o in meta.outputs],
+                              parameters=meta.parameters, priority=meta.priority, timeout_us=meta.timeout_us)
+        request.streaming = meta.streaming
+        request.response_sender = ResponseSender(request, partial(self._respond, meta.rid))
+        self.requests[meta.rid] = request
+        return request
+
+    def _respond(self, rid: int, response: CoreResponse) -> None:
+        """The response sender's sink: from whichever thread the model answers on."""
+        if response.final:
+            self.requests.pop(rid, None)
+        held = getattr(self._local, "answers", None)
+        if held is not None:  # a batch's returned responses: sent together when the batch ends
+            held.append((rid, response))
+        else:
+            message, fd = self._answers([(rid, response)])
+            self.send(message, fd=fd)
+
+    def _answers(self, items: list[tuple[int, CoreResponse]]) -> tuple[wire.Respond, int | None]:
+        """The Respond message for ``items`` (their tensors in one block) and the descriptor to send with it."""
+        refs, payload, fd = self.responses_out.put([t for _, response in items for t in response.outputs])
+        answers, start = [], 0
+        for rid, response in items:
+            end = start + len(response.outputs)
+            answers.append(wire.Answer(rid, wire.Response(refs[start:end], response.parameters,
+                                                          wire.error_of(response.error), response.final,
+                                                          response.empty)))
+            start = end
+        return wire.Respond(answers, payload), fd
+
+    @staticmethod
+    def _response(response: wire.Response, block) -> CoreResponse:
+        return CoreResponse(outputs=shm.read_tensors(block, response.outputs), parameters=response.parameters,
+                            error=None if response.error is None else wire.server_error(response.error),
+                            final=response.final, empty=response.empty)
+
+    def _run_batch(self, batch: int, requests: list[CoreRequest]) -> None:
+        """On the instance's thread: run execute, then send its responses and the end of the batch at once."""
+        try:
+            answers = self.instance.run_execute(requests)
+        except ModelExit as exc:
+            self.exit_process(exc)
+        except Exception as exc:  # noqa: BLE001 - as the server's runtime does: the batch fails, the model serves on
+            error = as_server_error(exc)
+            answers = [(request, CoreResponse(error=error)) for request in requests]
+        self._local.answers = held = []
+        try:
+            PythonInstance.answer(answers)
+        finally:
+            self._local.answers = None
+        if held:
+            message, fd = self._answers(held)
+            self.send(message, wire.Executed(batch), fd=fd)
+        else:
+            self.send(wire.Executed(batch))
+
+    def exit_process(self, exc: ModelExit) -> None:
+        """The model called sys.exit in execute: tell the server why, then exit with its code."""
+        try:
+            self.send(wire.Exiting(exc.reason))
+        finally:
+            _flush_output()
+            os._exit(exc.code)
+
+    # -- the model's lifecycle ----------------------------------------------------------------------------
+    async def _reply(self, call: int, coro) -> None:
+        try:
+            config = await coro
+        except Exception as exc:  # noqa: BLE001 - the server reports it as the load's failure
+            error = as_server_error(exc)
+            self.send(wire.Reply(call, error=wire.error_of(error)))
+        else:
+            self.send(wire.Reply(call, config=config or b""))
+
+    def _model(self, spec: wire.ModelSpec) -> PythonModel:
+        config = mc.ModelConfig.FromString(spec.config)
+        if self.model is None:
+            ctx = ModelContext(spec.name, spec.version, config, Path(spec.model_path), dataplane=self.server)
+            self.model = PythonModel(PythonBackend(), ctx)
+        else:
+            self.model.ctx.config.CopyFrom(config)
+        return self.model
+
+    async def _auto_complete(self, spec: wire.ModelSpec) -> bytes:
+        model = self._model(spec)
+        await asyncio.to_thread(model.auto_complete_config)
+        return model.config.SerializeToString()
+
+    async def _create_instance(self, spec: wire.ModelSpec, instance: wire.InstanceSpec) -> None:
+        model = self._model(spec)
+        await asyncio.to_thread(model.initialize)
+        ctx = InstanceContext(instance.name, instance.kind, instance.device_id, instance.index, instance.group_name)
+        created = model.create_instance(ctx)
+        created.on_exit = self.exit_process
+        await created.initialize()
+        self.instance = created
+        self.spec.label = instance.name
+        _name_process(instance.name)
+
+    async def _finalize(self, call: int) -> None:
+        try:
+            if self.instance is not None:
+                await self.instance.finalize()
+        except Exception:
+            log.exception("instance '%s' failed to finalize", self.spec.label)
+        if self.model is not None:
+            self.model.finalize()
+        self.send(wire.Reply(call))
+        self._done.set_result(None)
+
+    # -- calls to the server ----------------------------------------------------------------------------
+    def call(self, request: CoreRequest, unary: bool) -> RemoteCall:
+        """Send a BLS request to the server (on the loop); its responses come to the returned call."""
+        call = next(self._ids)
+        remote = self.calls[call] = RemoteCall(self, call)
+        refs, payload, fd = self.responses_out.put(list(request.inputs.values()))
+        meta = wire.Request(call, request.model_name, request.model_version, request.id, refs,
+                            [wire.OutputRef(o.name, o.parameters) for o in request.outputs], request.parameters,
+                            request.priority, request.timeout_us, request.streaming)
+        self.send(wire.Call(call, meta, payload, unary), fd=fd)
+        return remote
+
+    def _control_result(self, result: wire.ControlResult) -> None:
+        future = self.controls.pop(result.call, None)
+        if future is not None and not future.done():
+            future.set_result(result)
+
+    async def control(self, make) -> wire.ControlResult:
+        call = next(self._ids)
+        future = self.controls[call] = self.loop.create_future()
+        self.send(make(call))
+        result = await future
+        if result.error is not None:
+            raise wire.server_error(result.error)
+        return result
+
+
+def _drain(queue: collections.deque[int]) -> list[int]:
+    items = []
+    while True:
+        try:
+            items.append(queue.popleft())
+        except IndexError:
+            return items
+
+
+class RemoteCall:
+    """A BLS call in flight: its responses as they arrive, an async iterator like the DataPlane's streams."""
+
+    def __init__(self, stub: Stub, call: int) -> None:
+        self._stub = stub
+        self._call = call
+        self._items: collections.deque[CoreResponse] = collections.deque()
+        self._waiter: asyncio.Future | None = None
+        self._done = False
+
+    def deliver(self, response: CoreResponse) -> None:
+        if response.final:
+            self._stub.calls.pop(self._call, None)
+        self._items.append(response)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def __aiter__(self) -> RemoteCall:
+        return self
+
+    async def __anext__(self) -> CoreResponse:
+        if self._done:
+            raise StopAsyncIteration
+        while not self._items:
+            self._waiter = self._stub.loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+            if self._done and not self._items:
+                raise StopAsyncIteration
+        response = self._items.popleft()
+        if response.final:
+            self._done = True
+        return response
+
+    def cancel(self) -> None:
+        """Stop the call (the server cancels its request); iteration ends."""
+        if self._done:
+            return
+        self._done = True
+        if self._stub.calls.pop(self._call, None) is not None:
+            self._stub.send(wire.CancelCall(self._call))
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def aclose(self) -> None:
+        self.cancel()
+
+
+class ServerProxy:
+    """The server's DataPlane as the model process sees it (what BLS and model control use)."""
+
+    def __init__(self, stub: Stub) -> None:
+        self._stub = stub
+        self.metrics_collector = ProcessMetrics(stub)
+
+    def infer(self, request: CoreRequest) -> RemoteCall:
+        return self._stub.call(request, unary=False)
+
+    async def infer_unary(self, request: CoreRequest) -> CoreResponse:
+        request.streaming = False
+        remote = self._stub.call(request, unary=True)
+        try:
+            response = await remote.__anext__()
+        except asyncio.CancelledError:  # a timeout: the server's request is cancelled too
+            remote.cancel()
+            raise
+        if response.error is not None:
+            raise response.error
+        return response
+
+    async def load_model(self, name: str, config_json: str | None = None) -> None:
+        await self._stub.control(lambda call: wire.LoadModel(call, name, config_json or ""))
+
+    async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
+        await self._stub.control(lambda call: wire.UnloadModel(call, name, unload_dependents))
+
+    async def model_ready(self, name: str, version: str = "") -> bool:
+        return (await self._stub.control(lambda call: wire.ModelReady(call, name, version))).ready
+
+
+class ProcessMetrics(metrics.Collector):
+    """Custom metrics of the model process: each series in a page of shared memory the server maps (the
+    page's file goes with the first series in it), so updating a metric sends nothing."""
+
+    def __init__(self, stub: Stub) -> None:
+        super().__init__()
+        self._stub = stub
+        self._pages_lock = threading.Lock()
+        self._pages: list = []
+        self._page_size = 0
+        self._used = 0
+
+    def new_cells(self, family: metrics.MetricFamily, labels: dict[str, str],
+                  buckets: list[float] | None) -> memoryview:
+        count = metrics.cell_count(family._kind, buckets)
+        size = 8 * count
+        fd = None
+        with self._pages_lock:
+            if not self._pages or self._used + size > self._page_size:
+                self._page_size = max(METRICS_PAGE, size)
+                fd = shm.create_file(self._page_size, "tideserve-metrics")
+                self._pages.append(shm.map_file(fd, self._page_size))
+                self._used = 0
+            page, offset = len(self._pages) - 1, self._used
+            self._used += size
+            cells = memoryview(self._pages[page])[offset:offset + size].cast("d")
+        self._stub.send(wire.Series(family._name, family._description, int(family._kind), labels, buckets, page,
+                                    self._page_size, offset, count), fd=fd)
+        return cells
+
+
+class LogForwarder(logging.Handler):
+    """Sends every log record of the process to the server, which logs it under the same logger name."""
+
+    def __init__(self, stub: Stub) -> None:
+        super().__init__()
+        self._stub = stub
+        self._formatter = logging.Formatter()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = ""
+            if record.exc_info:
+                text = self._formatter.formatException(record.exc_info)
+            elif record.exc_text:
+                text = record.exc_text
+            if record.stack_info:
+                text = (text + "\n" if text else "") + record.stack_info
+            self._stub.send(wire.Log(record.name, record.levelno, record.getMessage(), record.pathname,
+                                     record.lineno, record.funcName or "", record.created, record.threadName or "",
+                                     text))
+        except Exception:  # noqa: BLE001 - logging's own way: report on stderr, never raise
+            self.handleError(record)
+
