@@ -26,7 +26,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-import orjson
+from .asgi import error_body
 
 HEALTH = "health"
 METADATA = "metadata"
@@ -250,7 +250,7 @@ async def admit(guard: Guard, render: Render, scope, send) -> bool:
 
 
 def kserve_body(refusal: Refusal) -> bytes:
-    return orjson.dumps({"error": refusal.message})
+    return error_body(refusal.message)
 
 
 def guard_routes(app, policy: AccessPolicy, openai_body: Render) -> None:

@@ -1,15 +1,18 @@
 """The KServe v2 / Triton ``inference.GRPCInferenceService`` and the standard gRPC health service.
 
 Everything goes through the DataPlane; this module only translates messages and maps
-ServerError statuses onto gRPC status codes.
+ServerError statuses onto gRPC status codes: every handler is wrapped in :func:`abort_on_error`, which
+ends a call that raised with the error's status (as MLServer's ``handle_mlserver_error``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import weakref
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf import json_format
@@ -51,13 +54,31 @@ SERVER_OPTIONS = [
 ]
 
 _FINAL = "triton_final_response"
+Handler = TypeVar("Handler", bound=Callable[..., Awaitable[Any]])
 
 
-async def _abort(context, exc: BaseException):
+async def abort(context, exc: BaseException):
+    """End the call with ``exc``'s gRPC status and message (anything but a ServerError: INTERNAL, logged)."""
     code, message = error_message(exc)
     if code == "INTERNAL" and not isinstance(exc, ServerError):
         log.error("gRPC request failed", exc_info=exc)
     await context.abort(getattr(grpc.StatusCode, code), message)
+
+
+def abort_on_error(handler: Handler) -> Handler:
+    """A servicer method (unary, or streaming that writes with ``context.write``) whose exceptions end the
+    call through :func:`abort`; a ``context.abort`` of its own and a cancelled call pass through as they are."""
+
+    @functools.wraps(handler)
+    async def handle(self, request, context):
+        try:
+            return await handler(self, request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            await abort(context, exc)
+
+    return handle
 
 
 def _header(context, key: str) -> str | None:
@@ -161,25 +182,27 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         self._log_settings = _initial_log_settings()
 
     # -- health and metadata ---------------------------------------------------------------
+    @abort_on_error
     async def ServerLive(self, request, context):
         return pb.ServerLiveResponse(live=self.dataplane.live())
 
+    @abort_on_error
     async def ServerReady(self, request, context):
         return pb.ServerReadyResponse(ready=self.dataplane.ready())
 
+    @abort_on_error
     async def ModelReady(self, request, context):
         return pb.ModelReadyResponse(ready=self.dataplane.model_ready(request.name, request.version))
 
+    @abort_on_error
     async def ServerMetadata(self, request, context):
         meta = self.dataplane.server_metadata()
         return pb.ServerMetadataResponse(name=meta["name"], version=meta["version"],
                                          extensions=meta["extensions"])
 
+    @abort_on_error
     async def ModelMetadata(self, request, context):
-        try:
-            meta = self.dataplane.model_metadata(request.name, request.version)
-        except Exception as exc:
-            await _abort(context, exc)
+        meta = self.dataplane.model_metadata(request.name, request.version)
         response = pb.ModelMetadataResponse(name=meta["name"], versions=meta["versions"],
                                             platform=meta["platform"])
         for tensor in meta["inputs"]:
@@ -188,78 +211,66 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             response.outputs.add(name=tensor["name"], datatype=tensor["datatype"], shape=tensor["shape"])
         return response
 
+    @abort_on_error
     async def ModelConfig(self, request, context):
-        try:
-            config = self.dataplane.model_config(request.name, request.version)
-        except Exception as exc:
-            await _abort(context, exc)
+        config = self.dataplane.model_config(request.name, request.version)
         response = pb.ModelConfigResponse()
         response.config.CopyFrom(config)
         return response
 
+    @abort_on_error
     async def ModelStatistics(self, request, context):
-        try:
-            stats = self.dataplane.model_statistics(request.name, request.version)
-            return json_format.ParseDict({"model_stats": stats}, pb.ModelStatisticsResponse(),
-                                         ignore_unknown_fields=True)
-        except Exception as exc:
-            await _abort(context, exc)
+        stats = self.dataplane.model_statistics(request.name, request.version)
+        return json_format.ParseDict({"model_stats": stats}, pb.ModelStatisticsResponse(), ignore_unknown_fields=True)
 
     # -- repository --------------------------------------------------------------------------
+    @abort_on_error
     async def RepositoryIndex(self, request, context):
-        try:
-            rows = self.dataplane.repository_index(request.ready)
-        except Exception as exc:
-            await _abort(context, exc)
+        rows = self.dataplane.repository_index(request.ready)
         response = pb.RepositoryIndexResponse()
         for row in rows:
             response.models.add(name=row["name"], version=row["version"], state=row["state"],
                                 reason=row["reason"])
         return response
 
+    @abort_on_error
     async def RepositoryModelLoad(self, request, context):
-        try:
-            config = None
-            for key, param in request.parameters.items():
-                if key == "config":
-                    if param.WhichOneof("parameter_choice") != "string_param":
-                        raise InvalidArgument("invalid value type for load parameter 'config', "
-                                              "expected string_param (the model config as JSON)")
-                    config = param.string_param
-                elif key.startswith("file:"):
-                    raise Unsupported(f"failed to load '{request.model_name}': loading a model from override "
-                                      f"files ('{key}') is not supported")
-            await self.dataplane.load_model(request.model_name, config)
-        except Exception as exc:
-            await _abort(context, exc)
+        config = None
+        for key, param in request.parameters.items():
+            if key == "config":
+                if param.WhichOneof("parameter_choice") != "string_param":
+                    raise InvalidArgument("invalid value type for load parameter 'config', "
+                                          "expected string_param (the model config as JSON)")
+                config = param.string_param
+            elif key.startswith("file:"):
+                raise Unsupported(f"failed to load '{request.model_name}': loading a model from override "
+                                  f"files ('{key}') is not supported")
+        await self.dataplane.load_model(request.model_name, config)
         return pb.RepositoryModelLoadResponse()
 
+    @abort_on_error
     async def RepositoryModelUnload(self, request, context):
-        try:
-            dependents = False
-            if "unload_dependents" in request.parameters:
-                param = request.parameters["unload_dependents"]
-                if param.WhichOneof("parameter_choice") != "bool_param":
-                    raise InvalidArgument("invalid value type for unload parameter 'unload_dependents', "
-                                          "expected bool_param")
-                dependents = param.bool_param
-            await self.dataplane.unload_model(request.model_name, unload_dependents=dependents)
-        except Exception as exc:
-            await _abort(context, exc)
+        dependents = False
+        if "unload_dependents" in request.parameters:
+            param = request.parameters["unload_dependents"]
+            if param.WhichOneof("parameter_choice") != "bool_param":
+                raise InvalidArgument("invalid value type for unload parameter 'unload_dependents', "
+                                      "expected bool_param")
+            dependents = param.bool_param
+        await self.dataplane.unload_model(request.model_name, unload_dependents=dependents)
         return pb.RepositoryModelUnloadResponse()
 
     # -- inference ---------------------------------------------------------------------------
+    @abort_on_error
     async def ModelInfer(self, request, context):
-        try:
-            infer_request = decode_request(request, limits=self.tensor_limits)
-            counts = requested_classifications(infer_request) if infer_request.outputs else None
-            response = await self.dataplane.infer_unary(infer_request)
-            if counts:
-                self.classifier.apply(infer_request, response, counts)
-            return encode_response(response)
-        except Exception as exc:
-            await _abort(context, exc)
+        infer_request = decode_request(request, limits=self.tensor_limits)
+        counts = requested_classifications(infer_request) if infer_request.outputs else None
+        response = await self.dataplane.infer_unary(infer_request)
+        if counts:
+            self.classifier.apply(infer_request, response, counts)
+        return encode_response(response)
 
+    @abort_on_error
     async def ModelStreamInfer(self, request_iterator, context):
         state = _Stream((_header(context, "triton_grpc_error") or "").lower() == "true")
         reader = asyncio.get_running_loop().create_task(self._read_stream(request_iterator, state))
@@ -278,7 +289,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             reader.cancel()
             await state.close()
         if failure is not None:
-            await _abort(context, failure)
+            raise failure  # triton_grpc_error: the first error ends the call (abort_on_error)
 
     async def _read_stream(self, request_iterator, state: _Stream) -> None:
         try:
@@ -352,34 +363,41 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             await stream.aclose()
 
     # -- shared memory, trace, logging --------------------------------------------------------
+    @abort_on_error
     async def SystemSharedMemoryStatus(self, request, context):
         if request.name:
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"Unable to find system shared memory region: '{request.name}'")
         return pb.SystemSharedMemoryStatusResponse()
 
+    @abort_on_error
     async def SystemSharedMemoryRegister(self, request, context):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED,
                             "system shared memory is not supported by this server; send tensor data in "
                             "raw_input_contents")
 
+    @abort_on_error
     async def SystemSharedMemoryUnregister(self, request, context):
         return pb.SystemSharedMemoryUnregisterResponse()  # nothing is ever registered
 
+    @abort_on_error
     async def CudaSharedMemoryStatus(self, request, context):
         if request.name:
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"Unable to find cuda shared memory region: '{request.name}'")
         return pb.CudaSharedMemoryStatusResponse()
 
+    @abort_on_error
     async def CudaSharedMemoryRegister(self, request, context):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED,
                             "CUDA shared memory is not supported by this server; send tensor data in "
                             "raw_input_contents")
 
+    @abort_on_error
     async def CudaSharedMemoryUnregister(self, request, context):
         return pb.CudaSharedMemoryUnregisterResponse()
 
+    @abort_on_error
     async def TraceSetting(self, request, context):
         current = {"trace_level": ["OFF"], "trace_rate": ["1000"], "trace_count": ["-1"],
                    "log_frequency": ["0"], "trace_file": [""], "trace_mode": ["triton"]}
@@ -393,6 +411,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             response.settings[key].value.extend(values)
         return response
 
+    @abort_on_error
     async def LogSettings(self, request, context):
         settings = self._log_settings
         for key, value in request.settings.items():

@@ -6,7 +6,8 @@ The body comes from the ASGI ``receive`` channel chunk by chunk. Its size on the
 ``--http-max-decompressed-size``: the compressed bytes are never held whole, and a small compressed
 body cannot make the server inflate more than the limit. A Content-Encoding the server cannot read is
 refused with 415 before any of the body is read. JSON bodies are parsed with the nesting limit
-``--http-max-json-depth``. Every refusal is a :class:`~tideserve.errors.ServerError` naming the limit.
+``--http-max-json-depth``. Every refusal is a :class:`~tideserve.errors.ServerError` naming the limit; a
+client that leaves before its body arrived is :class:`~tideserve.asgi.ClientGone`.
 """
 
 from __future__ import annotations
@@ -14,14 +15,11 @@ from __future__ import annotations
 import zlib
 from typing import Any
 
+from ..asgi import ClientGone
 from ..errors import InvalidArgument, UnsupportedMediaType
 from . import codec
 
 DEFAULT_MAX_INPUT_SIZE = 64 * 1024 * 1024
-
-
-class ClientGone(Exception):
-    """The client disconnected before its request body arrived."""
 
 
 def parse_length(value: bytes, header: str) -> int:

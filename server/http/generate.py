@@ -32,26 +32,21 @@ from typing import Any
 
 import numpy as np
 from sse_starlette.sse import EventSourceResponse
+from starlette.routing import Route
 from tritonclient.grpc import model_config_pb2 as mc
 
+from ..asgi import JSON_HEADER, ClientGone, cancel_on_disconnect, error_body, send_error, send_response
 from ..datatypes import config_to_datatype, element_size, numpy_dtype
 from ..errors import InvalidArgument, ServerError, as_server_error
 from ..types import InferenceRequest, InferenceResponse, Tensor
 from . import codec
-from .app import (
-    _JSON_HEADER,
-    _Disconnected,
-    _DisconnectWatch,
-    _error_body,
-    _send,
-    _send_error,
-)
-from .body import ClientGone
+from .body import BodyReader
 
 log = logging.getLogger(__name__)
 
 GENERATE = "/generate"
 GENERATE_STREAM = "/generate_stream"
+MODEL_ROUTES = ("/v2/models/{model_name}", "/v2/models/{model_name}/versions/{model_version}")
 SSE_PING_S = 0  # keep-alive comments between events; Triton sends none, so neither do we by default
 
 _PARAMETERS = "parameters"
@@ -316,13 +311,13 @@ def _event(payload: bytes) -> bytes:
 def _response_event(response: InferenceResponse) -> bytes | None:
     """The SSE event for one response (None for a bare FINAL flag)."""
     if response.error is not None:
-        return _event(_error_body(as_server_error(response.error).message))
+        return _event(error_body(as_server_error(response.error).message))
     if response.empty:
         return None
     try:
         return _event(encode_generate_response(response))
     except ServerError as exc:
-        return _event(_error_body(exc.message))
+        return _event(error_body(exc.message))
 
 
 class _EventStream(EventSourceResponse):
@@ -341,85 +336,73 @@ class _EventStream(EventSourceResponse):
 class GenerateRoute:
     """``/generate`` or ``/generate_stream`` as a plain ASGI app for the router."""
 
-    def __init__(self, frontend, streaming: bool) -> None:
-        self.frontend = frontend
+    def __init__(self, dataplane, body: BodyReader, streaming: bool) -> None:
+        self.dataplane = dataplane
+        self.body = body
         self.streaming = streaming
 
     async def __call__(self, scope, receive, send) -> None:
         params = scope["path_params"]
-        await handle_generate(self.frontend, scope, receive, send, params["model_name"],
+        await handle_generate(self.dataplane, self.body, scope, receive, send, params["model_name"],
                               params.get("model_version", ""), self.streaming)
 
 
-async def handle_generate(frontend, scope, receive, send, model_name: str, model_version: str,
+def mount(app, dataplane, body: BodyReader) -> None:
+    """Add ``/generate`` and ``/generate_stream``, of a model and of one of its versions, to ``app``."""
+    for suffix, streaming in ((GENERATE, False), (GENERATE_STREAM, True)):
+        route = GenerateRoute(dataplane, body, streaming)
+        for model in MODEL_ROUTES:
+            app.router.routes.append(Route(model + suffix, route, methods=["POST"]))
+
+
+async def handle_generate(dataplane, reader: BodyReader, scope, receive, send, model_name: str, model_version: str,
                           streaming: bool) -> None:
-    dataplane = frontend.dataplane
     try:
         config = dataplane.model_config(model_name, model_version)
-        body = await frontend.body.read_request(scope, receive)
-        request = decode_generate_request(model_name, model_version, body, config, frontend.max_input_size,
-                                          frontend.body.max_json_depth)
+        body = await reader.read_request(scope, receive)
+        request = decode_generate_request(model_name, model_version, body, config, reader.max_input_size,
+                                          reader.max_json_depth)
         if not streaming:
-            response = await _unary(dataplane, request, receive)
+            with cancel_on_disconnect(receive):  # the model's one response (request.streaming is False)
+                response = await dataplane.infer_unary(request)
             payload = encode_generate_response(response)
         else:
             stream = dataplane.infer(request)
     except ServerError as exc:
         log.debug("generate request for model '%s' failed: %s", model_name, exc.message)
-        await _send_error(send, exc.http_code, exc.message)
+        await send_error(send, exc.http_code, exc.message)
         return
-    except (ClientGone, _Disconnected):
+    except ClientGone:
         return
     except Exception as exc:  # a bug, not bad input: report it without a stack trace
         log.exception("HTTP generate request for model '%s' failed", model_name)
-        await _send_error(send, 500, f"internal error: {type(exc).__name__}: {exc}")
+        await send_error(send, 500, f"internal error: {type(exc).__name__}: {exc}")
         return
     if not streaming:
-        await _send(send, 200, payload, [_JSON_HEADER])
+        await send_response(send, 200, payload, [JSON_HEADER])
         return
     await _stream(stream, scope, receive, send)
 
 
-async def _unary(dataplane, request: InferenceRequest, receive) -> InferenceResponse:
-    """The model's one response (``request.streaming`` is False); a disconnect cancels the request."""
-    watch = _DisconnectWatch(receive, asyncio.current_task())
-    watch.start()
-    try:
-        return await dataplane.infer_unary(request)
-    except asyncio.CancelledError:
-        if watch.gone:
-            watch.task.uncancel()
-            raise _Disconnected() from None
-        raise
-    finally:
-        watch.stop()
-
-
 async def _stream(stream, scope, receive, send) -> None:
     """Server-sent events, one per response; the first response decides the status (as in Triton)."""
-    watch = _DisconnectWatch(receive, asyncio.current_task())
-    watch.start()
     first: list[bytes] = []
     status = 200
     try:
-        async for response in stream:
-            event = _response_event(response)
-            if event is not None:
-                first.append(event)
-                if response.error is not None:
-                    status = as_server_error(response.error).http_code
-                break
-    except asyncio.CancelledError:
+        with cancel_on_disconnect(receive):
+            async for response in stream:
+                event = _response_event(response)
+                if event is not None:
+                    first.append(event)
+                    if response.error is not None:
+                        status = as_server_error(response.error).http_code
+                    break
+    except ClientGone:
         await stream.aclose()
-        if watch.gone:
-            watch.task.uncancel()
-            return
-        raise
+        return
     except BaseException:
         await stream.aclose()
         raise
-    finally:
-        watch.stop()
 
     async def events():
         try:
@@ -430,10 +413,10 @@ async def _stream(stream, scope, receive, send) -> None:
                 if event is not None:
                     yield event
         except ServerError as exc:
-            yield _event(_error_body(exc.message))
+            yield _event(error_body(exc.message))
         except Exception as exc:
             log.exception("generate_stream for model '%s' failed", stream.request.model_name)
-            yield _event(_error_body(f"internal error: {type(exc).__name__}: {exc}"))
+            yield _event(error_body(f"internal error: {type(exc).__name__}: {exc}"))
         finally:
             await stream.aclose()  # a disconnect cancels the request; after the final response a no-op
 

@@ -10,6 +10,8 @@ like every other (server/access.py): with ``--api-key`` the ``/v1`` routes answe
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from starlette.routing import Route
 
 from .chat_completion import create_chat_completion
@@ -20,6 +22,9 @@ from .limits import OpenAILimits
 from .llm import Catalog
 from .models import get_model, list_models
 
+if TYPE_CHECKING:
+    from ..http.body import BodyReader
+
 __all__ = ["OpenAILimits", "mount"]
 
 
@@ -29,11 +34,10 @@ async def _health(server, _doc, _scope) -> bytes:
     return b""
 
 
-def mount(app, frontend, limits: OpenAILimits | None = None) -> OpenAIServer:
-    """Add the OpenAI routes to ``app`` (a FastAPI / Starlette app); ``frontend`` is the HttpFrontend,
-    ``limits`` what one request may ask for (the ``--openai-*`` flags)."""
-    dataplane = frontend.dataplane
-    server = OpenAIServer(dataplane, Catalog(dataplane), frontend, limits)
+def mount(app, dataplane, body: BodyReader, limits: OpenAILimits | None = None) -> OpenAIServer:
+    """Add the OpenAI routes to ``app`` (a FastAPI / Starlette app); ``body`` is the HTTP port's body
+    reader, ``limits`` what one request may ask for (the ``--openai-*`` flags)."""
+    server = OpenAIServer(dataplane, Catalog(dataplane), body, limits)
     routes = [
         ("/v1/models", list_models, ["GET"], False),
         ("/v1/models/{model:path}", get_model, ["GET"], False),

@@ -13,21 +13,22 @@ import asyncio
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
 
+from ..asgi import JSON_HEADER, ClientGone, cancel_on_disconnect, send_response
 from ..errors import ServerError
-from ..http.app import _DisconnectWatch
-from ..http.body import ClientGone
 from .errors import BadRequest, OpenAIError, from_server_error
 from .limits import OpenAILimits
+
+if TYPE_CHECKING:
+    from ..http.body import BodyReader
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _WORKERS = 4  # threads for blocking request work; a chat template's render is bounded in time
 
-_JSON_HEADERS = [(b"content-type", b"application/json")]
 _SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                 (b"x-accel-buffering", b"no")]
 DONE = b"data: [DONE]\n\n"
@@ -48,13 +49,13 @@ class EventStream:
 
 
 class OpenAIServer:
-    """What the handlers share: the DataPlane, the model catalog, body limits, the request limits and the
-    threads that keep blocking work (chat templates, token counts) off the event loop."""
+    """What the handlers share: the DataPlane, the model catalog, the HTTP port's body reader, the request
+    limits and the threads that keep blocking work (chat templates, token counts) off the event loop."""
 
-    def __init__(self, dataplane, catalog, frontend, limits: OpenAILimits | None = None) -> None:
+    def __init__(self, dataplane, catalog, body: BodyReader, limits: OpenAILimits | None = None) -> None:
         self.dataplane = dataplane
         self.catalog = catalog
-        self.frontend = frontend  # server.http.app.HttpFrontend: body size limit and reading
+        self.body = body  # the reader every route of the port reads its body with (size, decompression, depth)
         self.limits = limits or OpenAILimits()
         self._workers = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="openai-work")
 
@@ -65,7 +66,7 @@ class OpenAIServer:
     async def read_json(self, scope, receive) -> Any:
         """The request's JSON body, read within the HTTP frontend's limits (server/http/body.py)."""
         _require_json(scope)
-        reader = self.frontend.body
+        reader = self.body
         try:
             return reader.parse_json(await reader.read_request(scope, receive), "request body")
         except ServerError as exc:
@@ -92,36 +93,31 @@ class OpenAIRoute:
             return
         except ClientGone:
             return
-        watch = _DisconnectWatch(receive, asyncio.current_task())
-        watch.start()
         reply = None
         try:
-            reply = await self.handler(server, doc, scope)
-            if isinstance(reply, bytes):
-                await _send(send, 200, reply, list(_JSON_HEADERS))
-                return
-            await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
-            try:  # from here on an error is an event of the stream
-                async for chunk in reply.events:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            except (OpenAIError, ServerError) as exc:
-                await send({"type": "http.response.body", "body": _error_event(exc), "more_body": True})
-            except Exception as exc:
-                log.exception("OpenAI stream %s failed", scope["path"])
-                await send({"type": "http.response.body", "body": _error_event(exc), "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except asyncio.CancelledError:
-            if watch.gone:  # the client went away: the DataPlane streams are closed below
-                watch.task.uncancel()
-                return
-            raise
+            with cancel_on_disconnect(receive):
+                reply = await self.handler(server, doc, scope)
+                if isinstance(reply, bytes):
+                    await send_response(send, 200, reply, [JSON_HEADER])
+                    return
+                await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+                try:  # from here on an error is an event of the stream
+                    async for chunk in reply.events:
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                except (OpenAIError, ServerError) as exc:
+                    await send({"type": "http.response.body", "body": _error_event(exc), "more_body": True})
+                except Exception as exc:
+                    log.exception("OpenAI stream %s failed", scope["path"])
+                    await send({"type": "http.response.body", "body": _error_event(exc), "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except ClientGone:  # the client went away: the DataPlane streams are closed below
+            return
         except (OpenAIError, ServerError) as exc:
             await _send_error(send, from_server_error(exc))
         except Exception as exc:  # a bug, not bad input: say so without a stack trace
             log.exception("OpenAI request %s failed", scope["path"])
             await _send_error(send, OpenAIError(f"internal error: {type(exc).__name__}: {exc}", 500))
         finally:
-            watch.stop()
             if isinstance(reply, EventStream):
                 await reply.events.aclose()  # a generator left at a yield (client gone) ends here
                 await reply.close()
@@ -146,11 +142,5 @@ def _error_event(exc: BaseException) -> bytes:
     return b"data: " + from_server_error(exc).json() + b"\n\n" + DONE
 
 
-async def _send(send, status: int, body: bytes, headers: list) -> None:
-    headers.append((b"content-length", str(len(body)).encode()))
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
-
-async def _send_error(send, exc: OpenAIError, headers: list | None = None) -> None:
-    await _send(send, exc.status, exc.json(), list(_JSON_HEADERS) + (headers or []))
+async def _send_error(send, exc: OpenAIError) -> None:
+    await send_response(send, exc.status, exc.json(), [JSON_HEADER])

@@ -1,0 +1,103 @@
+"""The ASGI plumbing the HTTP frontends share: KServe v2 (infer and control), generate, and OpenAI.
+
+* Sending a whole answer (:func:`send_response`) and the KServe error answer ``{"error": "<message>"}``
+  (:func:`error_body`, :func:`send_error`); OpenAI's error shape is :mod:`tideserve.openai.errors`.
+* :class:`ClientGone`: the client left (before its body arrived, or while its request ran); nobody is
+  left to answer, so a handler that catches it just returns.
+* :class:`cancel_on_disconnect`: ``with cancel_on_disconnect(receive):`` cancels the block when the
+  client disconnects and ends it with :class:`ClientGone`; the block's own cleanup (closing an
+  InferenceStream, which cancels the request and lets an engine abort it) runs as the cancellation
+  passes. The task's cancellation count is kept as :func:`asyncio.timeout` keeps it, so a cancellation
+  from elsewhere (server shutdown) stays a ``CancelledError``.
+
+Request bodies are read by one reader, :class:`tideserve.http.body.BodyReader` (size limit, streamed
+decompression, JSON depth). This module imports nothing of the frontends, so each of them can use it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import orjson
+
+log = logging.getLogger(__name__)
+
+JSON_HEADER = (b"content-type", b"application/json")
+
+
+class ClientGone(Exception):
+    """The client disconnected: before its request body arrived, or while its request ran (cancelled)."""
+
+
+def error_body(message: str) -> bytes:
+    """A KServe v2 error answer's body."""
+    return orjson.dumps({"error": message})
+
+
+async def send_response(send, status: int, body: bytes, headers: list) -> None:
+    """One complete answer; ``headers`` (a list of byte pairs) gets the Content-Length appended."""
+    headers.append((b"content-length", str(len(body)).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def send_error(send, status: int, message: str) -> None:
+    """A KServe v2 error answer: ``{"error": message}`` with ``status``."""
+    await send_response(send, status, error_body(message), [JSON_HEADER])
+
+
+class cancel_on_disconnect:  # noqa: N801 - a context manager, named as contextlib.suppress is
+    """``with cancel_on_disconnect(receive):`` - the block is cancelled if the client disconnects, and then
+    ends with :class:`ClientGone`.
+
+    Enter it once the request body has been read: a watcher task reads ``receive`` from then on, and an
+    ``http.disconnect`` while the block runs cancels the task running it (``gone`` turns true). On exit the
+    watcher stops and, when its cancellation is what ended the block, the cancellation is taken back
+    (``Task.uncancel``) and :class:`ClientGone` raised instead; a cancellation from elsewhere, also one
+    that comes with the disconnect, stays a ``CancelledError`` (the count is kept as :func:`asyncio.timeout`
+    keeps it). ``delay``: start watching only after this many seconds, so a request answered sooner costs
+    no watcher task (the infer hot path). A plain ``with``, as anyio's cancel scopes: entering and leaving
+    never wait, and the hot path pays for no coroutines.
+    """
+
+    __slots__ = ("cancelling", "delay", "gone", "receive", "task", "timer", "watcher")
+
+    def __init__(self, receive, delay: float = 0.0) -> None:
+        self.receive = receive
+        self.delay = delay
+        self.timer: asyncio.TimerHandle | None = None
+        self.watcher: asyncio.Task | None = None
+        self.gone = False
+
+    def __enter__(self) -> cancel_on_disconnect:
+        task = self.task = asyncio.current_task()
+        self.cancelling = task.cancelling()
+        if self.delay > 0:
+            self.timer = asyncio.get_running_loop().call_later(self.delay, self._start)
+        else:
+            self._start()
+        return self
+
+    def __exit__(self, kind, exc, traceback) -> bool:
+        if self.timer is not None:
+            self.timer.cancel()  # not started yet: it never will be
+        if self.watcher is not None:
+            self.watcher.cancel()  # it cannot cancel the task any more
+        if self.gone and self.task.uncancel() <= self.cancelling and kind is asyncio.CancelledError:
+            raise ClientGone() from None
+        return False
+
+    def _start(self) -> None:
+        self.timer = None
+        self.watcher = asyncio.ensure_future(self._watch())
+
+    async def _watch(self) -> None:
+        try:
+            message = await self.receive()
+        except Exception:  # the server is closing the connection itself
+            log.debug("disconnect watch ended", exc_info=True)
+            return
+        if message["type"] == "http.disconnect":
+            self.gone = True
+            self.task.cancel()

@@ -1,0 +1,96 @@
+"""The ASGI plumbing the HTTP frontends share (tideserve.asgi): cancel_on_disconnect and the answers it sends.
+
+The frontends' own disconnect tests (test_http, test_generate, test_openai_frontend) drive it through real
+servers; these pin its bookkeeping down without one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+import pytest
+
+from tideserve.asgi import ClientGone, cancel_on_disconnect, error_body, send_error
+
+
+class Connection:
+    """An ASGI ``receive`` whose client disconnects when told to (the body was already read)."""
+
+    def __init__(self) -> None:
+        self.left = asyncio.Event()
+        self.reads = 0
+
+    async def receive(self) -> dict:
+        self.reads += 1
+        await self.left.wait()
+        return {"type": "http.disconnect"}
+
+
+async def test_a_disconnect_cancels_the_block_and_ends_it_with_client_gone():
+    connection = Connection()
+    cleaned = []
+
+    async def handler():
+        with cancel_on_disconnect(connection.receive):
+            try:
+                connection.left.set()
+                await asyncio.sleep(10)
+            finally:
+                cleaned.append(True)  # e.g. closing the InferenceStream, which cancels the request
+
+    task = asyncio.ensure_future(handler())
+    with pytest.raises(ClientGone):
+        await task
+    assert cleaned == [True]
+    assert task.cancelling() == 0  # the watch took its cancellation back
+
+
+async def test_a_cancellation_from_elsewhere_stays_a_cancellation():
+    connection = Connection()
+    entered = asyncio.Event()
+
+    async def handler():
+        with cancel_on_disconnect(connection.receive):
+            entered.set()
+            await asyncio.sleep(10)
+
+    task = asyncio.ensure_future(handler())
+    await entered.wait()
+    task.cancel()  # server shutdown, not the client
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+    task = asyncio.ensure_future(handler())  # both at once: the outside cancellation wins
+    entered.clear()
+    await entered.wait()
+    task.cancel()
+    connection.left.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_a_block_done_before_the_delay_never_watches():
+    connection = Connection()
+    with cancel_on_disconnect(connection.receive, delay=0.5):
+        await asyncio.sleep(0)
+    await asyncio.sleep(0.01)
+    assert connection.reads == 0
+
+    with cancel_on_disconnect(connection.receive, delay=0.01) as watch:
+        await asyncio.sleep(0.05)
+    assert connection.reads == 1 and not watch.gone
+
+
+async def test_send_error_is_kserve_shaped():
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    await send_error(send, 404, "model 'x' is not found")
+    body = error_body("model 'x' is not found")
+    assert orjson.loads(body) == {"error": "model 'x' is not found"}
+    assert sent == [{"type": "http.response.start", "status": 404, "headers": [
+                        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]},
+                    {"type": "http.response.body", "body": body}]
