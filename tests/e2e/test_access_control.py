@@ -22,7 +22,7 @@ import openai
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from conftest import TEST_MODELS, free_port, start_server
+from helpers import TEST_MODELS, free_port, start_server
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from in_process import InProcessServer
 from starlette.applications import Starlette
@@ -46,7 +46,7 @@ from tideserve.repository import ControlMode
 
 pytestmark = pytest.mark.timeout(120)
 
-TOY = Path(__file__).resolve().parent / "openai_models"
+TOY = Path(__file__).resolve().parents[1] / "openai_models"
 # tritonclient.http adds its own headers to the dict it is given: pass copies (dict(INFER))
 INFER = {"infer-key": "infer-secret"}
 ADMIN = {"admin-key": "admin:secret=1"}  # a value may hold ':' and '='

@@ -24,7 +24,7 @@ pytest.importorskip("onnx")
 
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from conftest import free_port
+from helpers import free_port
 from in_process import InProcessServer
 from model_factory import onnx_models
 from tritonclient.grpc import model_config_pb2 as mc

@@ -7,13 +7,13 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import free_port
+from helpers import free_port
 from in_process import InProcessServer
 
 from tideserve.app import ServerOptions
 from tideserve.repository import ControlMode
 
-MODELS = Path(__file__).parent / "models"
+MODELS = Path(__file__).resolve().parents[1] / "models"
 
 
 def test_the_command_freezes_the_heap_after_loading(server):

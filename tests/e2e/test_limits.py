@@ -21,14 +21,14 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from conftest import TEST_MODELS, start_server
+from helpers import TEST_MODELS, start_server
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from tideserve.cli import build_parser, options_from_args
 
-OPENAI_MODELS = Path(__file__).resolve().parent / "openai_models"
+OPENAI_MODELS = Path(__file__).resolve().parents[1] / "openai_models"
 HEADER_SIZE = 4096
 HEADER_COUNT = 20
 TIMEOUT_S = 1.0

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from conftest import free_port
+from helpers import free_port
 from in_process import InProcessServer
 from tritonclient.utils import InferenceServerException
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import TEST_MODELS, start_server
+from helpers import TEST_MODELS, start_server
 from health_probe import HealthProbe
 
 from tideserve.openai.chat_completion.protocol import ChatCompletionRequest
@@ -26,7 +26,7 @@ from tideserve.openai.errors import BadRequest, from_server_error
 from tideserve.openai.limits import OpenAILimits
 from tideserve.openai.protocol import parse
 
-TOY = Path(__file__).resolve().parent / "openai_models"
+TOY = Path(__file__).resolve().parents[1] / "openai_models"
 TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}" \
            "{% if add_generation_prompt %}assistant:{% endif %}"
 API_KEY = "sk-tideserve-test"

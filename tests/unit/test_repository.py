@@ -6,10 +6,10 @@ import pytest
 
 from tideserve.errors import NotFound, ServerError, Unavailable, Unsupported
 from tideserve.repository import ControlMode
-from toy_backends import collect, start_core, sum_request, write_model
+from toy_backends import collect, sum_request, write_model
 
 
-async def test_failed_model_is_unavailable_with_reason_and_others_serve(tmp_path):
+async def test_failed_model_is_unavailable_with_reason_and_others_serve(tmp_path, start_core):
     write_model(tmp_path, "good")
     write_model(tmp_path, "broken", params={"fail_load": "no weights"})
     (tmp_path / "badconfig" / "1").mkdir(parents=True)
@@ -30,7 +30,7 @@ async def test_failed_model_is_unavailable_with_reason_and_others_serve(tmp_path
         dataplane.infer(sum_request("missing", 1))
 
 
-async def test_version_policy_and_version_lookup(tmp_path):
+async def test_version_policy_and_version_lookup(tmp_path, start_core):
     write_model(tmp_path, "m", versions=(1, 2, 3), extra="version_policy: { latest: { num_versions: 2 } }")
     dataplane = await start_core(tmp_path)
     assert [r["version"] for r in dataplane.repository_index()] == ["2", "3"]
@@ -43,7 +43,7 @@ async def test_version_policy_and_version_lookup(tmp_path):
         dataplane.infer(sum_request("m", 1, model_version="1"))
 
 
-async def test_explicit_mode_load_unload_and_override(tmp_path):
+async def test_explicit_mode_load_unload_and_override(tmp_path, start_core):
     write_model(tmp_path, "a")
     write_model(tmp_path, "b")
     dataplane = await start_core(tmp_path, ControlMode.EXPLICIT, load=["a"])
@@ -65,7 +65,7 @@ async def test_explicit_mode_load_unload_and_override(tmp_path):
         await dataplane.load_model("nope")
 
 
-async def test_explicit_star_loads_everything_and_none_mode_refuses_load(tmp_path):
+async def test_explicit_star_loads_everything_and_none_mode_refuses_load(tmp_path, start_core):
     write_model(tmp_path, "a")
     write_model(tmp_path, "b")
     dataplane = await start_core(tmp_path, ControlMode.EXPLICIT, load=["*"])
@@ -75,7 +75,7 @@ async def test_explicit_star_loads_everything_and_none_mode_refuses_load(tmp_pat
         await dataplane.load_model("a")
 
 
-async def test_failed_reload_keeps_the_serving_version(tmp_path):
+async def test_failed_reload_keeps_the_serving_version(tmp_path, start_core):
     model_dir = write_model(tmp_path, "m")
     dataplane = await start_core(tmp_path, ControlMode.EXPLICIT, load=["m"])
     (model_dir / "config.pbtxt").write_text("max_batch_size: broken")
@@ -85,7 +85,7 @@ async def test_failed_reload_keeps_the_serving_version(tmp_path):
     assert response.error is None
 
 
-async def test_poll_picks_up_new_changed_and_removed_models(tmp_path):
+async def test_poll_picks_up_new_changed_and_removed_models(tmp_path, start_core):
     import shutil
 
     write_model(tmp_path, "a")

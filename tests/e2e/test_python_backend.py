@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import TEST_MODELS
+from helpers import TEST_MODELS
 
 import triton_python_backend_utils as pb_utils
 from tideserve.backend import BackendRegistry
@@ -36,6 +36,7 @@ class Core:
         mode = ControlMode.EXPLICIT if load is not None else ControlMode.NONE
         self.repository = ModelRepository(paths, BackendRegistry(), self.metrics, mode, load)
         self.dataplane = DataPlane(self.repository, self.metrics)
+        self.repository.handles = self.dataplane.server_handles()
 
     async def infer(self, model: str, outputs: list[str] | None = None, parameters: dict | None = None,
                     **inputs: np.ndarray):

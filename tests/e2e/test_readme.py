@@ -18,7 +18,7 @@ from example_fixtures import (
     start_example_server,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 TALKING = README.split("## Talking to it", 1)[1].split("\n## ", 1)[0]
 

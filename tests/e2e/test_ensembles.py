@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from conftest import start_server
+from helpers import start_server
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import InferenceServerException
@@ -726,6 +726,7 @@ async def test_non_streaming_request_runs_the_steps_non_streaming(tmp_path):
     metrics = Metrics()
     repository = ModelRepository([repo], registry, metrics, ControlMode.NONE)
     dataplane = DataPlane(repository, metrics)
+    repository.handles = dataplane.server_handles()
     await repository.start()
     try:
         values = np.array([3, 4, 5], np.int32)
@@ -826,6 +827,7 @@ async def test_poll_mode_loads_an_ensemble_once_its_step_appears(tmp_path):
     metrics = Metrics()
     repository = ModelRepository([repo], BackendRegistry(), metrics, ControlMode.POLL)
     dataplane = DataPlane(repository, metrics)
+    repository.handles = dataplane.server_handles()
     await repository.start()
     try:
         assert "model 'later'" in repository.entries["pipe"].reason

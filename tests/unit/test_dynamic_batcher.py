@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tideserve.errors import ServerError, Status
-from toy_backends import BATCHES, GATES, collect, start_core, sum_request, wait_for, write_model
+from toy_backends import BATCHES, GATES, collect, sum_request, wait_for, write_model
 
 
 @pytest.fixture(autouse=True)
@@ -26,7 +26,7 @@ def gate(name: str):
     return GATES[name]
 
 
-async def test_batches_fill_up_and_outputs_split_back(tmp_path):
+async def test_batches_fill_up_and_outputs_split_back(tmp_path, start_core):
     write_model(tmp_path, "m", extra="dynamic_batching { max_queue_delay_microseconds: 200000 }",
                 params={"gate": "batch-fill"})
     release = gate("batch-fill")
@@ -51,7 +51,7 @@ async def test_batches_fill_up_and_outputs_split_back(tmp_path):
     assert {b["batch_size"] for b in stats["batch_stats"]} == {1, 8, 2}
 
 
-async def test_multi_row_requests_count_rows_against_max_batch_size(tmp_path):
+async def test_multi_row_requests_count_rows_against_max_batch_size(tmp_path, start_core):
     write_model(tmp_path, "m", extra="dynamic_batching { max_queue_delay_microseconds: 200000 }",
                 params={"gate": "rows"})
     release = gate("rows")
@@ -67,7 +67,7 @@ async def test_multi_row_requests_count_rows_against_max_batch_size(tmp_path):
     assert all(r[0].output("OUTPUT1").data.shape == (3, 4) for r in results[1:])
 
 
-async def test_preferred_batch_size_runs_without_waiting_for_the_delay(tmp_path):
+async def test_preferred_batch_size_runs_without_waiting_for_the_delay(tmp_path, start_core):
     write_model(tmp_path, "m", extra="dynamic_batching { preferred_batch_size: [ 4 ] "
                                      "max_queue_delay_microseconds: 30000000 }")
     dataplane = await start_core(tmp_path)
@@ -78,7 +78,7 @@ async def test_preferred_batch_size_runs_without_waiting_for_the_delay(tmp_path)
     assert all(r[0].error is None for r in results)
 
 
-async def test_zero_delay_sends_what_is_queued(tmp_path):
+async def test_zero_delay_sends_what_is_queued(tmp_path, start_core):
     write_model(tmp_path, "m", extra="dynamic_batching { }")
     dataplane = await start_core(tmp_path)
     results = await asyncio.wait_for(
@@ -87,7 +87,7 @@ async def test_zero_delay_sends_what_is_queued(tmp_path):
     assert sum(len(b) for b in BATCHES["m"]) == 20
 
 
-async def test_different_shapes_are_not_merged_unless_ragged(tmp_path):
+async def test_different_shapes_are_not_merged_unless_ragged(tmp_path, start_core):
     extra = "dynamic_batching { max_queue_delay_microseconds: 100000 }"
     write_model(tmp_path, "fixed", dims="-1", extra=extra, params={"gate": "shapes"})
     write_model(tmp_path, "ragged", dims="-1", extra=extra, ragged=True, params={"gate": "shapes-r"})
@@ -112,7 +112,7 @@ async def test_different_shapes_are_not_merged_unless_ragged(tmp_path):
             # so a ragged model must produce per-request rows itself; here we only check batching.
 
 
-async def test_priority_levels_run_higher_priority_first(tmp_path):
+async def test_priority_levels_run_higher_priority_first(tmp_path, start_core):
     write_model(tmp_path, "m", extra="""dynamic_batching { max_queue_delay_microseconds: 0
         priority_levels: 2 default_priority_level: 2 }""", max_batch_size=1, params={"gate": "prio"})
     release = gate("prio")
@@ -129,7 +129,7 @@ async def test_priority_levels_run_higher_priority_first(tmp_path):
     assert [b[0] for b in BATCHES["m"]] == [0, 3, 4, 1, 2]
 
 
-async def test_queue_timeout_reject_and_delay(tmp_path):
+async def test_queue_timeout_reject_and_delay(tmp_path, start_core):
     write_model(tmp_path, "reject", max_batch_size=1, params={"gate": "to-r"}, extra="""dynamic_batching {
         default_queue_policy { timeout_action: REJECT default_timeout_microseconds: 50000 } }""")
     write_model(tmp_path, "delay", max_batch_size=1, params={"gate": "to-d"}, extra="""dynamic_batching {
@@ -161,7 +161,7 @@ async def test_queue_timeout_reject_and_delay(tmp_path):
     assert [b[0] for b in BATCHES["delay"]] == [0, 2, 1]
 
 
-async def test_timeout_override_and_max_queue_size(tmp_path):
+async def test_timeout_override_and_max_queue_size(tmp_path, start_core):
     write_model(tmp_path, "m", max_batch_size=1, params={"gate": "qs"}, extra="""dynamic_batching {
         default_queue_policy { max_queue_size: 2 allow_timeout_override: true } }""")
     release = gate("qs")
@@ -179,7 +179,7 @@ async def test_timeout_override_and_max_queue_size(tmp_path):
     await asyncio.gather(first, b)
 
 
-async def test_preserve_ordering_across_instances(tmp_path):
+async def test_preserve_ordering_across_instances(tmp_path, start_core):
     write_model(tmp_path, "m", max_batch_size=1, instances=2, params={"gate": "order"},
                 extra="dynamic_batching { preserve_ordering: true }")
     release = gate("order")
@@ -200,7 +200,7 @@ async def test_preserve_ordering_across_instances(tmp_path):
     assert order == [0, 1]
 
 
-async def test_cancelled_while_queued_is_never_executed(tmp_path):
+async def test_cancelled_while_queued_is_never_executed(tmp_path, start_core):
     write_model(tmp_path, "m", max_batch_size=1, params={"gate": "cancel"}, extra="dynamic_batching { }")
     release = gate("cancel")
     dataplane = await start_core(tmp_path)
@@ -217,7 +217,7 @@ async def test_cancelled_while_queued_is_never_executed(tmp_path):
     assert stats["inference_stats"]["fail"]["count"] == 1
 
 
-async def test_failing_execute_answers_the_batch_and_keeps_serving(tmp_path):
+async def test_failing_execute_answers_the_batch_and_keeps_serving(tmp_path, start_core):
     write_model(tmp_path, "bad", params={"fail": "boom"}, extra="dynamic_batching { }")
     write_model(tmp_path, "good", extra="dynamic_batching { }")
     dataplane = await start_core(tmp_path)

@@ -1,0 +1,96 @@
+"""Helpers the tests share: free ports, the test repository, a real tideserve process on 127.0.0.1.
+
+Fixtures live in conftest.py; tests import these helpers by name (``from helpers import start_server``):
+``tests/`` is on the import path (pytest ``pythonpath``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent  # the checkout
+TEST_MODELS = TESTS / "models"  # Python-backend models of the test repository
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class RunningServer:
+    process: subprocess.Popen
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+    log_path: Path
+
+    @property
+    def http_url(self) -> str:  # what tritonclient.http expects
+        return f"127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+def start_server(repositories: list[Path], *extra_args: str, tmp_dir: Path, ready_timeout: float = 120,
+                 wait_ready: bool = True, env: dict | None = None) -> RunningServer:
+    """Start ``tideserve`` as its own process and wait until it answers on HTTP."""
+    http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
+    args = [sys.executable, "-m", "tideserve.cli", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
+            "--metrics-port", str(metrics_port)]
+    for repo in repositories:
+        args += ["--model-repository", str(repo)]
+    args += list(extra_args)
+    log_path = tmp_dir / f"tideserve-{http_port}.log"
+    log_file = open(log_path, "wb")
+    process = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT,
+                               env={**os.environ, **(env or {})})
+    server = RunningServer(process, http_port, grpc_port, metrics_port, log_path)
+    path = "/v2/health/ready" if wait_ready else "/v2/health/live"
+    deadline = time.monotonic() + ready_timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"tideserve exited with {process.returncode}:\n{server.log()}")
+        try:
+            with urllib.request.urlopen(f"{server.base_url}{path}", timeout=2) as response:
+                if response.status == 200:
+                    return server
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.1)
+    server.stop(signal.SIGKILL)
+    raise RuntimeError(f"tideserve did not become ready in {ready_timeout}s:\n{server.log()}")
