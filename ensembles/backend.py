@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from tideserve.backend import Backend, Model
-from tideserve.errors import InvalidArgument, ServerError, Unavailable
+from tideserve.backend_api import Backend, InvalidArgument, Model, ServerError, Unavailable
 
 from .plan import EnsemblePlan, Step, build_plan, read_steps
 from .scheduler import EnsembleScheduler
@@ -24,15 +23,14 @@ class EnsembleModel(Model):
         self.config.model_transaction_policy.decoupled = self.plan.decoupled
 
     def _step_config(self, step: Step) -> mc.ModelConfig:
-        dataplane = self.ctx.dataplane
-        if dataplane is None:
-            raise Unavailable(f"ensemble '{self.config.name}' needs the DataPlane to reach its steps")
+        models = self.ctx.models
+        if models is None:
+            raise Unavailable(f"ensemble '{self.config.name}' needs the server's models to reach its steps")
         try:
-            runtime = dataplane.repository.get(step.model_name, step.version)
+            return models(step.model_name, step.version)
         except ServerError as exc:
             raise InvalidArgument(f"ensemble '{self.config.name}' contains a model that is not available: "
                                   f"{step.describe()}: {exc.message}") from None
-        return runtime.config
 
     def create_scheduler(self, runtime) -> EnsembleScheduler:
         return EnsembleScheduler(runtime, self.plan)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from tideserve.errors import InvalidArgument
+from tideserve.backend_api import InvalidArgument
 
 Label = int | None  # None: static; otherwise the index of the decoupled step the tensor streams from
 

@@ -24,13 +24,21 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from tideserve.errors import Cancelled, InternalError, ServerError, Status
-from tideserve.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
+from tideserve.backend_api import (
+    Cancelled,
+    InferenceRequest,
+    InferenceResponse,
+    InternalError,
+    RequestedOutput,
+    ServerError,
+    Status,
+    Tensor,
+)
 
 from .plan import Label, Step
 
 if TYPE_CHECKING:
-    from tideserve.dataplane import InferenceStream
+    from tideserve.backend_api import InferStream
 
     from .scheduler import EnsembleScheduler
 
@@ -261,7 +269,7 @@ class EnsembleRun:
     def _start(self, step: Step, context: Context, request: InferenceRequest,
                limiter: asyncio.Semaphore | None) -> None:
         try:
-            stream = self.scheduler.dataplane.infer(request)
+            stream = self.scheduler.infer(request)
         except ServerError as exc:
             self.active -= 1
             if limiter is not None:
@@ -273,7 +281,7 @@ class EnsembleRun:
         self.readers.add(task)
         task.add_done_callback(self.readers.discard)
 
-    async def _read(self, step: Step, context: Context, stream: InferenceStream,
+    async def _read(self, step: Step, context: Context, stream: InferStream,
                     limiter: asyncio.Semaphore | None) -> None:
         finished = False
         sent = 0  # responses with tensors so far (for sequence_start)

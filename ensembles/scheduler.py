@@ -13,23 +13,21 @@ import asyncio
 import time
 from typing import TYPE_CHECKING
 
-from tideserve.errors import Unavailable
-from tideserve.schedulers import Scheduler
-from tideserve.types import InferenceRequest
+from tideserve.backend_api import InferenceRequest, Scheduler, Unavailable
 
 from .plan import EnsemblePlan
 from .run import EnsembleRun
 
 if TYPE_CHECKING:
-    from tideserve.runtime import ModelRuntime
+    from tideserve.backend_api import ModelRuntime
 
 
 class EnsembleScheduler(Scheduler):
     def __init__(self, runtime: ModelRuntime, plan: EnsemblePlan) -> None:
         super().__init__(runtime)
-        if runtime.ctx.dataplane is None:
-            raise Unavailable(f"ensemble '{runtime.name}' needs the DataPlane to reach its steps")
-        self.dataplane = runtime.ctx.dataplane
+        if runtime.ctx.infer is None:
+            raise Unavailable(f"ensemble '{runtime.name}' needs the server's infer handle to reach its steps")
+        self.infer = runtime.ctx.infer
         self.plan = plan
         self.limiters: dict[int, asyncio.Semaphore] = {}
         if plan.max_inflight > 0:

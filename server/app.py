@@ -93,6 +93,8 @@ class Server:
                                           allowed_roots=options.allowed_model_roots,
                                           max_instances=options.model_max_instances)
         self.dataplane = DataPlane(self.repository, self.metrics, strict_readiness=options.strict_readiness)
+        # backends reach other models through these handles, never through the DataPlane itself
+        self.repository.handles = self.dataplane.server_handles()
         self.access = AccessPolicy(options.http_restricted_apis, options.grpc_restricted_protocols,
                                    options.api_key, options.api_key_scope)
         self._uvicorns: list[_EmbeddedUvicorn] = []

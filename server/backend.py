@@ -19,7 +19,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Protocol
 
 from . import model_paths
 from .errors import Unavailable
@@ -27,7 +27,6 @@ from .errors import Unavailable
 if TYPE_CHECKING:
     from tritonclient.grpc import model_config_pb2
 
-    from .dataplane import DataPlane
     from .stats import Metrics
     from .types import InferenceRequest, InferenceResponse
 
@@ -43,6 +42,58 @@ async def call_hook(fn: Callable, *args: Any, executor: ThreadPoolExecutor | Non
     return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
 
 
+class InferStream(Protocol):
+    """The responses of a request submitted through :class:`Infer`, as they come (the last is final).
+    ``cancel()`` (or ``aclose()``) cancels the request when the caller stops reading early."""
+
+    request: "InferenceRequest"
+
+    def __aiter__(self) -> AsyncIterator["InferenceResponse"]: ...
+
+    async def __anext__(self) -> "InferenceResponse": ...
+
+    def cancel(self) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+class Infer(Protocol):
+    """Calls another model of the server: ``infer(request)`` validates and schedules ``request`` as the
+    server does for a client (model readiness, validation, statistics) and returns its
+    :class:`InferStream`, or raises a ServerError when it cannot be accepted; ``await
+    infer.unary(request)`` returns its one response (a ServerError when the model failed or streamed)."""
+
+    def __call__(self, request: "InferenceRequest") -> InferStream: ...
+
+    async def unary(self, request: "InferenceRequest") -> "InferenceResponse": ...
+
+
+class ModelLookup(Protocol):
+    """The configuration of a loaded model version (``""``: the newest ready one); a ServerError
+    (NotFound, Unavailable) when there is none ready."""
+
+    def __call__(self, name: str, version: str = "") -> "model_config_pb2.ModelConfig": ...
+
+
+class ModelControl(Protocol):
+    """Repository control for models that load and unload others (the Python backend's BLS)."""
+
+    async def load(self, name: str, config_json: str | None = None) -> None: ...
+
+    async def unload(self, name: str, unload_dependents: bool = False) -> None: ...
+
+    def ready(self, name: str, version: str = "") -> "bool | Awaitable[bool]": ...
+
+
+@dataclass(frozen=True)
+class ServerHandles:
+    """What the server hands every model it builds (see :class:`ModelContext`)."""
+
+    infer: Infer | None = None
+    models: ModelLookup | None = None
+    control: ModelControl | None = None
+
+
 @dataclass
 class ModelContext:
     """Everything a backend needs to build a model."""
@@ -51,8 +102,13 @@ class ModelContext:
     version: int
     config: "model_config_pb2.ModelConfig"
     model_path: Path  # <repository>/<model>
-    dataplane: "DataPlane | None" = None  # for models that call other models (BLS)
     metrics: "Metrics | None" = None  # the server's metrics, for backends that add their own families
+    # for models that call other models (BLS, ensembles): submit a request, get its responses
+    infer: Infer | None = None
+    # the configuration of another loaded model (an ensemble's steps)
+    models: ModelLookup | None = None
+    # load / unload / readiness of other models (the Python backend's pb_utils.load_model ...)
+    control: ModelControl | None = None
     # set by the server: a loaded model that breaks for good (its engine died) calls report_failure
     on_failure: "Callable[[str], None] | None" = None
     # directories beyond the model repository that this model's files may live in (--allowed-model-root)

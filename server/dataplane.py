@@ -13,6 +13,7 @@ from typing import Any
 from tritonclient.grpc import model_config_pb2 as mc
 
 from . import __version__
+from .backend import ServerHandles
 from .datatypes import config_to_datatype
 from .errors import NotFound, ServerError, Status, Unavailable, Unsupported
 from .repository import ModelRepository
@@ -89,6 +90,39 @@ class InferenceStream:
         self._stream.put(InferenceResponse(error=error, final=True))
 
 
+class _Infer:
+    """The ``infer`` handle of backends: requests go through the DataPlane as a client's do."""
+
+    __slots__ = ("_dataplane",)
+
+    def __init__(self, dataplane: "DataPlane") -> None:
+        self._dataplane = dataplane
+
+    def __call__(self, request: InferenceRequest) -> InferenceStream:
+        return self._dataplane.infer(request)
+
+    async def unary(self, request: InferenceRequest) -> InferenceResponse:
+        return await self._dataplane.infer_unary(request)
+
+
+class _Control:
+    """The model-control handle of backends (BLS ``load_model`` / ``unload_model`` / ``is_model_ready``)."""
+
+    __slots__ = ("_dataplane",)
+
+    def __init__(self, dataplane: "DataPlane") -> None:
+        self._dataplane = dataplane
+
+    async def load(self, name: str, config_json: str | None = None) -> None:
+        await self._dataplane.load_model(name, config_json)
+
+    async def unload(self, name: str, unload_dependents: bool = False) -> None:
+        await self._dataplane.unload_model(name, unload_dependents=unload_dependents)
+
+    def ready(self, name: str, version: str = "") -> bool:
+        return self._dataplane.model_ready(name, version)
+
+
 class DataPlane:
     def __init__(self, repository: ModelRepository, metrics: Metrics, *, strict_readiness: bool = True) -> None:
         self.repository = repository
@@ -96,7 +130,11 @@ class DataPlane:
         self.strict_readiness = strict_readiness
         self.accepting = True  # false once shutdown begins
         self.active: set[InferenceStream] = set()
-        repository.dataplane = self
+
+    def server_handles(self) -> ServerHandles:
+        """What the repository hands the models it builds: calls into this DataPlane (``infer``, model
+        control) and the repository's model lookup. The server wires them (``repository.handles``)."""
+        return ServerHandles(infer=_Infer(self), models=self.repository.model_config, control=_Control(self))
 
     # -- health and metadata -------------------------------------------------------------
     def live(self) -> bool:

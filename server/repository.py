@@ -14,18 +14,13 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
-
 from tritonclient.grpc import model_config_pb2 as mc
 
 from . import config as config_module
-from .backend import BackendRegistry, ModelContext
+from .backend import BackendRegistry, ModelContext, ServerHandles
 from .errors import InvalidArgument, NotFound, ServerError, Unavailable, Unsupported, as_server_error
 from .runtime import ModelRuntime, ModelState
 from .stats import Metrics
-
-if TYPE_CHECKING:
-    from .dataplane import DataPlane
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +146,8 @@ class ModelRepository:
         self.metrics = metrics
         self.control_mode = control_mode
         self.startup_models = startup_models or []
-        self.dataplane: DataPlane | None = None
+        # what every model built from here is handed; the server adds infer and control (server/app.py)
+        self.handles = ServerHandles(models=self.model_config)
         self.entries: dict[str, ModelEntry] = {}
         # called after a load / unload asked through the API, and after a poll that changed something
         self.after_change: Callable[[], None] | None = None
@@ -312,8 +308,9 @@ class ModelRepository:
             self._changed()
 
     def _context(self, name: str, version: int, config: mc.ModelConfig, model_dir: Path) -> ModelContext:
-        ctx = ModelContext(name, version, copy.deepcopy(config), model_dir, self.dataplane, self.metrics,
-                           allowed_roots=self.allowed_roots)
+        handles = self.handles
+        ctx = ModelContext(name, version, copy.deepcopy(config), model_dir, self.metrics, infer=handles.infer,
+                           models=handles.models, control=handles.control, allowed_roots=self.allowed_roots)
         check_config_files(ctx)
         return ctx
 
@@ -433,6 +430,10 @@ class ModelRepository:
             if problem:
                 raise Unavailable(f"model '{name}' version {runtime.version} is not ready ({problem})")
         return runtime
+
+    def model_config(self, name: str, version: str = "") -> mc.ModelConfig:
+        """The configuration of the ready version :meth:`get` finds (the models handle of backends)."""
+        return self.get(name, version).config
 
     def step_problem(self, runtime: ModelRuntime) -> str:
         """Why an ensemble cannot serve: its first step (at any depth) that is not ready; "" when all are.

@@ -1,9 +1,9 @@
-"""Fixtures shared by the unit and end-to-end tests; the helpers they use are in helpers.py."""
+"""Fixtures shared by the unit and end-to-end tests; the helpers they use are in support.py."""
 
 from __future__ import annotations
 
 import pytest
-from helpers import TEST_MODELS, RunningServer, start_server
+from support import TEST_MODELS, RunningServer, start_server
 from toy_backends import start_core as _start_core
 
 from tideserve.repository import ControlMode

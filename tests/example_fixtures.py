@@ -12,7 +12,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from helpers import RunningServer, start_server
+from support import RunningServer, start_server
 from llm_fixtures import vllm_env
 
 ROOT = Path(__file__).resolve().parent.parent

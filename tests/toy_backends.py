@@ -94,6 +94,7 @@ async def start_core(repo: Path, mode: ControlMode = ControlMode.NONE, load=()) 
     metrics = Metrics()
     repository = ModelRepository([repo], toy_registry(), metrics, mode, list(load))
     dataplane = DataPlane(repository, metrics)
+    repository.handles = dataplane.server_handles()
     await repository.start()
     return dataplane
 

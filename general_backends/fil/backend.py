@@ -18,9 +18,7 @@ import os
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
-from tideserve.backend import Backend, Model
-from tideserve.batching import TensorModelInstance
-from tideserve.errors import InvalidArgument
+from tideserve.backend_api import Backend, InvalidArgument, Model, TensorModelInstance
 
 from .forests import Forest, load_forest
 from .options import MODEL_FILES, FilOptions, read_options

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tideserve.errors import Unavailable, Unsupported
+from tideserve.backend_api import Unavailable, Unsupported
 
 from .options import FilOptions
 

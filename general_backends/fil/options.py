@@ -10,8 +10,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from tideserve.backend import ModelContext
-from tideserve.errors import InvalidArgument
+from tideserve.backend_api import InvalidArgument, ModelContext
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,7 @@ import numpy as np
 import onnxruntime as ort
 from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
 
-from tideserve.backend import Backend, Model
-from tideserve.batching import TensorModelInstance
-from tideserve.errors import InternalError, InvalidArgument, Unavailable
+from tideserve.backend_api import Backend, InternalError, InvalidArgument, Model, TensorModelInstance, Unavailable
 
 from .session import CPU, SessionSettings
 from .signature import auto_complete, check_config

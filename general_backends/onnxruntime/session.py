@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import onnxruntime as ort
 from tritonclient.grpc import model_config_pb2 as mc
 
-from tideserve.errors import InvalidArgument, Unavailable
+from tideserve.backend_api import InvalidArgument, Unavailable
 
 log = logging.getLogger(__name__)
 

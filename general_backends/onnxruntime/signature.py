@@ -18,7 +18,7 @@ import logging
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from tideserve.errors import InvalidArgument
+from tideserve.backend_api import InvalidArgument
 
 from .tensors import GraphTensor
 

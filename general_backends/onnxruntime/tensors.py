@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tideserve.errors import InvalidArgument
+from tideserve.backend_api import InvalidArgument
 
 # ONNX Runtime's ``NodeArg.type`` -> Triton config datatype
 _CONFIG_TYPES = {

@@ -28,11 +28,20 @@ from pathlib import Path
 from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from tideserve import config as config_module
-from tideserve.backend import Backend, InstanceContext, Model, ModelContext, ModelInstance
-from tideserve.errors import InternalError, InvalidArgument, Unavailable
-from tideserve.types import InferenceRequest as CoreRequest
-from tideserve.types import InferenceResponse as CoreResponse
+from tideserve.backend_api import (
+    Backend,
+    InferenceRequest as CoreRequest,
+    InferenceResponse as CoreResponse,
+    InstanceContext,
+    InternalError,
+    InvalidArgument,
+    Model,
+    ModelContext,
+    ModelInstance,
+    Unavailable,
+    config_to_dict,
+    config_to_json,
+)
 
 from .errors import TritonModelException
 from .loader import ModelModule, import_model_file
@@ -105,14 +114,16 @@ class InstanceThread:
 class PythonModel(Model):
     """One version of a Python model: its imported module and its configuration."""
 
-    def __init__(self, backend: Backend, ctx: ModelContext) -> None:
+    def __init__(self, backend: Backend, ctx: ModelContext, metrics_collector=None) -> None:
+        """``metrics_collector``: in a model process, the collector that shares custom metrics with the server."""
         super().__init__(backend, ctx)
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             loop = None
-        self.link = ServerLink(ctx.dataplane, loop) if loop is not None else None
-        if self.link is not None and ctx.dataplane is not None:
+        self.link = (ServerLink(ctx.infer, ctx.control, loop, ctx.metrics, metrics_collector)
+                     if loop is not None else None)
+        if self.link is not None and ctx.infer is not None:
             remember_link(self.link)
         self.logger = logging.getLogger(f"tideserve.python_model.{ctx.name}")
         self.scope = ModelScope(self.link, ctx.name, ctx.version, ctx.version_path, self.logger)
@@ -128,7 +139,7 @@ class PythonModel(Model):
     def config_json(self) -> str:
         """The configuration as Triton hands it to ``initialize`` (final once the model loaded)."""
         if self._config_json is None:
-            self._config_json = config_module.to_json(self.config)
+            self._config_json = config_to_json(self.config)
         return self._config_json
 
     def _import(self) -> None:
@@ -151,7 +162,7 @@ class PythonModel(Model):
             hook = getattr(self.model_class, "auto_complete_config", None)
             if hook is None:
                 return
-            result = hook(ModelConfig(config_module.to_dict(self.config)))
+            result = hook(ModelConfig(config_to_dict(self.config)))
             if not isinstance(result, ModelConfig):
                 raise InvalidArgument(f"auto_complete_config function in model '{self.ctx.name}' must return a "
                                       f"valid pb.ModelConfig object.")

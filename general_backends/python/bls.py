@@ -13,14 +13,16 @@ import inspect
 import time
 from typing import TYPE_CHECKING
 
-from tideserve.errors import ServerError
+from tideserve.backend_api import ServerError
 
 from .errors import ErrorCode, TritonError, TritonModelException, from_server_error
-from .messages import InferenceRequest, InferenceResponse
+from .response import InferenceResponse
 from .scope import ServerLink, current_link
 
 if TYPE_CHECKING:
-    from tideserve.dataplane import InferenceStream
+    from tideserve.backend_api import InferStream
+
+    from .messages import InferenceRequest
 
 
 def _timeout_error() -> TritonError:
@@ -37,8 +39,7 @@ async def _run_unary(link: ServerLink, request: InferenceRequest) -> InferenceRe
     """On the server loop: run ``request`` and return its one response (errors as responses)."""
     try:
         core = request._to_core()
-        dataplane = link.require_dataplane()
-        call = dataplane.infer_unary(core)
+        call = link.require_infer().unary(core)
         if request._timeout > 0:
             response = await asyncio.wait_for(call, request._timeout / 1e6)
         else:
@@ -56,7 +57,7 @@ async def _open_stream(link: ServerLink, request: InferenceRequest) -> ResponseI
     """On the server loop: start ``request`` and return the iterator over its responses."""
     deadline = time.monotonic() + request._timeout / 1e6 if request._timeout > 0 else None
     try:
-        stream = link.require_dataplane().infer(request._to_core())
+        stream = link.require_infer()(request._to_core())
     except ServerError as exc:
         return ResponseIterator(link, None, deadline, InferenceResponse._from_error(from_server_error(exc)))
     except TritonModelException as exc:
@@ -91,7 +92,7 @@ class ResponseIterator:
     after the end replays the responses, as Triton does.
     """
 
-    def __init__(self, link: ServerLink, stream: InferenceStream | None, deadline: float | None,
+    def __init__(self, link: ServerLink, stream: InferStream | None, deadline: float | None,
                  only: InferenceResponse | None = None) -> None:
         self._link = link
         self._stream = stream
@@ -193,12 +194,12 @@ class ResponseIterator:
 _draining: set[asyncio.Task] = set()
 
 
-async def _drain(stream: InferenceStream) -> None:
+async def _drain(stream: InferStream) -> None:
     async for _ in stream:
         pass
 
 
-def _drain_soon(stream: InferenceStream) -> None:
+def _drain_soon(stream: InferStream) -> None:
     task = asyncio.ensure_future(_drain(stream))
     _draining.add(task)
     task.add_done_callback(_draining.discard)
@@ -226,25 +227,25 @@ def load_model(model_name: str, config: str = "", files: dict | None = None) -> 
     if files:
         raise TritonModelException("load_model: override files are not supported")
     link = current_link()
-    dataplane = link.require_dataplane()
-    _call_on_loop(link, _raise_as_model_exception(lambda: dataplane.load_model(model_name, config or None)))
+    control = link.require_control()
+    _call_on_loop(link, _raise_as_model_exception(lambda: control.load(model_name, config or None)))
 
 
 def unload_model(model_name: str, unload_dependents: bool = False) -> None:
     link = current_link()
-    dataplane = link.require_dataplane()
-    _call_on_loop(link, _raise_as_model_exception(lambda: dataplane.unload_model(model_name, unload_dependents)))
+    control = link.require_control()
+    _call_on_loop(link, _raise_as_model_exception(lambda: control.unload(model_name, unload_dependents)))
 
 
 def is_model_ready(model_name: str, model_version: str = "") -> bool:
     link = current_link()
-    dataplane = link.require_dataplane()
+    control = link.require_control()
 
     async def ready() -> bool:
-        answer = dataplane.model_ready(model_name, str(model_version or ""))
+        answer = control.ready(model_name, str(model_version or ""))
         # in a model process the server answers over the connection: the answer is awaited
         return await answer if inspect.isawaitable(answer) else answer
 
     if link.on_loop():
-        return dataplane.model_ready(model_name, str(model_version or ""))
+        return control.ready(model_name, str(model_version or ""))
     return _call_on_loop(link, ready())

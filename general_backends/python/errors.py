@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-from tideserve.errors import (
+from tideserve.backend_api import (
     Cancelled,
     InternalError,
     InvalidArgument,

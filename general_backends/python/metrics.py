@@ -252,11 +252,10 @@ def _registry_collector() -> Collector:
         link = current_link()
     except TritonModelException:
         return _standalone
-    # a model process: the link's data plane is the server seen over the connection, with its own collector
-    collector = getattr(link.dataplane, "metrics_collector", None)
-    if collector is not None:
-        return collector
-    registry = getattr(getattr(link.dataplane, "metrics", None), "registry", None)
+    # a model process: the link brings the collector whose series the server reads
+    if link.metrics_collector is not None:
+        return link.metrics_collector
+    registry = getattr(link.metrics, "registry", None)
     if registry is None:
         return _standalone
     return registry_collector(registry)

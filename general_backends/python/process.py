@@ -38,11 +38,19 @@ from functools import partial
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from tideserve.backend import InstanceContext, Model, ModelContext, ModelInstance
-from tideserve.errors import InternalError, InvalidArgument, ServerError, Unavailable
-from tideserve.types import InferenceRequest as CoreRequest
-from tideserve.types import InferenceResponse as CoreResponse
-from tideserve.types import RequestedOutput
+from tideserve.backend_api import (
+    InferenceRequest as CoreRequest,
+    InferenceResponse as CoreResponse,
+    InstanceContext,
+    InternalError,
+    InvalidArgument,
+    Model,
+    ModelContext,
+    ModelInstance,
+    RequestedOutput,
+    ServerError,
+    Unavailable,
+)
 
 from . import metrics, shm, wire
 from .zygote import Zygote
@@ -454,14 +462,14 @@ class ModelProcess:
         task.add_done_callback(lambda _: self._served.pop(call, None))
 
     async def _run_call(self, call: int, request: CoreRequest, unary: bool) -> None:
-        dataplane = self.model.ctx.dataplane
+        infer = self.model.ctx.infer
         try:
-            if dataplane is None:
+            if infer is None:
                 raise InternalError("this server has no data plane: models cannot call other models")
             if unary:
-                self._answer_call(call, await dataplane.infer_unary(request))
+                self._answer_call(call, await infer.unary(request))
                 return
-            stream = self._streams[call] = dataplane.infer(request)
+            stream = self._streams[call] = infer(request)
             try:
                 async for response in stream:
                     self._answer_call(call, response)
@@ -480,18 +488,18 @@ class ModelProcess:
                                                          response.final, response.empty), payload), fd)
 
     async def _run_control(self, message) -> None:
-        dataplane = self.model.ctx.dataplane
+        control = self.model.ctx.control
         result = wire.ControlResult(message.call)
         try:
-            if dataplane is None:
+            if control is None:
                 raise InternalError("this server has no data plane: models cannot control other models")
             match message:
                 case wire.LoadModel(name=name, config=config):
-                    await dataplane.load_model(name, config or None)
+                    await control.load(name, config or None)
                 case wire.UnloadModel(name=name, unload_dependents=dependents):
-                    await dataplane.unload_model(name, unload_dependents=dependents)
+                    await control.unload(name, unload_dependents=dependents)
                 case wire.ModelReady(name=name, version=version):
-                    result.ready = dataplane.model_ready(name, version)
+                    result.ready = control.ready(name, version)
         except ServerError as exc:
             result.error = wire.error_of(exc)
         if not self._closed:

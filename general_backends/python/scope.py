@@ -14,20 +14,23 @@ import contextvars
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .errors import TritonModelException
 
 if TYPE_CHECKING:
-    from tideserve.dataplane import DataPlane
+    from tideserve.backend_api import Infer, ModelControl
 
 
 @dataclass(frozen=True)
 class ServerLink:
-    """The DataPlane of a running server and the event loop it must be called on."""
+    """The handles of a running server (from the model's context) and the event loop they run on."""
 
-    dataplane: DataPlane | None
+    infer: Infer | None
+    control: ModelControl | None
     loop: asyncio.AbstractEventLoop
+    metrics: Any = None  # the server's metrics (in the server process), whose registry custom metrics join
+    metrics_collector: Any = None  # in a model process: the collector that shares its series with the server
 
     def on_loop(self) -> bool:
         """Whether the caller runs on the server's event loop (where blocking would deadlock)."""
@@ -36,10 +39,15 @@ class ServerLink:
         except RuntimeError:
             return False
 
-    def require_dataplane(self) -> DataPlane:
-        if self.dataplane is None:
+    def require_infer(self) -> Infer:
+        if self.infer is None:
             raise TritonModelException("this server has no data plane: models cannot call other models")
-        return self.dataplane
+        return self.infer
+
+    def require_control(self) -> ModelControl:
+        if self.control is None:
+            raise TritonModelException("this server has no data plane: models cannot control other models")
+        return self.control
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tideserve.types import Tensor as CoreTensor
+from tideserve.backend_api import Tensor as CoreTensor
 
 from . import wire
 

@@ -6,8 +6,9 @@ process, and feeds them real core requests rebuilt from the server's messages, w
 write the responses back (tensors through the response arena). Everything a model reaches through
 ``pb_utils`` goes to the server:
 
-- BLS and model control: the model's :class:`~.scope.ServerLink` holds a :class:`ServerProxy` whose
-  ``infer`` / ``infer_unary`` send the request to the server, which runs it through its DataPlane and
+- BLS and model control: the model's context (and so its :class:`~.scope.ServerLink`) holds a
+  :class:`RemoteInfer` and a :class:`RemoteControl`, the process's side of the server's ``infer`` and
+  ``control`` handles: they send the request to the server, which runs it through its DataPlane and
   streams the responses back;
 - custom metrics: :class:`ProcessMetrics` keeps each series in a shared page the server reads;
 - logging: every record goes to the server's log (:class:`LogForwarder`).
@@ -36,12 +37,15 @@ from pathlib import Path
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from tideserve.backend import InstanceContext, ModelContext
-from tideserve.errors import as_server_error
-from tideserve.responses import ResponseSender
-from tideserve.types import InferenceRequest as CoreRequest
-from tideserve.types import InferenceResponse as CoreResponse
-from tideserve.types import RequestedOutput
+from tideserve.backend_api import (
+    InferenceRequest as CoreRequest,
+    InferenceResponse as CoreResponse,
+    InstanceContext,
+    ModelContext,
+    RequestedOutput,
+    ResponseSender,
+    as_server_error,
+)
 
 from . import metrics, shm, wire
 from .backend import ModelExit, PythonBackend, PythonInstance, PythonModel
@@ -118,7 +122,10 @@ class Stub:
         self.calls: dict[int, RemoteCall] = {}  # BLS calls in flight
         self.controls: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
-        self.server = ServerProxy(self)
+        # the model's handles to the server, and its custom metrics
+        self.remote_infer = RemoteInfer(self)
+        self.remote_control = RemoteControl(self)
+        self.process_metrics = ProcessMetrics(self)
 
     # -- the connection ------------------------------------------------------------------------------
     async def serve(self) -> None:
@@ -293,8 +300,9 @@ class Stub:
     def _model(self, spec: wire.ModelSpec) -> PythonModel:
         config = mc.ModelConfig.FromString(spec.config)
         if self.model is None:
-            ctx = ModelContext(spec.name, spec.version, config, Path(spec.model_path), dataplane=self.server)
-            self.model = PythonModel(PythonBackend(), ctx)
+            ctx = ModelContext(spec.name, spec.version, config, Path(spec.model_path), infer=self.remote_infer,
+                               control=self.remote_control)
+            self.model = PythonModel(PythonBackend(), ctx, metrics_collector=self.process_metrics)
         else:
             self.model.ctx.config.CopyFrom(config)
         return self.model
@@ -412,17 +420,16 @@ class RemoteCall:
         self.cancel()
 
 
-class ServerProxy:
-    """The server's DataPlane as the model process sees it (what BLS and model control use)."""
+class RemoteInfer:
+    """The server's ``infer`` handle as the model process sees it (what BLS uses)."""
 
     def __init__(self, stub: Stub) -> None:
         self._stub = stub
-        self.metrics_collector = ProcessMetrics(stub)
 
-    def infer(self, request: CoreRequest) -> RemoteCall:
+    def __call__(self, request: CoreRequest) -> RemoteCall:
         return self._stub.call(request, unary=False)
 
-    async def infer_unary(self, request: CoreRequest) -> CoreResponse:
+    async def unary(self, request: CoreRequest) -> CoreResponse:
         request.streaming = False
         remote = self._stub.call(request, unary=True)
         try:
@@ -434,13 +441,20 @@ class ServerProxy:
             raise response.error
         return response
 
-    async def load_model(self, name: str, config_json: str | None = None) -> None:
+
+class RemoteControl:
+    """The server's model-control handle as the model process sees it (``pb_utils.load_model`` ...)."""
+
+    def __init__(self, stub: Stub) -> None:
+        self._stub = stub
+
+    async def load(self, name: str, config_json: str | None = None) -> None:
         await self._stub.control(lambda call: wire.LoadModel(call, name, config_json or ""))
 
-    async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
+    async def unload(self, name: str, unload_dependents: bool = False) -> None:
         await self._stub.control(lambda call: wire.UnloadModel(call, name, unload_dependents))
 
-    async def model_ready(self, name: str, version: str = "") -> bool:
+    async def ready(self, name: str, version: str = "") -> bool:
         return (await self._stub.control(lambda call: wire.ModelReady(call, name, version))).ready
 
 

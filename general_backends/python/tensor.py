@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from tideserve.types import Tensor as CoreTensor
+from tideserve.backend_api import Tensor as CoreTensor
 
 from .errors import TritonModelException
 

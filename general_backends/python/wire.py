@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from tideserve.errors import (
+from tideserve.backend_api import (
     Cancelled,
     DeadlineExceeded,
     InternalError,

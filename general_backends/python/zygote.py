@@ -1,7 +1,7 @@
 """The zygote: a small process that forks model processes, so each starts in milliseconds.
 
 The server never forks itself (its threads and event loop would be copied half-way). Once, on first
-use, it starts the zygote as a fresh interpreter (running :func:`main`, in a session of its own so a
+use, it starts the zygote as a fresh interpreter (running :func:`.zygote_main.main`, in a session of its own so a
 terminal's Ctrl-C reaches only the server); the zygote imports the whole
 model-process stack (numpy, the ``pb_utils`` API, :mod:`.stub`) and then, single-threaded, forks one
 child per request. A child gets its socket and its two arenas' files from the request (``SCM_RIGHTS``),
@@ -16,18 +16,13 @@ itself when its own socket to the server closes.
 from __future__ import annotations
 
 import concurrent.futures
-import errno
-import gc
 import itertools
 import logging
 import os
-import select
-import signal
 import socket
 import subprocess
 import sys
 import threading
-import traceback
 from collections.abc import Callable
 
 import msgspec
@@ -75,7 +70,7 @@ class Zygote:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(_import_path())}
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-c", f"from {__name__} import main; main({theirs.fileno()})"],
+                [sys.executable, "-c", f"from {__package__}.zygote_main import main; main({theirs.fileno()})"],
                 pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, start_new_session=True, env=env)
         finally:
             theirs.close()
@@ -150,88 +145,3 @@ def _import_path() -> list[str]:
     """This process's module search path, for the zygote (without the directories of in-process models)."""
     own = set(loader.model_paths())
     return [os.path.abspath(p) if p else os.getcwd() for p in sys.path if p not in own]
-
-
-# -- the zygote process --------------------------------------------------------------------------------
-def main(fd: int) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    import triton_python_backend_utils  # noqa: F401 - imported once here, inherited by every model process
-
-    from . import stub
-    gc.collect()
-    gc.freeze()  # what the children inherit stays shared: no reference counting writes to those pages
-    sock = socket.socket(fileno=fd)
-    wake_r, wake_w = os.pipe()
-    for end in (wake_r, wake_w):
-        os.set_blocking(end, False)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so the wakeup fd hears of each exit
-    reader = wire.FrameReader(Spawn)
-    children: set[int] = set()
-    try:
-        while True:
-            readable, _, _ = select.select([sock, wake_r], [], [])
-            if wake_r in readable:
-                while True:
-                    try:
-                        os.read(wake_r, 512)
-                    except BlockingIOError:
-                        break
-                _reap(sock, children)
-            if sock in readable:
-                messages = reader.receive(sock)
-                if messages is None:
-                    break
-                for message in messages:
-                    fds = [reader.take_fd() for _ in range(FDS_PER_PROCESS)]
-                    _fork(message, fds, stub, sock, (wake_r, wake_w), children)
-    except OSError as exc:
-        if exc.errno not in (errno.EPIPE, errno.ECONNRESET):
-            raise
-    finally:
-        for pid in children:  # the server is gone: so are its model processes
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
-def _fork(message: Spawn, fds: list[int], stub, sock: socket.socket, wake: tuple[int, int],
-          children: set[int]) -> None:
-    try:
-        pid = os.fork()
-    except OSError as exc:
-        for fd in fds:
-            os.close(fd)
-        sock.sendall(wire.frame(Started(message.request, 0, f"fork failed: {exc}")))
-        return
-    if pid == 0:
-        code = 1
-        try:
-            signal.set_wakeup_fd(-1)
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            sock.close()
-            for end in wake:
-                os.close(end)
-            code = stub.run(message.spec, *fds)
-        except BaseException:  # noqa: BLE001 - the child must never return into the zygote's loop
-            traceback.print_exc()
-        finally:
-            os._exit(code)
-    for fd in fds:
-        os.close(fd)
-    children.add(pid)
-    sock.sendall(wire.frame(Started(message.request, pid)))
-
-
-def _reap(sock: socket.socket, children: set[int]) -> None:
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        children.discard(pid)
-        sock.sendall(wire.frame(Exited(pid, os.waitstatus_to_exitcode(status))))
-

@@ -24,10 +24,16 @@ import numpy as np
 import torch
 from tritonclient.grpc import model_config_pb2 as mc
 
-from tideserve.backend import Backend, InstanceContext, Model
-from tideserve.batching import TensorModelInstance
-from tideserve.datatypes import config_to_datatype
-from tideserve.errors import InternalError, InvalidArgument, Unavailable
+from tideserve.backend_api import (
+    Backend,
+    InstanceContext,
+    InternalError,
+    InvalidArgument,
+    Model,
+    TensorModelInstance,
+    Unavailable,
+    config_to_datatype,
+)
 
 from .naming import Argument, InputBinding, OutputBinding, bind_inputs, bind_outputs
 from .options import TorchOptions

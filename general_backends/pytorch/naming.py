@@ -18,7 +18,7 @@ import logging
 import re
 from dataclasses import dataclass
 
-from tideserve.errors import InvalidArgument
+from tideserve.backend_api import InvalidArgument
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-from tideserve.backend import ModelContext
-from tideserve.errors import InvalidArgument
+from tideserve.backend_api import InvalidArgument, ModelContext
 
 log = logging.getLogger(__name__)
 

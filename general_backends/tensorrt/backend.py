@@ -30,10 +30,16 @@ from typing import Any
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
-from tideserve.backend import Backend, Model
-from tideserve.batching import TensorModelInstance
-from tideserve.datatypes import numpy_dtype
-from tideserve.errors import InternalError, InvalidArgument, Unavailable, Unsupported
+from tideserve.backend_api import (
+    Backend,
+    InternalError,
+    InvalidArgument,
+    Model,
+    TensorModelInstance,
+    Unavailable,
+    Unsupported,
+    numpy_dtype,
+)
 
 from .binding import Bindings, auto_complete, bind, choose_profile, client_shape, parse_profiles
 from .cuda import CudaDevice, DeviceBuffer, TorchCudaDevice

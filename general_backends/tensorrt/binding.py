@@ -23,8 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
-from tideserve.datatypes import config_to_datatype, datatype_to_config, numpy_dtype
-from tideserve.errors import InvalidArgument, Unsupported
+from tideserve.backend_api import InvalidArgument, Unsupported, config_to_datatype, datatype_to_config, numpy_dtype
 
 from .engine import EngineInfo, EngineTensor, Shape
 

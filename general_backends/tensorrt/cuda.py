@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from tideserve.errors import Unavailable
+from tideserve.backend_api import Unavailable
 
 
 @dataclass

@@ -23,11 +23,20 @@ from typing import Any
 
 import numpy as np
 
-from tideserve import model_paths
-from tideserve.backend import Backend, Model, ModelInstance
-from tideserve.errors import Cancelled, InternalError, InvalidArgument, ServerError, Unavailable
-from tideserve.schedulers import PassThroughScheduler, Scheduler
-from tideserve.types import InferenceRequest
+from tideserve.backend_api import (
+    Backend,
+    Cancelled,
+    InferenceRequest,
+    InternalError,
+    InvalidArgument,
+    Model,
+    ModelInstance,
+    PassThroughScheduler,
+    Scheduler,
+    ServerError,
+    Unavailable,
+    model_paths,
+)
 
 from ..metrics import LLMMetrics
 from .interface import Job, Row, auto_complete, logprobs_json, make_response, parse_request, token_logprob

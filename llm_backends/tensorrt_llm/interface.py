@@ -22,8 +22,7 @@ from typing import Any
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
-from tideserve.errors import InvalidArgument
-from tideserve.types import InferenceRequest, InferenceResponse, Tensor
+from tideserve.backend_api import InferenceRequest, InferenceResponse, InvalidArgument, Tensor
 
 # -- config ---------------------------------------------------------------------------------------
 # (name, config data type, dims, optional); dims exclude the batch dimension as in Triton's config.

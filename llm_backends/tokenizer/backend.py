@@ -19,10 +19,20 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from tideserve.backend import Backend, Model, ModelContext, ModelInstance
-from tideserve.errors import ServerError, Unavailable, as_server_error
-from tideserve.schedulers import DirectScheduler, DynamicBatcher, Scheduler
-from tideserve.types import InferenceRequest, InferenceResponse
+from tideserve.backend_api import (
+    Backend,
+    DirectScheduler,
+    DynamicBatcher,
+    InferenceRequest,
+    InferenceResponse,
+    Model,
+    ModelContext,
+    ModelInstance,
+    Scheduler,
+    ServerError,
+    Unavailable,
+    as_server_error,
+)
 
 from . import config as tokenizer_config
 from .config import Mode, Settings
@@ -33,7 +43,7 @@ from .routing import SequenceRouter
 from .tensors import OutputBuilder
 
 if TYPE_CHECKING:
-    from tideserve.runtime import ModelRuntime
+    from tideserve.backend_api import ModelRuntime
 
 log = logging.getLogger(__name__)
 

@@ -26,8 +26,7 @@ from pathlib import Path
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from tideserve.backend import ModelContext
-from tideserve.errors import InvalidArgument, Unavailable
+from tideserve.backend_api import InvalidArgument, ModelContext, Unavailable
 
 
 class Mode(str, enum.Enum):

@@ -20,8 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from tideserve.errors import Cancelled, InvalidArgument
-from tideserve.types import InferenceRequest, InferenceResponse
+from tideserve.backend_api import Cancelled, InferenceRequest, InferenceResponse, InvalidArgument
 
 from .config import Settings
 from .detokenizer import REPLACEMENT, Decode, SequenceTable

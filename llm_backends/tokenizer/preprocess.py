@@ -18,9 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from tideserve.datatypes import numpy_dtype
-from tideserve.errors import InvalidArgument
-from tideserve.types import InferenceRequest, InferenceResponse
+from tideserve.backend_api import InferenceRequest, InferenceResponse, InvalidArgument, numpy_dtype
 
 from .config import Settings
 from .tensors import OutputBuilder, Rows, utf8

@@ -15,11 +15,10 @@ import zlib
 from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
-from tideserve.schedulers.base import Scheduler, drop_cancelled
-from tideserve.types import InferenceRequest
+from tideserve.backend_api import InferenceRequest, Scheduler, drop_cancelled
 
 if TYPE_CHECKING:
-    from tideserve.runtime import InstanceSlot, ModelRuntime
+    from tideserve.backend_api import InstanceSlot, ModelRuntime
 
 log = logging.getLogger(__name__)
 

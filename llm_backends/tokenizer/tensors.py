@@ -7,9 +7,7 @@ from typing import Any
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
-from tideserve.datatypes import config_to_datatype, numpy_dtype
-from tideserve.errors import InvalidArgument
-from tideserve.types import InferenceRequest, Tensor
+from tideserve.backend_api import InferenceRequest, InvalidArgument, Tensor, config_to_datatype, numpy_dtype
 
 TRUE = ("1", "true", "t", "yes", "y", "on")
 FALSE = ("0", "false", "f", "no", "n", "off")

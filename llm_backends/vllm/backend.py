@@ -16,15 +16,22 @@ from prometheus_client import CollectorRegistry
 from tritonclient.grpc import model_config_pb2 as mc
 
 from tideserve.llm_backends.metrics import LLMMetrics
-from tideserve.backend import Backend, Model, ModelContext, ModelInstance
-from tideserve.datatypes import config_to_datatype, numpy_dtype
-from tideserve.schedulers import PassThroughScheduler, Scheduler
-from tideserve.types import InferenceRequest
+from tideserve.backend_api import (
+    Backend,
+    InferenceRequest,
+    Model,
+    ModelContext,
+    ModelInstance,
+    PassThroughScheduler,
+    Scheduler,
+    config_to_datatype,
+    numpy_dtype,
+)
 
 from . import config as vllm_config
 
 if TYPE_CHECKING:
-    from tideserve.runtime import ModelRuntime
+    from tideserve.backend_api import ModelRuntime
 
     from .engine import EngineState
     from .generation import Generator

@@ -19,9 +19,7 @@ from typing import Any
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from tideserve import model_paths
-from tideserve.backend import ModelContext
-from tideserve.errors import InvalidArgument, Unavailable
+from tideserve.backend_api import InvalidArgument, ModelContext, Unavailable, model_paths
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.metrics.loggers import StatLoggerBase
 
-from tideserve.errors import InvalidArgument, ServerError, Unavailable
+from tideserve.backend_api import InvalidArgument, ServerError, Unavailable
 
 from .config import field_defaults
 

@@ -21,8 +21,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
 from tideserve.llm_backends.metrics import GenerationTracker, LLMMetrics
-from tideserve.errors import Cancelled, InternalError, InvalidArgument, ServerError, Unavailable
-from tideserve.types import InferenceRequest
+from tideserve.backend_api import Cancelled, InferenceRequest, InternalError, InvalidArgument, ServerError, Unavailable
 
 from .inputs import parse_inputs
 from .outputs import ResponseBuilder

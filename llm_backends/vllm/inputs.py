@@ -15,8 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from tideserve.errors import InvalidArgument
-from tideserve.types import InferenceRequest
+from tideserve.backend_api import InferenceRequest, InvalidArgument
 
 # Extra outputs and the flag that asks for each.
 RETURN_FLAGS = {

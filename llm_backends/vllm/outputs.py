@@ -15,8 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from tideserve.errors import InvalidArgument
-from tideserve.types import InferenceResponse, Tensor
+from tideserve.backend_api import InferenceResponse, InvalidArgument, Tensor
 
 from .inputs import GenerateInputs
 

@@ -16,7 +16,7 @@ import msgspec
 from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
-from tideserve.errors import InvalidArgument
+from tideserve.backend_api import InvalidArgument
 
 # Fields that are the engine's business, not the client's.
 _INTERNAL = frozenset({"output_kind", "skip_clone", "output_text_buffer_length"})

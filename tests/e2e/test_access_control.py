@@ -22,7 +22,7 @@ import openai
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from helpers import TEST_MODELS, free_port, start_server
+from support import TEST_MODELS, free_port, start_server
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from in_process import InProcessServer
 from starlette.applications import Starlette

@@ -506,7 +506,7 @@ def tiny_model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def llm_server(tmp_path_factory, tiny_model):
     """One engine for the module (stopped at its end, before other modules start theirs)."""
-    from helpers import start_server
+    from support import start_server
 
     tmp = tmp_path_factory.mktemp("bench_server")
     write_vllm_model(tmp / "models", MODEL, {"model": str(tiny_model), "dtype": "float32", "max_model_len": 512,

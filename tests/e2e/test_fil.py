@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from helpers import start_server
+from support import start_server
 from model_factory.tree_models import fil_config, train, write_fil_model
 from tritonclient.utils import InferenceServerException
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 import pytest
-from helpers import free_port
+from support import free_port
 from in_process import InProcessServer
 
 from tideserve.app import ServerOptions

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aioclient
-from helpers import free_port
+from support import free_port
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from in_process import InProcessServer
 from tritonclient.grpc import service_pb2 as pb

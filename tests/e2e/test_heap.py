@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import free_port
+from support import free_port
 from in_process import InProcessServer
 
 from tideserve.app import ServerOptions

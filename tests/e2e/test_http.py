@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 import tritonclient.http.aio as aiohttpclient
-from helpers import free_port
+from support import free_port
 from in_process import InProcessServer
 from tritonclient.utils import InferenceServerException
 

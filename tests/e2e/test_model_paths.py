@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from helpers import TEST_MODELS, free_port
+from support import TEST_MODELS, free_port
 from in_process import InProcessServer
 from tritonclient.utils import InferenceServerException
 

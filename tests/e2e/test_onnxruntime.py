@@ -24,7 +24,7 @@ pytest.importorskip("onnx")
 
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from helpers import free_port
+from support import free_port
 from in_process import InProcessServer
 from model_factory import onnx_models
 from tritonclient.grpc import model_config_pb2 as mc
@@ -159,9 +159,11 @@ FAILING = {
 
 
 @pytest.fixture(scope="module")
-def srv(repo):
+def srv(repo, files):
+    # the model files are links to the exports, which live outside the repository: allow their folders
+    roots = sorted({path.resolve().parent for path in files.values() if path is not None})
     options = ServerOptions(model_repositories=[repo], http_port=free_port(), grpc_port=free_port(),
-                            allow_metrics=False, exit_timeout_secs=2)
+                            allow_metrics=False, exit_timeout_secs=2, allowed_model_roots=roots)
     server = InProcessServer(options)  # the default registry: the backend comes from its entry point
     yield server
     server.stop()

@@ -14,7 +14,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from helpers import start_server
+from support import start_server
 from llm_fixtures import VLLM_INSTALLED, metric_value, vllm_env, write_vllm_model
 
 pytestmark = [

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from helpers import TEST_MODELS, start_server
+from support import TEST_MODELS, start_server
 from health_probe import HealthProbe
 
 from tideserve.openai.chat_completion.protocol import ChatCompletionRequest

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import TEST_MODELS
+from support import TEST_MODELS
 
 import triton_python_backend_utils as pb_utils
 from tideserve.backend import BackendRegistry

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
-from helpers import start_server
+from support import start_server
 from tritonclient.utils import InferenceServerException
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process trees from /proc")

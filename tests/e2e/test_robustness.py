@@ -18,7 +18,7 @@ import aiohttp
 import grpc
 import pytest
 import schemathesis
-from helpers import free_port, start_server
+from support import free_port, start_server
 from in_process import InProcessServer
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc

@@ -14,7 +14,7 @@ import urllib.request
 from pathlib import Path
 
 
-from helpers import start_server
+from support import start_server
 
 SLOW_MODEL = '''
 import time

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from helpers import free_port
+from support import free_port
 from in_process import InProcessServer
 from tritonclient.utils import InferenceServerException
 

@@ -17,7 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from helpers import start_server
+from support import start_server
 from llm_fixtures import VLLM_INSTALLED, GrpcStream, llm_inputs, metric_value, vllm_env, write_vllm_model
 
 pytestmark = [

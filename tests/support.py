@@ -1,6 +1,6 @@
 """Helpers the tests share: free ports, the test repository, a real tideserve process on 127.0.0.1.
 
-Fixtures live in conftest.py; tests import these helpers by name (``from helpers import start_server``):
+Fixtures live in conftest.py; tests import these helpers by name (``from support import start_server``):
 ``tests/`` is on the import path (pytest ``pythonpath``).
 """
 

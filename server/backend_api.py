@@ -1,0 +1,106 @@
+"""The backend API: everything a backend imports from tideserve, and all it may import.
+
+A backend (``general_backends/*``, ``llm_backends/*``, ``ensembles``, or a package of your own
+registered under the entry-point group ``tideserve.backends``) imports only this module. The names
+live elsewhere in the server; this module is the list of those that are public to backends.
+
+Types
+    :class:`Tensor` (``name``, ``datatype``, ``shape``, ``data``: a numpy array; BYTES tensors are
+    object arrays of ``bytes``), :class:`InferenceRequest` (inputs, requested outputs as
+    :class:`RequestedOutput`, parameters, priority, timeout, a :class:`CancellationToken`, and its
+    :class:`ResponseSender`), :class:`InferenceResponse` (outputs, parameters, ``error``,
+    ``final``). Errors are :class:`ServerError` subclasses, each with a :class:`Status` that the
+    frontends map to HTTP and gRPC codes: :class:`InvalidArgument`, :class:`NotFound`,
+    :class:`Unavailable`, :class:`Unsupported`, :class:`Cancelled`, :class:`DeadlineExceeded`,
+    :class:`InternalError`; :func:`as_server_error` turns any exception into one.
+
+Backend, Model, ModelInstance
+    A :class:`Backend` makes one :class:`Model` per model version from a :class:`ModelContext`;
+    the model makes one :class:`ModelInstance` per instance-group slot (:class:`InstanceContext`).
+    Hooks (``auto_complete_config``, ``initialize``, ``execute``, ``finalize``) may be plain (run
+    on a worker thread) or ``async`` (run on the event loop). ``execute(requests)`` either returns
+    one response per request or answers through each request's :class:`ResponseSender` (decoupled
+    models: 0..N responses, then FINAL). :class:`TensorModelInstance` runs a batch as one tensor
+    call (inputs concatenated along the batch dimension, outputs split back).
+
+ModelContext: what the server hands a model at construction
+    ``name``, ``version``, ``config`` (Triton's ``ModelConfig`` message), ``model_path``, helpers
+    for the model's files (``local_path``, ``check_file``, ``parameter``), ``metrics`` (the
+    server's metrics, for backends that add families of their own), ``report_failure(reason)``
+    (the model broke for good while serving) and three handles, each None where the server gives
+    none:
+
+    - ``infer`` (:class:`Infer`): ``infer(request)`` submits a core :class:`InferenceRequest` to
+      another model through the same path as a client's request (readiness, validation,
+      statistics) and returns its :class:`InferStream`; ``await infer.unary(request)`` returns its
+      one response.
+    - ``models`` (:class:`ModelLookup`): ``models(name, version)`` is the ``ModelConfig`` of a
+      ready model version (a ServerError when there is none).
+    - ``control`` (:class:`ModelControl`): ``load``, ``unload`` and ``ready`` of other models.
+
+Schedulers
+    The server picks :class:`DirectScheduler` (one request per execute) or :class:`DynamicBatcher`
+    (``dynamic_batching`` in the config) unless ``Model.create_scheduler(runtime)`` returns one:
+    :class:`PassThroughScheduler` for engines that batch continuously, or a :class:`Scheduler`
+    subclass of the backend's own, which gets the :class:`ModelRuntime` it serves
+    (:class:`InstanceSlot` is one of its instances) and may use :func:`drop_cancelled`.
+
+Helpers
+    Datatype conversion (:func:`numpy_dtype`, :func:`datatype_of`, :func:`config_to_datatype`,
+    :func:`datatype_to_config`), the config as Triton's JSON (:func:`config_to_dict`,
+    :func:`config_to_json`) and :mod:`model_paths` (paths a model config names).
+"""
+
+from __future__ import annotations
+
+from . import model_paths
+from .backend import (
+    Backend,
+    Infer,
+    InferStream,
+    InstanceContext,
+    Model,
+    ModelContext,
+    ModelControl,
+    ModelInstance,
+    ModelLookup,
+)
+from .batching import TensorModelInstance
+from .config import to_dict as config_to_dict
+from .config import to_json as config_to_json
+from .datatypes import config_to_datatype, datatype_of, datatype_to_config, numpy_dtype
+from .errors import (
+    Cancelled,
+    DeadlineExceeded,
+    InternalError,
+    InvalidArgument,
+    NotFound,
+    ServerError,
+    Status,
+    Unavailable,
+    Unsupported,
+    as_server_error,
+)
+from .responses import ResponseSender
+from .runtime import InstanceSlot, ModelRuntime
+from .schedulers import DirectScheduler, DynamicBatcher, PassThroughScheduler, Scheduler
+from .schedulers.base import drop_cancelled
+from .types import CancellationToken, InferenceRequest, InferenceResponse, RequestedOutput, Tensor
+
+__all__ = [
+    # types and errors
+    "Tensor", "InferenceRequest", "InferenceResponse", "RequestedOutput", "CancellationToken",
+    "ServerError", "Status", "InvalidArgument", "NotFound", "Unavailable", "Unsupported", "Cancelled",
+    "DeadlineExceeded", "InternalError", "as_server_error",
+    # backends
+    "Backend", "Model", "ModelInstance", "ModelContext", "InstanceContext", "TensorModelInstance",
+    "ResponseSender",
+    # handles a model is given
+    "Infer", "InferStream", "ModelLookup", "ModelControl",
+    # schedulers
+    "Scheduler", "DirectScheduler", "DynamicBatcher", "PassThroughScheduler", "ModelRuntime", "InstanceSlot",
+    "drop_cancelled",
+    # helpers
+    "numpy_dtype", "datatype_of", "config_to_datatype", "datatype_to_config", "config_to_dict", "config_to_json",
+    "model_paths",
+]
