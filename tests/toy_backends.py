@@ -59,6 +59,25 @@ class ToyBackend(Backend):
     model_class = ToyModel
 
 
+def instance_backend(instances, key: str = "kind") -> type[Backend]:
+    """A toy backend for a test file's own instance behaviours: its models make ``instances`` (one
+    ModelInstance class, or a dict from the model's ``key`` parameter, else its name, to a class)."""
+
+    def pick(model: Model) -> type:
+        if isinstance(instances, dict):
+            return instances[model.ctx.parameter(key, model.ctx.name)]
+        return instances
+
+    class _Model(Model):
+        def create_instance(self, ctx):
+            return pick(self)(self, ctx)
+
+    class _Backend(Backend):
+        model_class = _Model
+
+    return _Backend
+
+
 def toy_registry() -> BackendRegistry:
     registry = BackendRegistry()
     registry.register("toy", ToyBackend)

@@ -21,9 +21,10 @@ from support import start_server
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import InferenceServerException
+from toy_backends import instance_backend
 
 from tideserve.ensembles.plan import build_plan, read_steps
-from tideserve.backend import Backend, BackendRegistry, Model, ModelInstance
+from tideserve.backend import BackendRegistry, ModelInstance
 from tideserve.dataplane import DataPlane
 from tideserve.errors import InvalidArgument
 from tideserve.repository import ControlMode, ModelRepository
@@ -700,12 +701,7 @@ class _TokensInstance(ModelInstance):
                             final=True)
 
 
-class _TokensModel(Model):
-    instance_class = _TokensInstance
-
-
-class _TokensBackend(Backend):
-    model_class = _TokensModel
+_TokensBackend = instance_backend(_TokensInstance)
 
 
 async def test_non_streaming_request_runs_the_steps_non_streaming(tmp_path):

@@ -22,10 +22,11 @@ import aiohttp
 import numpy as np
 import pytest
 from support import free_port
+from toy_backends import instance_backend
 from in_process import InProcessServer
 
 from tideserve.app import ServerOptions
-from tideserve.backend import Backend, BackendRegistry, Model, ModelInstance
+from tideserve.backend import BackendRegistry, ModelInstance
 from tideserve.errors import InvalidArgument
 from tideserve.http.generate import fit_shape
 from tideserve.types import InferenceResponse, Tensor
@@ -118,13 +119,7 @@ class FailMidInstance(ModelInstance):
 _INSTANCES = {"words": WordsInstance, "typed": TypedInstance, "fail_mid": FailMidInstance}
 
 
-class ToyModel(Model):
-    def create_instance(self, ctx):
-        return _INSTANCES[self.ctx.name](self, ctx)
-
-
-class ToyBackend(Backend):
-    model_class = ToyModel
+ToyBackend = instance_backend(_INSTANCES, key="")  # by model name
 
 
 CONFIGS = {

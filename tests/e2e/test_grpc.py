@@ -24,9 +24,10 @@ from in_process import InProcessServer
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 from tritonclient.utils import InferenceServerException
+from toy_backends import instance_backend
 
 from tideserve.app import ServerOptions
-from tideserve.backend import Backend, BackendRegistry, Model, ModelInstance
+from tideserve.backend import BackendRegistry, ModelInstance
 from tideserve.errors import InvalidArgument
 from tideserve.repository import ControlMode
 from tideserve.types import InferenceResponse, Tensor
@@ -44,7 +45,7 @@ def _cancelled(request_id: str) -> threading.Event:
 # -- the toy backend ------------------------------------------------------------------------------
 class ToyInstance(ModelInstance):
     def execute(self, requests):
-        kind = self.model.kind
+        kind = self.model.ctx.parameter("kind")
         if kind == "identity":
             return [self._identity(r) for r in requests]
         if kind == "add_sub":
@@ -102,16 +103,7 @@ class ToyInstance(ModelInstance):
         sender.send(None, final=True)
 
 
-class ToyModel(Model):
-    instance_class = ToyInstance
-
-    @property
-    def kind(self) -> str:
-        return self.ctx.parameter("kind")
-
-
-class ToyBackend(Backend):
-    model_class = ToyModel
+ToyBackend = instance_backend(ToyInstance)
 
 
 def _config(name, kind, inputs, outputs, max_batch_size=0, decoupled=False, instances=1, extra=""):

@@ -24,9 +24,10 @@ import tritonclient.http.aio as aiohttpclient
 from support import free_port
 from in_process import InProcessServer
 from tritonclient.utils import InferenceServerException
+from toy_backends import instance_backend
 
 from tideserve.app import ServerOptions
-from tideserve.backend import Backend, BackendRegistry, Model, ModelInstance
+from tideserve.backend import BackendRegistry, ModelInstance
 from tideserve.errors import InvalidArgument
 from tideserve.repository import ControlMode
 from tideserve.types import InferenceResponse, Tensor
@@ -119,14 +120,7 @@ _INSTANCES = {"slow": SlowInstance, "add_sub": AddSubInstance, "identity": Ident
               "fail": FailInstance, "repeat": RepeatInstance}
 
 
-class ToyModel(Model):
-    def create_instance(self, ctx):
-        kind = self.ctx.parameter("kind", self.ctx.name)
-        return _INSTANCES[kind](self, ctx)
-
-
-class ToyBackend(Backend):
-    model_class = ToyModel
+ToyBackend = instance_backend(_INSTANCES)
 
 
 def _param(key: str, value: str) -> str:
