@@ -30,12 +30,12 @@ import itertools
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from tideserve.bench.llm_servers import cpu_seconds, free_port, stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS_HOME = Path(os.environ.get("PEERS_HOME", "/tmp/peers"))
@@ -191,17 +191,6 @@ def serve(variant: str, port: int) -> None:
 # driver side
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def start(variant: str) -> tuple[subprocess.Popen, int]:
     port = free_port()
     proc = subprocess.Popen([sys.executable, __file__, "--serve", variant, "--port", str(port)],
@@ -211,18 +200,6 @@ def start(variant: str) -> tuple[subprocess.Popen, int]:
         proc.kill()
         raise RuntimeError(f"{variant} did not start")
     return proc, port
-
-
-def stop(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(10)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
 
 
 def perf_analyzer(port: int, concurrency: int) -> tuple[dict, str]:
@@ -284,7 +261,7 @@ def main() -> None:
                 print(f"{variant} c={c}: {r['infer_per_s']:.0f} infer/s, "
                       f"{r['cpu_us_per_request']:.0f} us CPU/request", file=sys.stderr, flush=True)
         finally:
-            stop(proc)
+            stop_process(proc, 10)
     results["load_after"] = open("/proc/loadavg").read().split()[:3]
     print("| server | concurrency | infer/s | p50 / p99 ms | server CPU µs / request |")
     print("|---|---|---|---|---|")

@@ -1,6 +1,6 @@
-"""What the LLM comparison scripts (``ensemble_vs_direct``, ``llm_inprocess_vs_server``, ``openai_vs_vllm``)
-share: free ports, the fixed story prompts, starting a tideserve process until a model is ready, and
-stopping a server's whole process group (its engine processes included)."""
+"""What the benchmark scripts share: free ports, a process's CPU time, the fixed story prompts of the LLM
+comparisons, starting a tideserve process until it (or one model) is ready, and stopping a server's whole
+process group (its engine and model processes included)."""
 
 from __future__ import annotations
 
@@ -25,13 +25,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def story_prompts(count: int) -> list[str]:
     return [f"Story {i}: once upon a time {SUBJECTS[i % len(SUBJECTS)]} woke up and" for i in range(count)]
 
 
-def start_tideserve(repo: Path, log: Path, env: dict, ready_model: str, timeout: float = 900,
+def start_tideserve(repo: Path, log: Path, env: dict, ready_model: str | None, timeout: float = 900,
                     weights: Path | None = None, args: tuple[str, ...] = ()) -> tuple[subprocess.Popen, int, int]:
-    """A tideserve process over ``repo`` (in its own session), once ``ready_model`` is ready: (process, http, grpc).
+    """A tideserve process over ``repo`` (in its own session), once ``ready_model`` (None: the server) is ready:
+    (process, http, grpc).
     ``weights``: a model directory outside ``repo`` that the repository's configs name; ``args``: more flags."""
     http, grpc, metrics = free_port(), free_port(), free_port()
     cmd = [sys.executable, "-m", "tideserve.cli", "--model-repository", str(repo), "--http-port", str(http),
@@ -47,7 +54,8 @@ def start_tideserve(repo: Path, log: Path, env: dict, ready_model: str, timeout:
         if proc.poll() is not None:
             raise RuntimeError(f"tideserve exited with {proc.returncode}; see {log}")
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/models/{ready_model}/ready", timeout=2) as r:
+            path = f"/v2/models/{ready_model}/ready" if ready_model else "/v2/health/ready"
+            with urllib.request.urlopen(f"http://127.0.0.1:{http}{path}", timeout=2) as r:
                 if r.status == 200:
                     break
         except (urllib.error.URLError, ConnectionError, TimeoutError):

@@ -24,16 +24,15 @@ import json
 import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
 import numpy as np
+
+from tideserve.bench.llm_servers import cpu_seconds, start_tideserve, stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
 ADD_SUB = ROOT / "tests" / "models" / "add_sub"
@@ -52,11 +51,6 @@ def write_add_sub(repo: Path, name: str, isolation: str, *, batching: bool = Tru
 
 
 # -- hop: the DataPlane alone ---------------------------------------------------------------------------
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def _hop(repo: Path, requests: int) -> dict:
     from tideserve.backend import BackendRegistry
     from tideserve.dataplane import DataPlane
@@ -82,14 +76,14 @@ async def _hop(repo: Path, requests: int) -> dict:
 
             for _ in range(500):
                 await one()
-            child = _cpu_seconds(pid) if pid else 0.0
+            child = cpu_seconds(pid) if pid else 0.0
             server, start = time.process_time(), time.perf_counter()
             for _ in range(requests):
                 await one()
             wall = time.perf_counter() - start
             results[mode] = {"wall_us": wall / requests * 1e6,
                              "server_cpu_us": (time.process_time() - server) / requests * 1e6,
-                             "model_process_cpu_us": ((_cpu_seconds(pid) - child) / requests * 1e6) if pid else 0.0}
+                             "model_process_cpu_us": ((cpu_seconds(pid) - child) / requests * 1e6) if pid else 0.0}
     finally:
         await repository.shutdown(drain_timeout=5)
     return results
@@ -103,44 +97,8 @@ def hop(work: Path, requests: int) -> dict:
 
 
 # -- servers -------------------------------------------------------------------------------------------
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 def start_server(repo: Path, log: Path, *args: str) -> tuple[subprocess.Popen, int, int]:
-    http, grpc, metrics = _free_ports(3)
-    cmd = [sys.executable, "-m", "tideserve.cli", "--model-repository", str(repo), "--http-port", str(http),
-           "--grpc-port", str(grpc), "--metrics-port", str(metrics), *args]
-    with open(log, "wb") as output:  # the child keeps its own copy of the descriptor
-        proc = subprocess.Popen(cmd, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"tideserve exited early, see {log}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/health/ready", timeout=2) as response:
-                if response.status == 200:
-                    return proc, http, grpc
-        except OSError:
-            pass
-        time.sleep(0.2)
-    stop_server(proc)
-    raise RuntimeError(f"tideserve did not become ready, see {log}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    return start_tideserve(repo, log, dict(os.environ), ready_model=None, timeout=120, args=args)
 
 
 # -- throughput: perf_analyzer ------------------------------------------------------------------------------
@@ -177,7 +135,7 @@ def throughput(work: Path, concurrencies: list[int]) -> dict:
                                                                                      f"{concurrency}.txt")
                     print(key, results[key], flush=True)
         finally:
-            stop_server(proc)
+            stop_process(proc)
     return results
 
 
@@ -206,7 +164,7 @@ def start_cost(work: Path) -> dict:
                 _post(f"{base}/{name}/unload")
                 results[f"{mode}/{count}"] = min(_post(f"{base}/{name}/load") for _ in range(3))
     finally:
-        stop_server(proc)
+        stop_process(proc)
     return {key: round(seconds * 1000, 1) for key, seconds in results.items()}
 
 
