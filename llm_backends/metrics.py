@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import Metric
 
 LABELS = ["model_name", "version"]
 TOKEN_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -109,3 +110,40 @@ class GenerationTracker:
             m.request_aborted.labels(*labels).inc()
         else:
             m.request_success.labels(*labels).inc()
+
+
+class EngineFamilies:
+    """The engines' own metric families (vLLM's ``vllm:*``), one registry per model version, merged at scrape.
+
+    An engine's stat logger writes into the registry :meth:`add` hands out; :meth:`collect` yields each
+    family once with the samples of every model (the text format allows one ``# TYPE`` per family).
+    Made once per server (``Metrics.extension("engine", EngineFamilies)``), which registers it.
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._models: dict[tuple[str, str], CollectorRegistry] = {}
+        registry.register(self)
+
+    def add(self, model: str, version: str) -> CollectorRegistry:
+        """A fresh registry for ``model`` / ``version`` (replacing the one of an earlier load)."""
+        found = self._models[(model, version)] = CollectorRegistry(auto_describe=False)
+        return found
+
+    def remove(self, model: str, version: str) -> None:
+        self._models.pop((model, version), None)
+
+    def collect(self):
+        families: dict[str, Metric] = {}
+        seen: set[tuple] = set()
+        for registry in list(self._models.values()):
+            for family in registry.collect():
+                merged = families.get(family.name)
+                if merged is None:
+                    merged = families[family.name] = Metric(family.name, family.documentation, family.type,
+                                                            family.unit)
+                for sample in family.samples:
+                    key = (sample.name, tuple(sorted(sample.labels.items())))
+                    if key not in seen:  # two versions of one model share its name: the first one wins
+                        seen.add(key)
+                        merged.samples.append(sample)
+        yield from families.values()

@@ -62,6 +62,10 @@ def _http_routes() -> dict[str, str]:
         "/v2/repository/models/{model_name}/load": MODEL_REPOSITORY,
         "/v2/repository/models/{model_name}/unload": MODEL_REPOSITORY,
     }
+    for kind in ("system", "cuda"):  # Triton's shared-memory extension
+        for path in ("/status", "/unregister", "/region/{region_name}/status", "/region/{region_name}/register",
+                     "/region/{region_name}/unregister"):
+            routes[f"/v2/{kind}sharedmemory{path}"] = SHARED_MEMORY
     for model in ("/v2/models/{model_name}", "/v2/models/{model_name}/versions/{model_version}"):
         routes.update({model: METADATA, model + "/ready": HEALTH, model + "/config": MODEL_CONFIG,
                        model + "/stats": STATISTICS, model + "/infer": INFERENCE, model + "/generate": INFERENCE,
@@ -71,11 +75,16 @@ def _http_routes() -> dict[str, str]:
 
 # KServe v2 routes (path template as routed -> group); a route missing here makes the app refuse to build
 HTTP_ROUTE_GROUPS: dict[str, str] = _http_routes()
+# /metrics on the HTTP port: the same check as the metrics port's (the API key with scope all)
+METRICS_PATH = "/metrics"
 # The OpenAI routes: their errors take OpenAI's shape and they ask for the API key in either scope.
 # /v1/models is model-repository, as Triton's OpenAI frontend files it.
 OPENAI_ROUTE_GROUPS: dict[str, str] = {
     "/v1/models": MODEL_REPOSITORY, "/v1/models/{model:path}": MODEL_REPOSITORY,
     "/v1/completions": INFERENCE, "/v1/chat/completions": INFERENCE, "/health": HEALTH,
+    # LoRA adapters loaded from disk (--enable-lora-runtime-updates): repository changes, as a model load is
+    "/v1/load_lora_adapter": MODEL_REPOSITORY, "/v1/unload_lora_adapter": MODEL_REPOSITORY,
+    "/v1/embeddings": INFERENCE, "/tokenize": INFERENCE, "/detokenize": INFERENCE, "/tokenizer_info": MODEL_CONFIG,
 }
 
 _SHARED_MEMORY_RPCS = tuple(f"{kind}SharedMemory{op}" for kind in ("System", "Cuda")
@@ -265,6 +274,8 @@ def guard_routes(app, policy: AccessPolicy, openai_body: Render) -> None:
             guard, render = policy.http_guard(HTTP_ROUTE_GROUPS[path]), kserve_body
         elif path in OPENAI_ROUTE_GROUPS:
             guard, render = policy.http_guard(OPENAI_ROUTE_GROUPS[path], openai=True), openai_body
+        elif path == METRICS_PATH:
+            guard, render = policy.metrics_guard(), kserve_body
         else:
             raise RuntimeError(f"HTTP route {path!r} belongs to no API group: add it to "
                                "tideserve.access.HTTP_ROUTE_GROUPS or OPENAI_ROUTE_GROUPS")

@@ -21,7 +21,9 @@ from .backend import BackendRegistry
 from .dataplane import DataPlane
 from .limits import TensorLimits
 from .openai.limits import OpenAILimits
+from .openai.llm import OutputParsers
 from .repository import ControlMode, ModelRepository
+from .schedulers.rate_limiter import RateLimiter, ResourceLimit
 from .stats import Metrics
 
 log = logging.getLogger(__name__)
@@ -70,9 +72,19 @@ class ServerOptions:
     grpc_restricted_protocols: dict[str, Restriction] = field(default_factory=dict)
     openapi: bool = True  # serve the HTTP API's OpenAPI document at GET /openapi.json
     openai_limits: OpenAILimits = field(default_factory=OpenAILimits)  # what one /v1 request may ask for
+    # default tool-call and reasoning parsers of /v1 chat for models whose config names none
+    openai_parsers: OutputParsers = field(default_factory=OutputParsers)
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter: LoRA adapters loaded from disk at run time
+    enable_lora_runtime_updates: bool = False
+    # processes serving HTTP and gRPC (server/workers): 1 serves them in this process, beside the models
+    frontend_workers: int = 1
     # Freeze the garbage collector's heap once models are loaded (the CLI does; see tideserve.heap). Off by default
     # for servers embedded in another program, whose heap is that program's business.
     freeze_heap: bool = False
+    # -- response cache and rate limiter (Triton's --cache-config, --rate-limit, --rate-limit-resource) --
+    response_cache_size: int | None = None  # bytes of the local response cache; None: no cache
+    rate_limit: bool = False                # --rate-limit execution_count
+    rate_limit_resources: list[ResourceLimit] = field(default_factory=list)
 
 
 class _EmbeddedUvicorn(uvicorn.Server):
@@ -81,6 +93,69 @@ class _EmbeddedUvicorn(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self):
         yield
+
+
+class Frontends:
+    """The HTTP and gRPC ports over a DataPlane: the core's own, or a frontend worker's RemoteDataPlane.
+
+    ``http_socket``: a listening socket to serve instead of binding ``--http-port`` (frontend workers share
+    the one the core made); ``grpc_shared``: bind the gRPC port with SO_REUSEPORT beside other workers."""
+
+    def __init__(self, dataplane, options: ServerOptions, access: AccessPolicy) -> None:
+        self.dataplane = dataplane
+        self.options = options
+        self.access = access
+        self._uvicorns: list[_EmbeddedUvicorn] = []
+        self._serving: list[asyncio.Task] = []
+        self._grpc = None
+
+    async def start(self, http_socket=None, grpc_shared: bool = False) -> None:
+        opts = self.options
+        tensor_limits = TensorLimits(opts.max_tensor_rank, opts.max_tensor_elements)
+        if opts.allow_grpc:
+            from .grpc import start_grpc_server
+            channel_args = [("grpc.max_receive_message_length", opts.grpc_max_receive_message_length),
+                            ("grpc.max_send_message_length", opts.grpc_max_send_message_length)]
+            if grpc_shared:
+                channel_args.append(("grpc.so_reuseport", 1))
+            self._grpc = await start_grpc_server(self.dataplane, opts.host, opts.grpc_port, access=self.access,
+                                                 options=channel_args, tensor_limits=tensor_limits)
+        # HTTP last: clients poll its health endpoints, so once it answers the gRPC port is up too
+        if opts.allow_http:
+            from .http import create_app
+            app = create_app(self.dataplane, max_input_size=opts.http_max_input_size,
+                             max_decompressed_size=opts.http_max_decompressed_size,
+                             max_json_depth=opts.http_max_json_depth, tensor_limits=tensor_limits,
+                             access=self.access, openapi=opts.openapi, openai_limits=opts.openai_limits,
+                             openai_parsers=opts.openai_parsers)
+            await self.serve_http(app, opts.host, opts.http_port, http_socket)
+
+    async def serve_http(self, app, host: str, port: int, sock=None) -> None:
+        from .http.limits import ConnectionLimits
+
+        opts = self.options
+        limits = ConnectionLimits(opts.http_max_header_size, opts.http_max_header_count, opts.http_header_timeout_secs,
+                                  opts.http_body_timeout_secs, opts.http_max_connections)
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                access_log=opts.log_verbose > 1, lifespan="off",
+                                timeout_graceful_shutdown=1, backlog=4096, proxy_headers=False,
+                                **limits.uvicorn_settings())
+        server = _EmbeddedUvicorn(config)
+        task = asyncio.create_task(server.serve(sockets=[sock] if sock is not None else None))
+        while not server.started:
+            if task.done():
+                task.result()  # re-raises the bind error
+                raise RuntimeError(f"HTTP server on port {port} stopped during start-up")
+            await asyncio.sleep(0.01)
+        self._uvicorns.append(server)
+        self._serving.append(task)
+
+    async def stop(self) -> None:
+        if self._grpc is not None:
+            await self._grpc.stop(grace=1)
+        for server in self._uvicorns:
+            server.should_exit = True
+        await asyncio.gather(*self._serving, return_exceptions=True)
 
 
 class Server:
@@ -92,15 +167,18 @@ class Server:
                                           options.model_control_mode, options.load_models,
                                           allowed_roots=options.allowed_model_roots,
                                           max_instances=options.model_max_instances)
-        self.dataplane = DataPlane(self.repository, self.metrics, strict_readiness=options.strict_readiness)
+        if options.rate_limit:
+            self.repository.rate_limiter = RateLimiter(options.rate_limit_resources)
+        self.dataplane = DataPlane(self.repository, self.metrics, strict_readiness=options.strict_readiness,
+                                   cache_size=options.response_cache_size)
+        self.dataplane.lora_runtime_updates = options.enable_lora_runtime_updates
         # backends reach other models through these handles, never through the DataPlane itself
         self.repository.handles = self.dataplane.server_handles()
         self.access = AccessPolicy(options.http_restricted_apis, options.grpc_restricted_protocols,
                                    options.api_key, options.api_key_scope)
-        self._uvicorns: list[_EmbeddedUvicorn] = []
-        self._serving: list[asyncio.Task] = []     # uvicorn servers
+        self.frontends = Frontends(self.dataplane, options, self.access)  # the metrics port; HTTP / gRPC in-process
+        self.workers = None  # FrontendWorkers when --frontend-workers > 1
         self._background: list[asyncio.Task] = []  # repository polling
-        self._grpc = None
         self._stop = asyncio.Event()
 
     async def start(self) -> None:
@@ -111,28 +189,20 @@ class Server:
             self.repository.after_change = heap.freeze
         if opts.model_control_mode is ControlMode.POLL:
             self._background.append(asyncio.create_task(self.repository.poll_forever(opts.repository_poll_secs)))
-        # HTTP last: clients poll its health endpoints, so once it answers the gRPC and metrics ports are up too
         if opts.allow_metrics:
-            await self._start_uvicorn(self._metrics_app(), opts.metrics_address, opts.metrics_port)
-        tensor_limits = TensorLimits(opts.max_tensor_rank, opts.max_tensor_elements)
-        if opts.allow_grpc:
-            from .grpc import start_grpc_server
-            message_sizes = [("grpc.max_receive_message_length", opts.grpc_max_receive_message_length),
-                             ("grpc.max_send_message_length", opts.grpc_max_send_message_length)]
-            self._grpc = await start_grpc_server(self.dataplane, opts.host, opts.grpc_port, access=self.access,
-                                                 options=message_sizes, tensor_limits=tensor_limits)
-        if opts.allow_http:
-            from .http import create_app
-            app = create_app(self.dataplane, max_input_size=opts.http_max_input_size,
-                             max_decompressed_size=opts.http_max_decompressed_size,
-                             max_json_depth=opts.http_max_json_depth, tensor_limits=tensor_limits,
-                             access=self.access, openapi=opts.openapi, openai_limits=opts.openai_limits)
-            await self._start_uvicorn(app, opts.host, opts.http_port)
-        log.info("tideserve ready: HTTP %s:%d, gRPC %s:%d, metrics %s:%d", opts.host, opts.http_port,
-                 opts.host, opts.grpc_port, opts.metrics_address, opts.metrics_port)
+            await self.frontends.serve_http(self._metrics_app(), opts.metrics_address, opts.metrics_port)
+        if opts.frontend_workers > 1 and (opts.allow_http or opts.allow_grpc):
+            from .workers.pool import FrontendWorkers
+            self.workers = FrontendWorkers(self.dataplane, opts, opts.frontend_workers)
+            await self.workers.start()
+        else:
+            await self.frontends.start()
+        log.info("tideserve ready: HTTP %s:%d, gRPC %s:%d, metrics %s:%d%s", opts.host, opts.http_port,
+                 opts.host, opts.grpc_port, opts.metrics_address, opts.metrics_port,
+                 f"; {opts.frontend_workers} frontend worker processes" if self.workers is not None else "")
 
     def _metrics_app(self) -> Starlette:
-        render = self.metrics.render
+        render = self.dataplane.metrics_text
 
         async def metrics(_request):
             return Response(render(), media_type=CONTENT_TYPE_LATEST)
@@ -141,44 +211,25 @@ class Server:
         guard_metrics(app, self.access)
         return app
 
-    async def _start_uvicorn(self, app, host: str, port: int) -> None:
-        from .http.limits import ConnectionLimits
-
-        opts = self.options
-        limits = ConnectionLimits(opts.http_max_header_size, opts.http_max_header_count, opts.http_header_timeout_secs,
-                                  opts.http_body_timeout_secs, opts.http_max_connections)
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                access_log=self.options.log_verbose > 1, lifespan="off",
-                                timeout_graceful_shutdown=1, backlog=4096, proxy_headers=False,
-                                **limits.uvicorn_settings())
-        server = _EmbeddedUvicorn(config)
-        task = asyncio.create_task(server.serve())
-        while not server.started:
-            if task.done():
-                task.result()  # re-raises the bind error
-                raise RuntimeError(f"HTTP server on port {port} stopped during start-up")
-            await asyncio.sleep(0.01)
-        self._uvicorns.append(server)
-        self._serving.append(task)
-
     def request_stop(self) -> None:
         self._stop.set()
 
     async def stop(self) -> None:
         """Refuse new requests, drain in-flight ones up to the exit timeout, then shut down."""
         self.dataplane.accepting = False
+        if self.workers is not None:
+            self.workers.changed()  # the workers refuse new requests too
         await self.repository.drain(self.options.exit_timeout_secs)
         self.dataplane.abort_all(f"the server is shutting down: the request did not finish within the exit "
                                  f"timeout of {self.options.exit_timeout_secs:g}s")
         await asyncio.sleep(0.05)  # let the frontends write those answers
         await self.repository.shutdown(drain_timeout=0)
-        if self._grpc is not None:
-            await self._grpc.stop(grace=1)
+        if self.workers is not None:
+            await self.workers.stop()
         for task in self._background:
             task.cancel()
-        for server in self._uvicorns:
-            server.should_exit = True
-        await asyncio.gather(*self._background, *self._serving, return_exceptions=True)
+        await self.frontends.stop()
+        await asyncio.gather(*self._background, return_exceptions=True)
 
     async def run(self) -> None:
         """Start, serve until SIGINT / SIGTERM, then stop gracefully."""

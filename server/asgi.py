@@ -42,9 +42,12 @@ async def send_response(send, status: int, body: bytes, headers: list) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-async def send_error(send, status: int, message: str) -> None:
-    """A KServe v2 error answer: ``{"error": message}`` with ``status``."""
-    await send_response(send, status, error_body(message), [JSON_HEADER])
+async def send_error(send, status: int, message: str, retry_after_s: int | None = None) -> None:
+    """A KServe v2 error answer: ``{"error": message}`` with ``status`` (and ``Retry-After`` when given)."""
+    headers = [JSON_HEADER]
+    if retry_after_s is not None:
+        headers.append((b"retry-after", str(retry_after_s).encode()))
+    await send_response(send, status, error_body(message), headers)
 
 
 class cancel_on_disconnect:  # noqa: N801 - a context manager, named as contextlib.suppress is

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Protocol
 
 from . import model_paths
-from .errors import Unavailable
+from .errors import InvalidArgument, NotFound, Unavailable
 
 if TYPE_CHECKING:
     from tritonclient.grpc import model_config_pb2
@@ -208,6 +208,23 @@ class Model:
         """Requests waiting in the model's own engine (a backend that batches continuously), or None
         when the model does not know; the pass-through scheduler reports it as the pending count."""
         return None
+
+    def engine_capacity(self) -> int | None:
+        """Requests the model's engine runs at once (vLLM's ``max_num_seqs``), or None when it does not say;
+        the pass-through scheduler's ``max_queue_size`` bounds the requests in flight beyond it."""
+        return None
+
+    # -- LoRA adapters (a model that serves adapters on one base model overrides these three) --
+    def lora_adapters(self) -> list[dict[str, str]] | None:
+        """The LoRA adapters the model serves now, ``{"name", "path"}`` each; None when it takes none."""
+        return None
+
+    async def load_lora_adapter(self, name: str, path: str, load_inplace: bool = False) -> None:
+        """Load the adapter at ``path`` (as the client wrote it: the model resolves and confines it)."""
+        raise InvalidArgument(f"model '{self.ctx.name}' takes no LoRA adapters")
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        raise NotFound(f"The lora adapter '{name}' cannot be found.")
 
     def finalize(self) -> None:
         """Release what :meth:`initialize` acquired."""

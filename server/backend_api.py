@@ -11,8 +11,8 @@ Types
     :class:`ResponseSender`), :class:`InferenceResponse` (outputs, parameters, ``error``,
     ``final``). Errors are :class:`ServerError` subclasses, each with a :class:`Status` that the
     frontends map to HTTP and gRPC codes: :class:`InvalidArgument`, :class:`NotFound`,
-    :class:`Unavailable`, :class:`Unsupported`, :class:`Cancelled`, :class:`DeadlineExceeded`,
-    :class:`InternalError`; :func:`as_server_error` turns any exception into one.
+    :class:`Unavailable` (:class:`QueueFull`: a queue at its bound), :class:`Unsupported`, :class:`Cancelled`,
+    :class:`DeadlineExceeded`, :class:`InternalError`; :func:`as_server_error` turns any exception into one.
 
 Backend, Model, ModelInstance
     A :class:`Backend` makes one :class:`Model` per model version from a :class:`ModelContext`;
@@ -75,6 +75,7 @@ from .errors import (
     InternalError,
     InvalidArgument,
     NotFound,
+    QueueFull,
     ServerError,
     Status,
     Unavailable,
@@ -90,7 +91,7 @@ from .types import CancellationToken, InferenceRequest, InferenceResponse, Reque
 __all__ = [
     # types and errors
     "Tensor", "InferenceRequest", "InferenceResponse", "RequestedOutput", "CancellationToken",
-    "ServerError", "Status", "InvalidArgument", "NotFound", "Unavailable", "Unsupported", "Cancelled",
+    "ServerError", "Status", "InvalidArgument", "NotFound", "Unavailable", "QueueFull", "Unsupported", "Cancelled",
     "DeadlineExceeded", "InternalError", "as_server_error",
     # backends
     "Backend", "Model", "ModelInstance", "ModelContext", "InstanceContext", "TensorModelInstance",

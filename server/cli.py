@@ -14,7 +14,12 @@ from .access import GROUPS, GRPC_HEADER_PREFIX, ApiKeyScope, parse_restrictions
 from .app import Server, ServerOptions
 from .errors import ServerError
 from .openai.limits import OpenAILimits
+from .openai.llm import OutputParsers
+from .reasoning_parsers import REASONING_PARSERS
+from .tool_parsers import TOOL_PARSERS
 from .repository import ControlMode
+from .response_cache import parse_cache_config
+from .schedulers.rate_limiter import parse_resource
 
 
 def _bool(text: str) -> bool:
@@ -34,6 +39,14 @@ def _count(text: str, least: int = 1) -> int:
     if value < least:
         raise argparse.ArgumentTypeError(f"expected an integer >= {least}, got '{text}'")
     return value
+
+
+def _workers(text: str) -> int:
+    from .workers.pool import worker_count
+
+    if text.strip().lower() == "auto":
+        return worker_count(None)
+    return _count(text)
 
 
 def _seconds(text: str) -> float:
@@ -106,15 +119,66 @@ def _add_openai_flags(p: argparse.ArgumentParser) -> None:
                    help=f"most choices per prompt, 'n' (default {d.max_n})")
     p.add_argument("--openai-max-logprobs", type=lambda text: _count(text, 0), default=d.max_logprobs,
                    help=f"largest 'logprobs' (completions) / 'top_logprobs' (chat) (default {d.max_logprobs})")
+    p.add_argument("--enable-lora-runtime-updates", type=_bool, nargs="?", const=True, default=False,
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter: LoRA adapters loaded from disk "
+                        "(inside the model repositories or an --allowed-model-root) at run time (default false)")
     p.add_argument("--openai-chat-template-timeout-secs", type=_seconds, default=d.chat_template_timeout_s,
                    help="longest a chat template may take to render one request's prompt (default "
                         f"{d.chat_template_timeout_s:g})")
 
 
+def _add_parser_flags(p: argparse.ArgumentParser) -> None:
+    """Default output parsers of /v1 chat completions, for models whose config names none (docs/openai.md)."""
+    p.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                   help="parse tool calls out of the output of models whose config sets no 'tool_call_parser' "
+                        "parameter: enables tool_choice 'auto' for them (default: none)")
+    p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                   help="split reasoning ('reasoning_content') from the answer of models whose config sets no "
+                        "'reasoning_parser' parameter (default: none)")
+
+
+def _add_prompt_tokens_details_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="OpenAI /v1: add usage.prompt_tokens_details.cached_tokens (prompt tokens the engine's "
+                        "prefix cache served; vLLM models), as vLLM's flag of the same name does")
+
+
+def _add_scheduling_flags(p: argparse.ArgumentParser) -> None:
+    """Triton's response cache and rate limiter flags."""
+    p.add_argument("--cache-config", action="append", default=[], metavar="local,size=<bytes>",
+                   help="the response cache for models whose config has 'response_cache { enable: true }': "
+                        "'local,size=N' gives it N bytes (default: no cache)")
+    p.add_argument("--response-cache-byte-size", type=lambda text: _count(text, 0), default=None,
+                   help="the same as --cache-config local,size=N (Triton's older flag)")
+    p.add_argument("--rate-limit", choices=["off", "execution_count"], default="off",
+                   help="'execution_count': instances run only while they hold the resources their "
+                        "instance_group's rate_limiter asks for, by priority and execution count (default off)")
+    p.add_argument("--rate-limit-resource", action="append", default=[], metavar="<name>:<count>[:<device>]",
+                   help="copies of a rate limiter resource (on one device, or on every device when none is "
+                        "named); repeatable. Default: the largest count any loaded instance asks for")
+
+
+def _scheduling_options(args: argparse.Namespace) -> dict:
+    if args.response_cache_byte_size is not None and args.cache_config:
+        raise ValueError("--response-cache-byte-size and --cache-config are incompatible flags: use --cache-config")
+    values = args.cache_config
+    if args.response_cache_byte_size is not None:
+        values = [f"local,size={args.response_cache_byte_size}"]
+    resources = []
+    for text in args.rate_limit_resource:
+        try:
+            resources.append(parse_resource(text))
+        except ValueError as exc:
+            raise ValueError(f"--rate-limit-resource {exc}") from None
+    return {"response_cache_size": parse_cache_config(values), "rate_limit": args.rate_limit == "execution_count",
+            "rate_limit_resources": resources}
+
+
 def _openai_limits(args: argparse.Namespace) -> OpenAILimits:
     return OpenAILimits(max_prompts=args.openai_max_prompts, max_prompt_tokens=args.openai_max_prompt_tokens,
                         max_n=args.openai_max_n, max_logprobs=args.openai_max_logprobs,
-                        chat_template_timeout_s=args.openai_chat_template_timeout_secs)
+                        chat_template_timeout_s=args.openai_chat_template_timeout_secs,
+                        prompt_tokens_details=args.enable_prompt_tokens_details)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -150,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest HTTP request body in bytes")
     _add_limit_flags(p)
     _add_openai_flags(p)
+    _add_prompt_tokens_details_flag(p)
+    _add_parser_flags(p)
+    _add_scheduling_flags(p)
     p.add_argument("--api-key", default=os.environ.get("TIDESERVE_API_KEY") or None,
                    help="API key required as 'Authorization: Bearer <key>' (default: $TIDESERVE_API_KEY; "
                         "none: open) on the routes --api-key-scope names")
@@ -166,6 +233,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--openapi", type=_bool, default=None,
                    help="serve the HTTP API's OpenAPI document at GET /openapi.json (default true, false when "
                         "--http-restricted-api is given)")
+    p.add_argument("--frontend-workers", type=_workers, default="auto",
+                   help="processes that serve the HTTP and gRPC ports (same ports, shared), each talking to the core "
+                        "process that runs the models; 1 serves them in the core process itself. 'auto' "
+                        "(default): one per two cores, at most 8")
     p.add_argument("--log-verbose", type=int, default=0, help="0: info, 1 or more: debug")
     p.add_argument("--version", action="version", version=f"tideserve {__version__}")
     return p
@@ -184,8 +255,11 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
         allowed_model_roots=args.allowed_model_roots, model_max_instances=args.model_max_instances,
         repository_poll_secs=args.repository_poll_secs, exit_timeout_secs=args.exit_timeout_secs,
         strict_readiness=args.strict_readiness, http_max_input_size=args.http_max_input_size,
-        **_limit_options(args), openai_limits=_openai_limits(args),
+        **_limit_options(args), **_scheduling_options(args), openai_limits=_openai_limits(args),
+        openai_parsers=OutputParsers(args.tool_call_parser, args.reasoning_parser),
+        enable_lora_runtime_updates=args.enable_lora_runtime_updates,
         log_verbose=args.log_verbose, api_key=args.api_key, freeze_heap=True,
+        frontend_workers=args.frontend_workers,
         openapi=args.openapi if args.openapi is not None else not args.http_restricted_api,
         metrics_address=args.metrics_address, api_key_scope=scope,
         http_restricted_apis=parse_restrictions(args.http_restricted_api, "--http-restricted-api"),

@@ -172,6 +172,19 @@ def validate(config: mc.ModelConfig) -> None:
     policy = config.version_policy
     if policy.HasField("latest") and policy.latest.num_versions < 1:
         raise InvalidArgument(f"model '{name}': version_policy latest num_versions must be >= 1")
+    _check_output_parsers(config)
+
+
+def _check_output_parsers(config: mc.ModelConfig) -> None:
+    """The parameters ``tool_call_parser`` / ``reasoning_parser`` (the OpenAI frontend's) name known parsers."""
+    from .reasoning_parsers import REASONING_PARSERS
+    from .tool_parsers import TOOL_PARSERS
+
+    for key, known in (("tool_call_parser", TOOL_PARSERS), ("reasoning_parser", REASONING_PARSERS)):
+        value = config.parameters[key].string_value if key in config.parameters else ""
+        if value and value not in known:
+            raise InvalidArgument(f"model '{config.name}': parameter '{key}' names an unknown parser '{value}' "
+                                  f"(known: {', '.join(known)})")
 
 
 def _check_reshape(name: str, kind: str, tensor) -> None:

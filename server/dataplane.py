@@ -15,34 +15,58 @@ from tritonclient.grpc import model_config_pb2 as mc
 from . import __version__
 from .backend import ServerHandles
 from .datatypes import config_to_datatype
-from .errors import NotFound, ServerError, Status, Unavailable, Unsupported
+from .errors import InvalidArgument, NotFound, ServerError, Status, Unavailable, Unsupported
 from .repository import ModelRepository
+from .response_cache import ResponseCache, request_key
 from .responses import ResponseSender, ResponseStream
-from .runtime import ModelRuntime
+from .runtime import ModelRuntime, ModelState
+from .shared_memory import REGION, SharedMemoryRegistry, cuda_unsupported
 from .stats import Metrics
 from .types import InferenceRequest, InferenceResponse
 
 # Triton protocol extensions this server implements (listed in the server metadata).
 EXTENSIONS = ["classification", "model_repository", "model_repository(unload_dependents)", "schedule_policy",
               "model_configuration",
-              "binary_tensor_data", "parameters", "statistics", "generate"]
+              "binary_tensor_data", "parameters", "statistics", "generate", "system_shared_memory"]
 
 _FAILURE_REASON = {Status.CANCELLED: "CANCELED", Status.UNAVAILABLE: "REJECTED"}
+
+
+def server_metadata() -> dict[str, Any]:
+    return {"name": "tideserve", "version": __version__, "extensions": list(EXTENSIONS)}
+
+
+def model_metadata(name: str, versions: list[int], config: mc.ModelConfig) -> dict[str, Any]:
+    """KServe v2 model metadata of ``config``, serving ``versions``."""
+    batch = [-1] if config.max_batch_size > 0 else []
+
+    def tensors(items):
+        return [{"name": t.name, "datatype": config_to_datatype(mc.DataType.Name(t.data_type)),
+                 "shape": batch + list(t.dims)} for t in items]
+
+    return {"name": name, "versions": [str(v) for v in sorted(versions)],
+            "platform": config.platform or config.backend,
+            "inputs": tensors(config.input), "outputs": tensors(config.output)}
 
 
 class InferenceStream:
     """The responses of one request. Closing it early cancels the request."""
 
-    __slots__ = ("_dataplane", "runtime", "request", "_stream", "_done", "_first")
+    __slots__ = ("_dataplane", "runtime", "request", "_stream", "_done", "_first", "_cache_key", "_lookup_ns",
+                 "_shm_outputs")
 
     def __init__(self, dataplane: "DataPlane", runtime: ModelRuntime, request: InferenceRequest,
-                 stream: ResponseStream) -> None:
+                 stream: ResponseStream, cache_key: bytes | None = None, lookup_ns: int = 0,
+                 shm_outputs: dict | None = None) -> None:
         self._dataplane = dataplane
         self.runtime = runtime
         self.request = request
         self._stream = stream
         self._done = False
         self._first = True
+        self._cache_key = cache_key      # a response cache miss: store the answer under this key
+        self._lookup_ns = lookup_ns
+        self._shm_outputs = shm_outputs  # outputs to write into shared memory regions
 
     def __aiter__(self) -> "InferenceStream":
         return self
@@ -56,6 +80,8 @@ class InferenceStream:
             self.cancel()
             raise
         response.model_version = str(self.runtime.version)
+        if response.error is None and (self._cache_key is not None or self._shm_outputs is not None):
+            response = self._store(response)
         stats = self.runtime.stats
         elapsed = time.monotonic_ns() - self.request.arrival_ns
         if self._first:
@@ -69,6 +95,20 @@ class InferenceStream:
                 stats.record_success(elapsed)
             else:
                 stats.record_failure(elapsed, _FAILURE_REASON.get(response.error.status, "BACKEND"))
+        return response
+
+    def _store(self, response: InferenceResponse) -> InferenceResponse:
+        """Cache a final answer (a cache miss); write the outputs asked for in shared memory."""
+        if self._cache_key is not None and response.final and not response.empty:
+            start = time.monotonic_ns()
+            self._dataplane.cache.insert(self._cache_key, response)
+            self.runtime.stats.record_cache_miss(self._lookup_ns + time.monotonic_ns() - start)
+        if self._shm_outputs is not None and response.outputs:
+            try:
+                response = SharedMemoryRegistry.write_outputs(response, self._shm_outputs)
+            except ServerError as exc:
+                response = InferenceResponse(response.model_name, response.model_version, response.id,
+                                             error=exc, final=response.final)
         return response
 
     def cancel(self) -> None:
@@ -124,12 +164,16 @@ class _Control:
 
 
 class DataPlane:
-    def __init__(self, repository: ModelRepository, metrics: Metrics, *, strict_readiness: bool = True) -> None:
+    def __init__(self, repository: ModelRepository, metrics: Metrics, *, strict_readiness: bool = True,
+                 cache_size: int | None = None) -> None:
         self.repository = repository
         self.metrics = metrics
         self.strict_readiness = strict_readiness
         self.accepting = True  # false once shutdown begins
         self.active: set[InferenceStream] = set()
+        # the response cache (--cache-config local,size=N), for models whose config enables it
+        self.cache = ResponseCache(cache_size) if cache_size else None
+        self.shared_memory = SharedMemoryRegistry()  # system shared memory regions clients registered
 
     def server_handles(self) -> ServerHandles:
         """What the repository hands the models it builds: calls into this DataPlane (``infer``, model
@@ -145,8 +189,19 @@ class DataPlane:
             return False
         return self.repository.all_ready() if self.strict_readiness else True
 
+    def healthy(self) -> bool:
+        """Liveness as vLLM's ``GET /health`` reports it: false once shutdown begins or when a loaded model
+        broke while serving (its engine died: the version turned UNAVAILABLE)."""
+        if not self.accepting:
+            return False
+        return not any(r.state is ModelState.UNAVAILABLE for r in self.repository.runtimes())
+
+    def metrics_text(self) -> bytes:
+        """The Prometheus text exposition of the server's registry (``GET /metrics`` on either port)."""
+        return self.metrics.render()
+
     def server_metadata(self) -> dict[str, Any]:
-        return {"name": "tideserve", "version": __version__, "extensions": list(EXTENSIONS)}
+        return server_metadata()
 
     def model(self, name: str, version: str = "") -> ModelRuntime:
         return self.repository.get(name, version)
@@ -160,17 +215,7 @@ class DataPlane:
 
     def model_metadata(self, name: str, version: str = "") -> dict[str, Any]:
         runtime = self.repository.get(name, version)
-        config = runtime.config
-        entry = self.repository.entries[name]
-        batch = [-1] if config.max_batch_size > 0 else []
-
-        def tensors(items):
-            return [{"name": t.name, "datatype": config_to_datatype(mc.DataType.Name(t.data_type)),
-                     "shape": batch + list(t.dims)} for t in items]
-
-        return {"name": name, "versions": [str(v) for v in sorted(entry.versions)],
-                "platform": config.platform or config.backend,
-                "inputs": tensors(config.input), "outputs": tensors(config.output)}
+        return model_metadata(name, sorted(self.repository.entries[name].versions), runtime.config)
 
     def model_config(self, name: str, version: str = "") -> mc.ModelConfig:
         return self.repository.get(name, version).config
@@ -187,6 +232,10 @@ class DataPlane:
             runtimes = list(entry.versions.values())
         return [r.stats.as_dict() for r in runtimes]
 
+    async def statistics(self, name: str = "", version: str = "") -> list[dict]:
+        """:meth:`model_statistics` for frontends (in a frontend worker, a call to the core)."""
+        return self.model_statistics(name, version)
+
     # -- repository ----------------------------------------------------------------------
     def repository_index(self, ready_only: bool = False) -> list[dict]:
         return self.repository.index(ready_only)
@@ -197,27 +246,140 @@ class DataPlane:
     async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
         await self.repository.unload(name, unload_dependents=unload_dependents)
 
+    # -- shared memory (Triton's shared-memory extension; async so a frontend worker's proxy reads alike) ----
+    async def register_system_shared_memory(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        self.shared_memory.register(name, key, offset, byte_size)
+
+    async def unregister_system_shared_memory(self, name: str = "") -> None:
+        """Unregister region ``name``, or every region when ``name`` is empty."""
+        self.shared_memory.unregister(name)
+
+    async def system_shared_memory_status(self, name: str = "") -> list[dict]:
+        """``[{"name", "key", "offset", "byte_size"}]`` of region ``name``, or of every region."""
+        return self.shared_memory.status(name)
+
+    async def register_cuda_shared_memory(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
+        raise cuda_unsupported()
+
+    async def unregister_cuda_shared_memory(self, name: str = "") -> None:
+        """No CUDA region is ever registered here: nothing to do, as for an unknown name."""
+
+    async def cuda_shared_memory_status(self, name: str = "") -> list[dict]:
+        if name:
+            raise NotFound(f"Unable to find cuda shared memory region: '{name}'")
+        return []
+
+    # -- LoRA adapters (vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter) -------------
+    # --enable-lora-runtime-updates: adapters may be loaded from disk (inside the allowed roots) at run time
+    lora_runtime_updates: bool = False
+
+    def lora_adapters(self) -> list[dict[str, str]]:
+        """The LoRA adapters of the ready models: ``{"name", "path", "model"}`` (``model``: the base model)."""
+        return [{**adapter, "model": runtime.name}
+                for runtime in self._lora_models() for adapter in runtime.model.lora_adapters()]
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, load_inplace: bool = False,
+                                base_model_name: str = "") -> str:
+        """Load an adapter from disk into a model that takes adapters (the only one, or ``base_model_name``)."""
+        self._check_lora_updates()
+        if not lora_name or not lora_path:
+            raise InvalidArgument("Both 'lora_name' and 'lora_path' must be provided.")
+        if lora_name in self.repository.entries:
+            raise InvalidArgument(f"The lora adapter '{lora_name}' conflicts with a served base model.")
+        owner = self._lora_owner(lora_name)
+        if base_model_name:
+            runtime = self.repository.get(base_model_name)
+            if runtime.model.lora_adapters() is None:
+                raise InvalidArgument(f"model '{base_model_name}' takes no LoRA adapters (its engine arguments do "
+                                      "not set 'enable_lora': true)")
+        elif owner is not None:
+            runtime = owner
+        else:
+            candidates = self._lora_models()
+            if len(candidates) != 1:
+                names = ", ".join(f"'{r.name}'" for r in candidates)
+                raise InvalidArgument("no ready model takes LoRA adapters" if not candidates else
+                                      f"several models take LoRA adapters ({names}): name one in 'base_model_name'")
+            runtime = candidates[0]
+        if owner is not None and owner is not runtime:
+            raise InvalidArgument(f"The lora adapter '{lora_name}' has already been loaded on model '{owner.name}'.")
+        await runtime.model.load_lora_adapter(lora_name, lora_path, load_inplace)
+        return f"Success: LoRA adapter '{lora_name}' added successfully."
+
+    async def unload_lora_adapter(self, lora_name: str) -> str:
+        self._check_lora_updates()
+        if not lora_name:
+            raise InvalidArgument("'lora_name' needs to be provided to unload a LoRA adapter.")
+        owner = self._lora_owner(lora_name)
+        if owner is None:
+            raise NotFound(f"The lora adapter '{lora_name}' cannot be found.")
+        await owner.model.unload_lora_adapter(lora_name)
+        return f"Success: LoRA adapter '{lora_name}' removed successfully."
+
+    def _check_lora_updates(self) -> None:
+        if not self.lora_runtime_updates:
+            raise NotFound("loading and unloading LoRA adapters at run time is off; start the server with "
+                           "--enable-lora-runtime-updates")
+
+    def _lora_models(self) -> list[ModelRuntime]:
+        """The ready model versions (the one each name serves) that take LoRA adapters."""
+        found = []
+        for name in dict.fromkeys(row["name"] for row in self.repository.index(ready_only=True)):
+            try:
+                runtime = self.repository.get(name)
+            except ServerError:
+                continue
+            if runtime.model.lora_adapters() is not None:
+                found.append(runtime)
+        return found
+
+    def _lora_owner(self, lora_name: str) -> ModelRuntime | None:
+        return next((r for r in self._lora_models() if any(a["name"] == lora_name for a in r.model.lora_adapters())),
+                    None)
+
     # -- inference -----------------------------------------------------------------------
     def infer(self, request: InferenceRequest) -> InferenceStream:
-        """Validate and schedule ``request``; raise a ServerError if it cannot be accepted."""
+        """Validate and schedule ``request``; raise a ServerError if it cannot be accepted.
+
+        Inputs given in shared memory are read from their regions first; a request the response cache
+        can answer is answered from it without being scheduled."""
         if not self.accepting:
             raise Unavailable("the server is shutting down and accepts no new requests")
         runtime = self.repository.get(request.model_name, request.model_version)
+        shm_outputs = None
         try:
+            for tensor in request.inputs.values():
+                if tensor.parameters and REGION in tensor.parameters:
+                    self.shared_memory.resolve_inputs(request)
+                    break
             runtime.validator.validate(request)
+            if request.outputs:
+                shm_outputs = self.shared_memory.output_targets(request)
         except ServerError:
             runtime.stats.record_failure(time.monotonic_ns() - request.arrival_ns, "OTHER")
             raise
         stream = ResponseStream(asyncio.get_running_loop())
         request.response_sender = ResponseSender(request, stream.put)
-        try:
-            runtime.enqueue(request)
-        except ServerError as exc:
-            runtime.stats.record_failure(time.monotonic_ns() - request.arrival_ns,
-                                         _FAILURE_REASON.get(exc.status, "OTHER"))
-            raise
+        cache_key, lookup_ns, cached = None, 0, None
+        if self.cache is not None and runtime.config.response_cache.enable and not runtime.decoupled:
+            start = time.monotonic_ns()
+            cache_key = request_key(request, str(runtime.version))
+            cached = self.cache.lookup(cache_key, request)
+            lookup_ns = time.monotonic_ns() - start
+            runtime.stats.cache_enabled = True
+        if cached is not None:
+            runtime.stats.record_cache_hit(lookup_ns)
+            stream.put(cached)
+            cache_key = None
+        else:
+            try:
+                runtime.enqueue(request)
+            except ServerError as exc:
+                runtime.stats.record_failure(time.monotonic_ns() - request.arrival_ns,
+                                             _FAILURE_REASON.get(exc.status, "OTHER"))
+                raise
         runtime.request_started()
-        inference = InferenceStream(self, runtime, request, stream)
+        inference = InferenceStream(self, runtime, request, stream, cache_key, lookup_ns, shm_outputs)
         self.active.add(inference)
         return inference
 
@@ -229,7 +391,12 @@ class DataPlane:
     async def infer_unary(self, request: InferenceRequest) -> InferenceResponse:
         """One request, one response: for protocols without streaming."""
         request.streaming = False
-        stream = self.infer(request)
+        return await self.collect_unary(self.infer(request))
+
+    async def collect_unary(self, stream: InferenceStream) -> InferenceResponse:
+        """The one response of ``stream`` (its model's error raised); Unsupported for a decoupled model
+        that sends none or several."""
+        request = stream.request
         responses = []
         try:
             async for response in stream:

@@ -54,6 +54,8 @@ class ServerError(Exception):
     """An error with a status; its message is safe to show to a client."""
 
     status: Status = Status.INTERNAL
+    # seconds a client should wait before it retries (HTTP ``Retry-After``); None: no advice
+    retry_after_s: int | None = None
 
     def __init__(self, message: str, status: Status | None = None):
         super().__init__(message)
@@ -86,6 +88,13 @@ class NotFound(ServerError):
 
 class Unavailable(ServerError):
     status = Status.UNAVAILABLE
+
+
+class QueueFull(Unavailable):
+    """A request refused because its model's queue is at its bound (``max_queue_size``): 503 with
+    ``Retry-After`` over HTTP, UNAVAILABLE over gRPC, counted as REJECTED."""
+
+    retry_after_s = 1
 
 
 class Unsupported(ServerError):

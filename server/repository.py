@@ -151,6 +151,9 @@ class ModelRepository:
         self.entries: dict[str, ModelEntry] = {}
         # called after a load / unload asked through the API, and after a poll that changed something
         self.after_change: Callable[[], None] | None = None
+        # called (from any thread) whenever a model version changes state (the frontend workers' copy)
+        self.listeners: list[Callable[[], None]] = []
+        self.rate_limiter = None  # the server's RateLimiter (--rate-limit execution_count), handed to every runtime
 
     # -- discovery -----------------------------------------------------------------------
     def model_names(self) -> list[str]:
@@ -215,7 +218,15 @@ class ModelRepository:
         if changed or removed:
             self._changed()
 
+    def notify(self) -> None:
+        for listener in list(self.listeners):
+            try:
+                listener()
+            except Exception:
+                log.exception("a repository listener failed")
+
     def _changed(self) -> None:
+        self.notify()
         if self.after_change is not None:
             try:
                 self.after_change()
@@ -337,6 +348,9 @@ class ModelRepository:
             version: ModelRuntime(backend, self._context(name, version, config, model_dir),
                                   self.metrics.model_stats(name, str(version)))
             for version in versions}
+        for runtime in runtimes.values():
+            runtime.on_change = self.notify
+            runtime.rate_limiter = self.rate_limiter
         results = await asyncio.gather(*(r.load() for r in runtimes.values()), return_exceptions=True)
         failures = [(v, e) for v, e in zip(runtimes, results) if isinstance(e, BaseException)]
         if failures:

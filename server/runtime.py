@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import enum
 import inspect
+import itertools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 from tritonclient.grpc import model_config_pb2 as mc
 
+from . import response_cache
 from .backend import Backend, InstanceContext, Model, ModelContext, ModelInstance, call_hook
 from .errors import InternalError, ServerError, Unavailable, as_server_error
 from .stats import ModelStats
@@ -34,12 +36,16 @@ class InstanceSlot:
         self.instance = instance
         self.is_async = inspect.iscoroutinefunction(instance.execute)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=instance.ctx.name)
+        self.limits = None  # what the rate limiter makes it wait for (schedulers/rate_limiter.py), if on
 
     async def call(self, fn, *args):
         return await call_hook(fn, *args, executor=self.executor)
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+_uids = itertools.count(1)
 
 
 class ModelRuntime:
@@ -51,6 +57,9 @@ class ModelRuntime:
         self.name = ctx.name
         self.version = ctx.version
         self.stats = stats
+        self.rate_limiter = None  # the server's, when --rate-limit execution_count (set by the repository)
+        self.uid = next(_uids)  # names this runtime to frontend workers, never reused
+        self.on_change = None  # called (from any thread) when the state changes; set by the repository
         self.state = ModelState.LOADING
         self.reason = ""
         # an ensemble's steps as (model, version or ""): it serves only while each of them does
@@ -65,6 +74,16 @@ class ModelRuntime:
         self.inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
+
+    @property
+    def state(self) -> ModelState:
+        return self._state
+
+    @state.setter
+    def state(self, value: ModelState) -> None:
+        self._state = value
+        if self.on_change is not None:
+            self.on_change()
 
     @property
     def config(self) -> mc.ModelConfig:
@@ -87,9 +106,11 @@ class ModelRuntime:
     async def _load(self) -> None:
         from . import config as config_module
         from .schedulers import make_scheduler
+        from .warmup import run_warmup
 
         await call_hook(self.model.auto_complete_config)
         config_module.validate(self.config)
+        response_cache.check_config(self.config)
         self.validator = RequestValidator(self.config)
         await call_hook(self.model.initialize)
         contexts = self._instance_contexts()
@@ -98,6 +119,9 @@ class ModelRuntime:
         failures = [i for i in instances if isinstance(i, BaseException)]
         if failures:
             raise failures[0]
+        await run_warmup(self)  # model_warmup samples, on every instance, before the model is READY
+        if self.rate_limiter is not None:
+            self.rate_limiter.add_model(self)
         self.scheduler = make_scheduler(self)
         self.stats.pending_fn = self.scheduler.pending
         await self.scheduler.start()
@@ -145,6 +169,8 @@ class ModelRuntime:
         self.state = ModelState.UNLOADING
         if self.scheduler is not None:
             await self.scheduler.stop()
+        if self.rate_limiter is not None:
+            self.rate_limiter.remove_model(self)
         for slot in self.slots:
             try:
                 await slot.call(slot.instance.finalize)
@@ -175,15 +201,18 @@ class ModelRuntime:
         request.queue_start_ns = time.monotonic_ns()
         self.scheduler.enqueue(request)
 
-    async def execute(self, slot: InstanceSlot, requests: list[InferenceRequest]) -> None:
+    async def execute(self, slot: InstanceSlot, requests: list[InferenceRequest], record: bool = True) -> None:
         """Run one batch on one instance, answer whatever the backend left unanswered.
 
         The batch's compute time is the time ``execute`` takes: for a backend that answers inline
-        (those on the pass-through scheduler), from the request's start to its last response."""
+        (those on the pass-through scheduler), from the request's start to its last response.
+        ``record=False`` (warmup) leaves the statistics alone; a request never queued (a sequence
+        batch's padding row) records no queue time."""
         start = time.monotonic_ns()
         stats = self.stats
         for request in requests:
-            stats.record_queue(start - request.queue_start_ns)
+            if request.queue_start_ns:
+                stats.record_queue(start - request.queue_start_ns)
         try:
             if slot.is_async:
                 result = await slot.instance.execute(requests)
@@ -195,7 +224,8 @@ class ModelRuntime:
             log.debug("model '%s' execute raised", self.name, exc_info=True)
             result, error = None, as_server_error(exc)
         end = time.monotonic_ns()
-        stats.record_execution(sum(r.batch_size for r in requests), len(requests), 0, end - start, 0)
+        if record:
+            stats.record_execution(sum(r.batch_size for r in requests), len(requests), 0, end - start, 0)
         if error is not None:
             for request in requests:
                 request.response_sender.send_error(error)

@@ -59,6 +59,9 @@ class ModelStats:
         self.execution_count = 0
         self.last_inference_ms = 0
         self.pending_fn = lambda: 0  # the scheduler's queue length, read at scrape time
+        self.cache_hit = Duration()   # response cache: lookups that answered the request
+        self.cache_miss = Duration()  # response cache: lookup and insertion of requests that ran
+        self.cache_enabled = False    # the model uses the response cache: its nv_cache_* series are written
         self.batch_stats: dict[int, BatchStat] = {}
         self._latency = self._first_response = None
         if metrics is not None:
@@ -80,6 +83,12 @@ class ModelStats:
         self.fail.add(elapsed_ns)
         self.failures[reason if reason in self.failures else "OTHER"] += 1
         self.last_inference_ms = int(time.time() * 1000)
+
+    def record_cache_hit(self, lookup_ns: int) -> None:
+        self.cache_hit.add(lookup_ns)
+
+    def record_cache_miss(self, lookup_and_insert_ns: int) -> None:
+        self.cache_miss.add(lookup_and_insert_ns)
 
     # -- recorded by the schedulers --------------------------------------------------------
     def record_queue(self, ns: int) -> None:
@@ -115,8 +124,8 @@ class ModelStats:
                 "compute_input": self.compute_input.as_dict(),
                 "compute_infer": self.compute_infer.as_dict(),
                 "compute_output": self.compute_output.as_dict(),
-                "cache_hit": {"count": 0, "ns": 0},
-                "cache_miss": {"count": 0, "ns": 0},
+                "cache_hit": self.cache_hit.as_dict(),
+                "cache_miss": self.cache_miss.as_dict(),
             },
             "batch_stats": [
                 {"batch_size": size, "compute_input": s.compute_input.as_dict(),
@@ -203,6 +212,17 @@ class _StatsCollector:
          lambda s: s.compute_output.ns // 1000),
     )
 
+    # Triton writes these only for models that use the response cache
+    _CACHE_COUNTERS = (
+        ("nv_cache_num_hits_per_model", "Requests answered from the response cache", lambda s: s.cache_hit.count),
+        ("nv_cache_hit_duration_per_model", "Cumulative time of cache lookups that hit, in microseconds",
+         lambda s: s.cache_hit.ns // 1000),
+        ("nv_cache_num_misses_per_model", "Requests the response cache could not answer", lambda s: s.cache_miss.count),
+        ("nv_cache_miss_duration_per_model",
+         "Cumulative time of cache lookups that missed plus insertions, in microseconds",
+         lambda s: s.cache_miss.ns // 1000),
+    )
+
     def __init__(self, models: dict[tuple[str, str], ModelStats]) -> None:
         self._models = models
 
@@ -226,3 +246,9 @@ class _StatsCollector:
             pending.add_sample("nv_inference_pending_request_count",
                                {"model": s.name, "version": s.version}, s.pending_fn())
         yield pending
+        cached = [s for s in models if s.cache_enabled]
+        for name, doc, read in self._CACHE_COUNTERS:
+            metric = Metric(name, doc, "counter")
+            for s in cached:
+                metric.add_sample(name, {"model": s.name, "version": s.version}, read(s))
+            yield metric

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import os
 import threading
 import time
 from pathlib import Path
@@ -34,6 +35,9 @@ class InProcessServer:
 
     def __init__(self, options: ServerOptions, registry: BackendRegistry | None = None,
                  start_timeout: float = 120) -> None:
+        workers = os.environ.get("TIDESERVE_TEST_FRONTEND_WORKERS")  # see tests/support.py start_server
+        if workers and options.frontend_workers == 1:
+            options.frontend_workers = int(workers)
         self.options = options
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True,

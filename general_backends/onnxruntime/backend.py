@@ -14,8 +14,10 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
+from tritonclient.grpc import model_config_pb2 as mc
 
-from tideserve.backend_api import Backend, InternalError, InvalidArgument, Model, TensorModelInstance, Unavailable
+from tideserve.backend_api import (Backend, InternalError, InvalidArgument, Model, TensorModelInstance, Unavailable,
+                                   config_to_datatype)
 
 from .session import CPU, SessionSettings
 from .signature import auto_complete, check_config
@@ -57,6 +59,10 @@ class OnnxInstance(TensorModelInstance):
         super().__init__(model, ctx)
         config = model.config
         self.output_names = [t.name for t in config.output]
+        for state in config.sequence_batching.state:  # implicit state: the scheduler keeps it
+            if state.output_name not in self.output_names:
+                self.output_names.append(state.output_name)
+                self.output_datatypes[state.output_name] = config_to_datatype(mc.DataType.Name(state.data_type))
         self.batched = config.max_batch_size > 0
         self.reshaped = {t.name: tuple(t.dims) for t in config.output if t.HasField("reshape")}
         self.session: ort.InferenceSession | None = None

@@ -27,12 +27,22 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_BATCH_SIZE = 4  # Triton's --backend-config=onnxruntime,default-max-batch-size default
 
 
+def sequence_tensors(config: mc.ModelConfig) -> tuple[set[str], set[str]]:
+    """(inputs, outputs) the sequence batcher supplies and takes: control inputs, implicit state."""
+    batching = config.sequence_batching
+    inputs = {c.name for c in batching.control_input} | {s.input_name for s in batching.state}
+    return inputs, {s.output_name for s in batching.state}
+
+
 def auto_complete(config: mc.ModelConfig, inputs: list[GraphTensor], outputs: list[GraphTensor],
                   default_max_batch_size: int = DEFAULT_MAX_BATCH_SIZE) -> None:
     """Fill ``max_batch_size``, ``input`` and ``output`` of ``config`` from the graph, in place."""
     has_inputs = bool(config.input) or bool(config.batch_input)
     if has_inputs and config.output:
         return
+    sequence_inputs, sequence_outputs = sequence_tensors(config)
+    inputs = [t for t in inputs if t.name not in sequence_inputs]
+    outputs = [t for t in outputs if t.name not in sequence_outputs]
     _complete_max_batch_size(config, inputs + outputs, default_max_batch_size)
     if not has_inputs:
         _complete_tensors(config.input, inputs, config.max_batch_size)
@@ -74,6 +84,12 @@ def check_config(config: mc.ModelConfig, inputs: list[GraphTensor], outputs: lis
     name = config.name
     graph_inputs = {t.name: t for t in [*inputs, *overridable]}
     configured = {t.name for t in config.input} | {n for b in config.batch_input for n in b.target_name}
+    sequence_inputs, sequence_outputs = sequence_tensors(config)
+    for tensor in sorted(sequence_inputs):
+        if tensor not in graph_inputs:
+            raise InvalidArgument(f"unable to load model '{name}': sequence_batching input '{tensor}' is not an "
+                                  f"input of the ONNX graph (graph inputs: {sorted(graph_inputs)})")
+    configured |= sequence_inputs
     for io in config.input:
         graph = graph_inputs.get(io.name)
         if graph is None:
@@ -97,6 +113,10 @@ def check_config(config: mc.ModelConfig, inputs: list[GraphTensor], outputs: lis
                 f"unable to load model '{name}': the ONNX graph's input '{tensor.name}' is not in the model "
                 f"configuration (configured inputs: {sorted(configured)})")
     graph_outputs = {t.name: t for t in outputs}
+    for tensor in sorted(sequence_outputs):
+        if tensor not in graph_outputs:
+            raise InvalidArgument(f"unable to load model '{name}': sequence_batching state output '{tensor}' is "
+                                  f"not an output of the ONNX graph (graph outputs: {sorted(graph_outputs)})")
     for io in config.output:
         graph = graph_outputs.get(io.name)
         if graph is None:

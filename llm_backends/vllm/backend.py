@@ -15,20 +15,23 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry
 from tritonclient.grpc import model_config_pb2 as mc
 
-from tideserve.llm_backends.metrics import LLMMetrics
+from tideserve.llm_backends.metrics import EngineFamilies, LLMMetrics
 from tideserve.backend_api import (
     Backend,
     InferenceRequest,
+    InvalidArgument,
     Model,
     ModelContext,
     ModelInstance,
     PassThroughScheduler,
     Scheduler,
+    Unavailable,
     config_to_datatype,
     numpy_dtype,
 )
 
 from . import config as vllm_config
+from . import lora as vllm_lora
 
 if TYPE_CHECKING:
     from tideserve.backend_api import ModelRuntime
@@ -61,7 +64,12 @@ class VllmModel(Model):
         self._watchdog: asyncio.Task | None = None
         self.metrics: LLMMetrics = (ctx.metrics.extension("llm", LLMMetrics) if ctx.metrics is not None
                                     else LLMMetrics(CollectorRegistry()))
+        # vLLM's own vllm:* families, written by the engine's Prometheus stat logger
+        self.engine_families: EngineFamilies | None = (ctx.metrics.extension("engine", EngineFamilies)
+                                                       if ctx.metrics is not None else None)
         self._labels = (ctx.name, str(ctx.version))
+        self.adapters = vllm_lora.Adapters(ctx.name, enabled=False)  # set from the engine arguments
+        self._declared: dict[str, str] = {}  # adapters declared with the model: name -> path
 
     def auto_complete_config(self) -> None:
         vllm_config.auto_complete(self.config)
@@ -73,13 +81,22 @@ class VllmModel(Model):
         """The engine's waiting requests, from its last reported state."""
         return self.state.waiting if self.state is not None else None
 
+    def engine_capacity(self) -> int | None:
+        """The engine's ``max_num_seqs``: requests past it wait (and count against ``max_queue_size``)."""
+        engine = self.engine
+        return engine.vllm_config.scheduler_config.max_num_seqs if engine is not None else None
+
     async def initialize(self) -> None:
         self.engine = await asyncio.to_thread(self._start_engine)
         from .generation import Generator  # vLLM is imported by now (on the worker thread)
 
+        for name, path in self._declared.items():  # as vLLM's --lora-modules: a bad adapter fails the load
+            await self.adapters.load(self.engine, name, path)
+
         dtypes = {t.name: numpy_dtype(config_to_datatype(mc.DataType.Name(t.data_type)))
                   for t in self.config.output if t.data_type != mc.TYPE_STRING}
-        self.generator = Generator(self.engine, self.ctx.name, str(self.ctx.version), self.metrics, dtypes)
+        self.generator = Generator(self.engine, self.ctx.name, str(self.ctx.version), self.metrics, dtypes,
+                                   self.adapters)
         self._set_state_gauges(running=0, waiting=0, kv_cache_usage=0.0)
         self._watchdog = asyncio.get_running_loop().create_task(self._watch_engine(), name=f"{self.ctx.name}-watchdog")
 
@@ -96,8 +113,34 @@ class VllmModel(Model):
         from . import engine
 
         kwargs = vllm_config.engine_kwargs(self.ctx, engine.engine_arg_defaults())
+        self._declared = vllm_lora.declared_adapters(self.ctx, kwargs)  # takes 'lora_modules' out of kwargs
+        self.adapters = vllm_lora.Adapters(self.ctx.name, vllm_lora.lora_enabled(kwargs))
+        kwargs.setdefault("served_model_name", self.ctx.name)  # the model_name label of the vllm:* metrics
         log.info("model '%s' version %s: starting the vLLM engine with %s", self.ctx.name, self.ctx.version, kwargs)
-        return engine.start_engine(kwargs, self._on_engine_state)
+        families = self.engine_families
+        registry = families.add(*self._labels) if families is not None else None
+        try:
+            return engine.start_engine(kwargs, self._on_engine_state, registry)
+        except BaseException:
+            if families is not None:
+                families.remove(*self._labels)
+            raise
+
+    def lora_adapters(self) -> list[dict[str, str]] | None:
+        return self.adapters.listing() if self.adapters.enabled else None
+
+    async def load_lora_adapter(self, name: str, path: str, load_inplace: bool = False) -> None:
+        if not self.adapters.enabled:
+            raise InvalidArgument(f"model '{self.ctx.name}' takes no LoRA adapters: its engine arguments do not set "
+                                  "'enable_lora': true")
+        if self.engine is None:
+            raise Unavailable(f"model '{self.ctx.name}' has no running engine")
+        resolved = await asyncio.to_thread(vllm_lora.resolve_adapter_path, self.ctx, name, path,
+                                           f"LoRA adapter '{name}'")
+        await self.adapters.load(self.engine, name, resolved, load_inplace)
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        await self.adapters.unload(name)
 
     def _on_engine_state(self, state: EngineState) -> None:
         self.state = state
@@ -123,6 +166,8 @@ class VllmModel(Model):
 
             await asyncio.to_thread(stop_engine, engine)
             self._set_state_gauges(running=0, waiting=0, kv_cache_usage=0.0)
+        if self.engine_families is not None:
+            self.engine_families.remove(*self._labels)
 
 
 class VllmBackend(Backend):

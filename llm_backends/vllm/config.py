@@ -37,6 +37,7 @@ INPUTS = [
     ("return_logprobs", mc.TYPE_BOOL, [1]),
     ("return_num_input_tokens", mc.TYPE_BOOL, [1]),
     ("return_num_output_tokens", mc.TYPE_BOOL, [1]),
+    ("return_prompt_logprobs", mc.TYPE_BOOL, [1]),
 ]
 OUTPUTS = [
     ("text_output", mc.TYPE_STRING, [-1]),
@@ -46,6 +47,7 @@ OUTPUTS = [
     ("logprobs", mc.TYPE_STRING, [-1]),
     ("num_input_tokens", mc.TYPE_UINT32, [1]),
     ("num_output_tokens", mc.TYPE_UINT32, [-1]),
+    ("prompt_logprobs", mc.TYPE_STRING, [1]),
 ]
 # Engine arguments whose relative paths resolve against the version directory.
 PATH_ARGS = ("model", "tokenizer")

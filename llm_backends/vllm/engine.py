@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import CollectorRegistry
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.metrics.loggers import StatLoggerBase
@@ -21,6 +22,7 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 from tideserve.backend_api import InvalidArgument, ServerError, Unavailable
 
 from .config import field_defaults
+from .prometheus import prometheus_logger
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +58,18 @@ def engine_arg_defaults() -> dict[str, Any]:
     return field_defaults(AsyncEngineArgs)
 
 
-def start_engine(kwargs: dict[str, Any], on_state: Callable[[EngineState], None]) -> AsyncLLM:
-    """Build the engine (blocking); any failure is Unavailable with the engine's message."""
+def start_engine(kwargs: dict[str, Any], on_state: Callable[[EngineState], None],
+                 registry: CollectorRegistry | None = None) -> AsyncLLM:
+    """Build the engine (blocking); any failure is Unavailable with the engine's message.
+
+    ``registry``: where vLLM's own Prometheus logger writes the model's ``vllm:*`` families (None: the
+    engine's default, prometheus_client's process-wide registry)."""
+    loggers: list = [lambda _config, _index=0: _StateLogger(on_state)]
+    if registry is not None:
+        loggers.append(prometheus_logger(registry))
     try:
         args = AsyncEngineArgs(**kwargs)
-        return AsyncLLM.from_engine_args(args, stat_loggers=[lambda _config, _index=0: _StateLogger(on_state)])
+        return AsyncLLM.from_engine_args(args, stat_loggers=loggers)
     except ServerError:
         raise
     except TypeError as exc:

@@ -15,15 +15,24 @@ import logging
 from typing import Any
 
 import numpy as np
-from vllm.exceptions import GracefulHTTPError, VLLMClientError
+from vllm.exceptions import GracefulHTTPError, QueueOverflowError, VLLMClientError
 from vllm.renderers.inputs.preprocess import parse_model_prompt
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
 from tideserve.llm_backends.metrics import GenerationTracker, LLMMetrics
-from tideserve.backend_api import Cancelled, InferenceRequest, InternalError, InvalidArgument, ServerError, Unavailable
+from tideserve.backend_api import (
+    Cancelled,
+    InferenceRequest,
+    InternalError,
+    InvalidArgument,
+    QueueFull,
+    ServerError,
+    Unavailable,
+)
 
-from .inputs import parse_inputs
+from .inputs import RETURN_CACHED_TOKENS, parse_inputs
+from .lora import LORA_NAME, Adapters
 from .outputs import ResponseBuilder
 from .sampling import check_output_budget, make_sampling_params
 
@@ -63,20 +72,27 @@ class Generator:
     """Serves requests on one engine; :meth:`run` is one request, start to FINAL."""
 
     def __init__(self, engine: AsyncLLM, model_name: str, version: str, metrics: LLMMetrics,
-                 output_dtypes: dict[str, np.dtype]) -> None:
+                 output_dtypes: dict[str, np.dtype], adapters: Adapters | None = None) -> None:
         self.engine = engine
+        self.adapters = adapters or Adapters(model_name, enabled=False)  # LoRA adapters a request may select
         self.model_name = model_name
         self.version = version
         self.metrics = metrics
         self.output_dtypes = output_dtypes
+        # a request's priority reaches the engine only when it schedules by priority (model.json
+        # "scheduling_policy": "priority"; lower values first, as vLLM orders them); otherwise it is ignored
+        self.priority_scheduling = engine.vllm_config.scheduler_config.policy == "priority"
 
     async def run(self, request: InferenceRequest) -> None:
         sender = request.response_sender
         try:
             inputs = parse_inputs(request)
+            lora = self.adapters.select(inputs.sampling.pop(LORA_NAME, None))
             params = make_sampling_params(inputs.sampling)
             check_output_budget(params, self.engine.model_config.max_model_len)
-            builder = ResponseBuilder(inputs, params.n, self.output_dtypes)
+            if "prompt_logprobs" in inputs.outputs and params.prompt_logprobs is None:
+                params.prompt_logprobs = 0  # the prompt tokens' own log probabilities
+            builder = ResponseBuilder(inputs, params.n, self.output_dtypes, self._decode_token)
         except ServerError as exc:
             sender.send_error(exc)
             return
@@ -94,8 +110,11 @@ class Generator:
         abort = _Abort(self.engine, request_id, asyncio.get_running_loop())
         request.cancellation.add_callback(abort.on_cancel)
         last = None
+        priority = request.priority if self.priority_scheduling else 0
+        cached = request.parameters.get(RETURN_CACHED_TOKENS) is True
         try:
-            async for output in self.engine.generate(prompt, params, request_id):
+            async for output in self.engine.generate(prompt, params, request_id, lora_request=lora,
+                                                     priority=priority):
                 last = output
                 tracker.tokens(sum(len(c.token_ids) for c in output.outputs))
                 if request.is_cancelled():
@@ -103,7 +122,10 @@ class Generator:
                         await abort.now()  # the engine answers with a final 'abort' output
                     continue
                 if streaming:
-                    sender.send(builder.delta(output), final=output.finished)
+                    response = builder.delta(output)
+                    if cached and output.finished:
+                        _note_cached_tokens(response, output)
+                    sender.send(response, final=output.finished)
                 else:
                     builder.add(output)
         except asyncio.CancelledError:  # the model is unloading
@@ -121,7 +143,13 @@ class Generator:
         if aborted:
             sender.send_error(Cancelled("the request was cancelled"))
         elif not streaming:
-            sender.send(builder.whole(), final=True)
+            response = builder.whole()
+            if cached:
+                _note_cached_tokens(response, last)
+            sender.send(response, final=True)
+
+    def _decode_token(self, token_id: int) -> str:
+        return self.engine.renderer.get_tokenizer().decode([token_id])
 
     async def _render(self, prompt: str | list[int], add_special_tokens: bool = True):
         """Tokenize (off the loop, in the engine's renderer) and check the prompt against the model."""
@@ -146,12 +174,20 @@ class Generator:
         tracker.finish(prompt_tokens, queue_time, aborted=aborted)
 
 
+def _note_cached_tokens(response, output: Any) -> None:
+    """The prompt tokens the engine's prefix cache served, as the response parameter ``num_cached_tokens``."""
+    if output is not None and output.num_cached_tokens is not None:
+        response.parameters["num_cached_tokens"] = int(output.num_cached_tokens)
+
+
 def engine_error(exc: BaseException) -> ServerError:
     """An engine exception as the ServerError a client sees."""
     if isinstance(exc, ServerError):
         return exc
     if isinstance(exc, VLLMClientError):
         return InvalidArgument(str(exc))
+    if isinstance(exc, QueueOverflowError):  # the engine's own max_num_queued_reqs
+        return QueueFull(f"the vLLM engine rejected the request: {exc}")
     if isinstance(exc, GracefulHTTPError):  # admission control: the engine's queue is full
         return Unavailable(f"the vLLM engine rejected the request: {exc}")
     if isinstance(exc, EngineDeadError):

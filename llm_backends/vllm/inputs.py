@@ -24,14 +24,18 @@ RETURN_FLAGS = {
     "logprobs": "return_logprobs",
     "num_input_tokens": "return_num_input_tokens",
     "num_output_tokens": "return_num_output_tokens",
+    "prompt_logprobs": "return_prompt_logprobs",
 }
 STREAM = "stream"
 EXCLUDE_INPUT = "exclude_input_in_output"
 # Request parameter (no tensor): false tokenizes the prompt without BOS / special tokens (a prompt
 # rendered from a chat template carries its own).
 ADD_SPECIAL_TOKENS = "add_special_tokens"
+# Request parameter (no tensor): true adds the response parameter ``num_cached_tokens`` (prompt tokens the
+# prefix cache served) to the final response; the OpenAI frontend asks for it for usage.prompt_tokens_details.
+RETURN_CACHED_TOKENS = "return_num_cached_tokens"
 # Request parameters that are not sampling parameters.
-NOT_SAMPLING = frozenset({STREAM, EXCLUDE_INPUT, ADD_SPECIAL_TOKENS, *RETURN_FLAGS.values(),
+NOT_SAMPLING = frozenset({STREAM, EXCLUDE_INPUT, ADD_SPECIAL_TOKENS, RETURN_CACHED_TOKENS, *RETURN_FLAGS.values(),
                           "sequence_id", "sequence_start", "sequence_end"})
 
 

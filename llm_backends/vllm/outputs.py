@@ -4,12 +4,18 @@ Each output tensor has one element per completion (``n`` of the sampling paramet
 the token ids, for ``n`` = 1), the finish reason (``"None"`` until finished), the cumulative log
 probability, the log probabilities of the new tokens as JSON, the number of new tokens. A streamed
 response carries what the step added; the one response of a non-streamed request carries it all.
+
+``prompt_logprobs`` (one element) is the JSON list of the prompt's log probabilities (vLLM's
+``prompt_logprobs`` sampling parameter), one entry per prompt token in the format of ``logprobs``, the
+prompt token first; the first token has no log probability (``"logprob": null``, as vLLM's ``None``). A
+streamed request gets it once, with the first response that has it.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,11 +66,27 @@ def _logprobs(entries) -> list[dict]:
              for token_id, lp in entry.items()} for entry in entries]
 
 
+def prompt_logprobs(entries, prompt_ids: list[int], decode: Callable[[int], str] | None) -> list[dict]:
+    """vLLM's ``prompt_logprobs`` (None for the first token) as the JSON entries of the ``prompt_logprobs``
+    output: the first token named, with a null log probability."""
+    out = []
+    for position, entry in enumerate(entries):
+        if entry is None:
+            token_id = prompt_ids[position] if position < len(prompt_ids) else -1
+            token = decode(token_id) if decode is not None and token_id >= 0 else None
+            out.append({str(token_id): {"logprob": None, "rank": None, "decoded_token": token}})
+        else:
+            out.extend(_logprobs([entry]))
+    return out
+
+
 class ResponseBuilder:
     """Builds the responses of one request from its engine outputs."""
 
-    def __init__(self, inputs: GenerateInputs, n: int, output_dtypes: dict[str, np.dtype]) -> None:
+    def __init__(self, inputs: GenerateInputs, n: int, output_dtypes: dict[str, np.dtype],
+                 decode: Callable[[int], str] | None = None) -> None:
         self.inputs = inputs
+        self.decode = decode  # token id -> text, for the prompt's first token
         self.n = n
         self.dtypes = output_dtypes
         self.want = inputs.outputs
@@ -74,11 +96,13 @@ class ResponseBuilder:
         self.total = [Completion() for _ in range(n)]
         self.prompt_text = ""
         self.prompt_ids: list[int] = []
+        self.prompt_logprobs: list[dict] | None = None
+        self._prompt_logprobs_sent = False
 
     def delta(self, output: Any) -> InferenceResponse:
         """The response of one streamed step."""
         self._note_prompt(output)
-        return self._response(completions(output, self.n, self.want_logprobs), prepend=False)
+        return self._response(completions(output, self.n, self.want_logprobs), prepend=False, whole=False)
 
     def add(self, output: Any) -> None:
         """Keep one step for the whole (non-streamed) response."""
@@ -87,14 +111,17 @@ class ResponseBuilder:
             total.extend(step)
 
     def whole(self) -> InferenceResponse:
-        return self._response(self.total, prepend=self.inputs.prepend_input)
+        return self._response(self.total, prepend=self.inputs.prepend_input, whole=True)
 
     def _note_prompt(self, output: Any) -> None:
         if not self.prompt_ids and output.prompt_token_ids:
             self.prompt_ids = list(output.prompt_token_ids)
             self.prompt_text = output.prompt or ""
+        entries = getattr(output, "prompt_logprobs", None)
+        if entries is not None and self.prompt_logprobs is None and "prompt_logprobs" in self.want:
+            self.prompt_logprobs = prompt_logprobs(entries, self.prompt_ids, self.decode)
 
-    def _response(self, parts: list[Completion], prepend: bool) -> InferenceResponse:
+    def _response(self, parts: list[Completion], prepend: bool, whole: bool) -> InferenceResponse:
         want = self.want
         tensors = []
         if "text_output" in want:
@@ -112,6 +139,10 @@ class ResponseBuilder:
             tensors.append(_bytes("logprobs", [json.dumps(p.logprobs) for p in parts]))
         if "num_input_tokens" in want:
             tensors.append(_array("num_input_tokens", [len(self.prompt_ids)], np.uint32))
+        if "prompt_logprobs" in want and not self._prompt_logprobs_sent and (self.prompt_logprobs is not None
+                                                                               or whole):
+            tensors.append(_bytes("prompt_logprobs", [json.dumps(self.prompt_logprobs)]))
+            self._prompt_logprobs_sent = True
         if "num_output_tokens" in want:
             tensors.append(_array("num_output_tokens", [len(p.token_ids) for p in parts], np.uint32))
         return InferenceResponse(outputs=tensors)

@@ -29,9 +29,6 @@ def make_sampling_params(raw: dict[str, Any]) -> SamplingParams:
     """``SamplingParams`` streaming deltas (RequestOutputKind.DELTA) from a request's sampling dict."""
     for key in raw:
         if key not in ALLOWED:
-            if key == "lora_name":
-                raise InvalidArgument("sampling parameter 'lora_name': LoRA adapters are not supported by the "
-                                      "vllm backend")
             raise InvalidArgument(f"unknown sampling parameter '{key}'; the vllm backend takes the fields of "
                                   "vLLM's SamplingParams (e.g. max_tokens, temperature, top_p, top_k, stop, seed)")
     values = dict(raw)

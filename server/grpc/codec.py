@@ -57,7 +57,6 @@ _NUMPY = {
 # Request parameter keys starting with "triton_" that clients may set (Triton rejects the others).
 TRITON_REQUEST_PARAMS = ("triton_enable_empty_final_response",)
 DEFAULT_TENSOR_LIMITS = TensorLimits()
-SHARED_MEMORY_PARAMS = ("shared_memory_region", "shared_memory_offset", "shared_memory_byte_size")
 
 
 # -- parameters ------------------------------------------------------------------------------
@@ -216,10 +215,13 @@ def decode_request(msg, options: StreamOptions | None = None,
         if name in inputs:
             raise InvalidArgument(f"{_where(name, model)} appears more than once in the request")
         params = params_to_dict(tensor.parameters)
-        if params and any(key in params for key in SHARED_MEMORY_PARAMS):
-            raise InvalidArgument(f"{_where(name, model)} refers to shared memory region "
-                                  f"'{params.get('shared_memory_region', '')}', which is not registered: "
-                                  "this server does not support shared memory")
+        if params and "shared_memory_region" in params:
+            if tensor.HasField("contents"):
+                raise InvalidArgument(f"unexpected 'content' provided when using shared memory for input tensor "
+                                      f"'{name}' for model '{model}'")
+            # the DataPlane reads the data from the region (server/shared_memory.py)
+            inputs[name] = Tensor(name, datatype, shape, None, params)
+            continue
         if tensor.HasField("contents"):
             if raw_count:
                 raise InvalidArgument(f"contents field must not be specified when using raw_input_contents "
@@ -260,6 +262,12 @@ def encode_response(response: InferenceResponse, msg=None):
     for tensor in response.outputs:
         data = tensor.data
         datatype = tensor.datatype
+        if data is None:  # written to a shared memory region: an empty raw entry keeps the outputs' order
+            out = msg.outputs.add(name=tensor.name, datatype=datatype, shape=tensor.shape)
+            for key, value in (tensor.parameters or {}).items():
+                set_param(out.parameters, key, value)
+            raws.append(b"")
+            continue
         if not isinstance(data, np.ndarray):
             data = np.asarray(data, dtype=np.object_ if datatype == "BYTES" else _NUMPY.get(datatype))
         else:

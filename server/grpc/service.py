@@ -220,7 +220,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     @abort_on_error
     async def ModelStatistics(self, request, context):
-        stats = self.dataplane.model_statistics(request.name, request.version)
+        stats = await self.dataplane.statistics(request.name, request.version)
         return json_format.ParseDict({"model_stats": stats}, pb.ModelStatisticsResponse(), ignore_unknown_fields=True)
 
     # -- repository --------------------------------------------------------------------------
@@ -358,6 +358,8 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                         return  # the finally clause cancels the rest of the request
                     message.infer_response.parameters[_FINAL].bool_param = response.final
                     put(message)
+        except ServerError as exc:  # refused before it was scheduled (a frontend worker learns it here)
+            put(_Failure(exc) if state.grpc_errors else _error_response(request.id, exc))
         finally:
             state.streams.discard(stream)
             await stream.aclose()
@@ -365,36 +367,37 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     # -- shared memory, trace, logging --------------------------------------------------------
     @abort_on_error
     async def SystemSharedMemoryStatus(self, request, context):
-        if request.name:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"Unable to find system shared memory region: '{request.name}'")
-        return pb.SystemSharedMemoryStatusResponse()
+        response = pb.SystemSharedMemoryStatusResponse()
+        for region in await self.dataplane.system_shared_memory_status(request.name):
+            response.regions[region["name"]].CopyFrom(pb.SystemSharedMemoryStatusResponse.RegionStatus(**region))
+        return response
 
     @abort_on_error
     async def SystemSharedMemoryRegister(self, request, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                            "system shared memory is not supported by this server; send tensor data in "
-                            "raw_input_contents")
+        await self.dataplane.register_system_shared_memory(request.name, request.key, request.offset, request.byte_size)
+        return pb.SystemSharedMemoryRegisterResponse()
 
     @abort_on_error
     async def SystemSharedMemoryUnregister(self, request, context):
-        return pb.SystemSharedMemoryUnregisterResponse()  # nothing is ever registered
+        await self.dataplane.unregister_system_shared_memory(request.name)
+        return pb.SystemSharedMemoryUnregisterResponse()
 
     @abort_on_error
     async def CudaSharedMemoryStatus(self, request, context):
-        if request.name:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"Unable to find cuda shared memory region: '{request.name}'")
-        return pb.CudaSharedMemoryStatusResponse()
+        response = pb.CudaSharedMemoryStatusResponse()
+        for region in await self.dataplane.cuda_shared_memory_status(request.name):
+            response.regions[region["name"]].CopyFrom(pb.CudaSharedMemoryStatusResponse.RegionStatus(**region))
+        return response
 
     @abort_on_error
     async def CudaSharedMemoryRegister(self, request, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                            "CUDA shared memory is not supported by this server; send tensor data in "
-                            "raw_input_contents")
+        await self.dataplane.register_cuda_shared_memory(request.name, request.raw_handle, request.device_id,
+                                                   request.byte_size)
+        return pb.CudaSharedMemoryRegisterResponse()
 
     @abort_on_error
     async def CudaSharedMemoryUnregister(self, request, context):
+        await self.dataplane.unregister_cuda_shared_memory(request.name)
         return pb.CudaSharedMemoryUnregisterResponse()
 
     @abort_on_error

@@ -8,6 +8,7 @@ FastAPI app, every route behind the access checks of its API group.
 * ``/generate`` and ``/generate_stream`` (:mod:`.generate`);
 * ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` and ``/health`` (:mod:`tideserve.openai`);
 * ``GET /openapi.json``, the description of all of them (:mod:`tideserve.openapi`);
+* ``GET /metrics``, the same Prometheus text as the metrics port (``DataPlane.metrics_text``);
 * the access checks (:mod:`tideserve.access`): :func:`~tideserve.access.guard_routes` puts every route
   behind its group's Guard, and the fast infer path asks the inference group's Guard itself.
 
@@ -23,16 +24,18 @@ import logging
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import openapi as openapi_document
-from ..access import INFERENCE, AccessPolicy, Guard, Refusal, admit, guard_routes, kserve_body
+from ..access import INFERENCE, METRICS_PATH, AccessPolicy, Guard, Refusal, admit, guard_routes, kserve_body
 from ..asgi import ClientGone
 from ..errors import ServerError
 from ..limits import TensorLimits
 from ..openai import mount as mount_openai
 from ..openai.errors import OpenAIError
 from ..openai.limits import OpenAILimits
+from ..openai.llm import OutputParsers
 from . import codec, generate, kserve
 from .body import DEFAULT_MAX_INPUT_SIZE, BodyReader
 from .kserve import INFER_PREFIX, INFER_SUFFIX, JSON, HttpFrontend, error_response, infer_target
@@ -62,10 +65,12 @@ class HttpApp(FastAPI):
 def create_app(dataplane, *, max_input_size: int = DEFAULT_MAX_INPUT_SIZE, max_decompressed_size: int | None = None,
                max_json_depth: int = codec.MAX_JSON_DEPTH, tensor_limits: TensorLimits | None = None,
                access: AccessPolicy | None = None, openapi: bool = True,
-               openai_limits: OpenAILimits | None = None) -> HttpApp:
+               openai_limits: OpenAILimits | None = None,
+               openai_parsers: OutputParsers | None = None) -> HttpApp:
     """The HTTP app: KServe v2 and Triton's extensions, generate, and the OpenAI routes (``access``: the
     restricted API groups and the API key, see server/access.py; ``openapi``: serve the API's description
-    at ``GET /openapi.json``; ``openai_limits``: what one /v1 request may ask for, server/openai/limits.py)."""
+    at ``GET /openapi.json``; ``openai_limits``: what one /v1 request may ask for, server/openai/limits.py;
+    ``openai_parsers``: the default tool-call and reasoning parsers)."""
     body = BodyReader(max_input_size, max_decompressed_size, max_json_depth)
     frontend = HttpFrontend(dataplane, body, tensor_limits)
     app = HttpApp(title="tideserve", docs_url=None, redoc_url=None, openapi_url=None)
@@ -73,7 +78,11 @@ def create_app(dataplane, *, max_input_size: int = DEFAULT_MAX_INPUT_SIZE, max_d
     _answer_errors(app)
     kserve.mount(app, frontend)
     generate.mount(app, dataplane, body)
-    mount_openai(app, dataplane, body, openai_limits)
+    mount_openai(app, dataplane, body, openai_limits, openai_parsers)
+    @app.get(METRICS_PATH)
+    async def metrics():  # the metrics port's registry, for routers and autoscalers that scrape this port
+        return Response(dataplane.metrics_text(), media_type=CONTENT_TYPE_LATEST)
+
     if openapi:
         @app.get(openapi_document.PATH)
         async def openapi_json():
@@ -95,7 +104,8 @@ def _answer_errors(app: FastAPI) -> None:
 
     @app.exception_handler(ServerError)
     async def _server_error(_request, exc: ServerError):
-        return error_response(exc.http_code, exc.message)
+        retry = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s is not None else None
+        return error_response(exc.http_code, exc.message, retry)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request, exc: StarletteHTTPException):

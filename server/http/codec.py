@@ -16,7 +16,7 @@ import orjson
 from tritonclient.grpc import model_config_pb2 as mc
 
 from ..datatypes import DATATYPES, config_to_datatype, element_size, from_raw, numpy_dtype, to_raw
-from ..errors import InvalidArgument, Unsupported
+from ..errors import InvalidArgument
 from ..limits import TensorLimits
 from ..types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 
@@ -275,14 +275,19 @@ def decode_request(model_name: str, model_version: str, body: bytes, header_leng
         if tparams is not None:
             if type(tparams) is not dict:
                 raise InvalidArgument(f"input '{name}': 'parameters' must be an object, got {_json_name(tparams)}")
-            if "shared_memory_region" in tparams:
-                raise Unsupported(f"input '{name}': shared memory inputs are not supported by this server")
             size = tparams.get("binary_data_size")
             if len(tparams) > (size is not None):
                 extra_params = {k: v for k, v in tparams.items() if k != "binary_data_size"}
                 check_json_depth(extra_params, max_json_depth, f"input '{name}': 'parameters'",
                                  _TENSOR_FIELD_DEPTH)
         has_data = "data" in item
+        if tparams is not None and "shared_memory_region" in tparams:
+            if has_data or size is not None:
+                raise InvalidArgument(f"input '{name}' must set only one of 'data', 'binary_data_size' in "
+                                      "'parameters' or 'shared_memory_region' in 'parameters'")
+            # the DataPlane reads the data from the region (server/shared_memory.py)
+            inputs[name] = Tensor(name, datatype, tuple(shape), None, dict(tparams))
+            continue
         if size is not None:
             if has_data:
                 raise InvalidArgument(f"input '{name}': set either 'data' or 'binary_data_size', not both")
@@ -343,8 +348,6 @@ def decode_request(model_name: str, model_version: str, body: bytes, header_leng
                 if type(oparams) is not dict:
                     raise InvalidArgument(f"output '{name}': 'parameters' must be an object, "
                                           f"got {_json_name(oparams)}")
-                if "shared_memory_region" in oparams:
-                    raise Unsupported(f"output '{name}': shared memory outputs are not supported by this server")
                 binary = oparams.get("binary_data")
                 classes = oparams.get("classification")
                 if len(oparams) > (binary is not None) + (classes is not None):  # more than those two scalars
@@ -445,6 +448,12 @@ def encode_response(response: InferenceResponse, decoded: DecodedRequest, classi
                     binary = options.binary
                 class_count = options.class_count
         array = tensor.data
+        if array is None:  # written to a shared memory region: the answer carries no data
+            entry = {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape)}
+            if tensor.parameters:
+                entry["parameters"] = dict(tensor.parameters)
+            outputs.append(entry)
+            continue
         if type(array) is not np.ndarray:
             array = np.asarray(array, dtype=np.object_ if tensor.datatype == "BYTES" else None)
         datatype = tensor.datatype

@@ -370,7 +370,7 @@ async def handle_generate(dataplane, reader: BodyReader, scope, receive, send, m
             stream = dataplane.infer(request)
     except ServerError as exc:
         log.debug("generate request for model '%s' failed: %s", model_name, exc.message)
-        await send_error(send, exc.http_code, exc.message)
+        await send_error(send, exc.http_code, exc.message, exc.retry_after_s)
         return
     except ClientGone:
         return
@@ -399,6 +399,10 @@ async def _stream(stream, scope, receive, send) -> None:
                     break
     except ClientGone:
         await stream.aclose()
+        return
+    except ServerError as exc:  # refused before it was scheduled (a frontend worker learns it here)
+        await stream.aclose()
+        await send_error(send, exc.http_code, exc.message)
         return
     except BaseException:
         await stream.aclose()

@@ -11,6 +11,7 @@ Every error is ``{"error": "<message>"}`` with the status of the ServerError tha
 
 from __future__ import annotations
 
+import base64
 import logging
 import weakref
 import zlib
@@ -124,7 +125,7 @@ class HttpFrontend:
             classifier = self._classifier(runtime) if decoded.classify else None
             payload, json_length = codec.encode_response(response, decoded, classifier)
         except ServerError as exc:
-            await send_error(send, exc.http_code, exc.message)
+            await send_error(send, exc.http_code, exc.message, exc.retry_after_s)
             return
         except ClientGone:
             return
@@ -233,7 +234,7 @@ def mount(app, frontend: HttpFrontend) -> None:
 
     @app.get("/v2/models/stats")
     async def all_statistics():
-        return json_response({"model_stats": dp.model_statistics("", "")})
+        return json_response({"model_stats": await dp.statistics("", "")})
 
     def target(request: Request) -> tuple[str, str]:
         params = request.path_params
@@ -253,7 +254,7 @@ def mount(app, frontend: HttpFrontend) -> None:
         return json_response(config_module.to_dict(dp.model_config(*target(request))))
 
     async def model_statistics(request: Request):
-        return json_response({"model_stats": dp.model_statistics(*target(request))})
+        return json_response({"model_stats": await dp.statistics(*target(request))})
 
     for suffix, handler in (("", model_metadata), ("/ready", model_ready), ("/config", model_config),
                             ("/stats", model_statistics)):
@@ -301,6 +302,65 @@ def mount(app, frontend: HttpFrontend) -> None:
             raise InvalidArgument("unload parameter 'unload_dependents' must be a boolean")
         await dp.unload_model(model_name, unload_dependents=dependents)
         return Response(status_code=200)
+
+    _mount_shared_memory(app, frontend)
+
+
+def _mount_shared_memory(app, frontend: HttpFrontend) -> None:
+    """Triton's shared-memory extension: ``/v2/{system,cuda}sharedmemory[/region/<name>]/...``."""
+    dp = frontend.dataplane
+
+    async def system_status(request: Request):
+        return json_response(await dp.system_shared_memory_status(request.path_params.get("region_name", "")))
+
+    async def system_register(region_name: str, request: Request):
+        doc = await frontend.read_json(request, "shared memory register request") or {}
+        key = doc.get("key")
+        if type(key) is not str:
+            raise InvalidArgument("shared memory register request: 'key' must be a string")
+        await dp.register_system_shared_memory(region_name, key, _count(doc, "offset", 0), _count(doc, "byte_size"))
+        return Response(status_code=200)
+
+    async def system_unregister(request: Request):
+        await dp.unregister_system_shared_memory(request.path_params.get("region_name", ""))
+        return Response(status_code=200)
+
+    async def cuda_status(request: Request):
+        return json_response(await dp.cuda_shared_memory_status(request.path_params.get("region_name", "")))
+
+    async def cuda_register(region_name: str, request: Request):
+        doc = await frontend.read_json(request, "shared memory register request") or {}
+        handle = doc.get("raw_handle")
+        b64 = handle.get("b64") if type(handle) is dict else None
+        if type(b64) is not str:
+            raise InvalidArgument("shared memory register request: 'raw_handle' must be {\"b64\": <string>}")
+        try:
+            raw = base64.b64decode(b64, validate=True)
+        except ValueError:
+            raise InvalidArgument("shared memory register request: 'raw_handle.b64' is not base64") from None
+        await dp.register_cuda_shared_memory(region_name, raw, _count(doc, "device_id", 0), _count(doc, "byte_size"))
+        return Response(status_code=200)
+
+    async def cuda_unregister(request: Request):
+        await dp.unregister_cuda_shared_memory(request.path_params.get("region_name", ""))
+        return Response(status_code=200)
+
+    for kind, status, register, unregister in (("system", system_status, system_register, system_unregister),
+                                               ("cuda", cuda_status, cuda_register, cuda_unregister)):
+        base, one = f"/v2/{kind}sharedmemory", f"/v2/{kind}sharedmemory/region/{{region_name}}"
+        app.add_api_route(f"{base}/status", status, methods=["GET"])
+        app.add_api_route(f"{one}/status", status, methods=["GET"])
+        app.add_api_route(f"{one}/register", register, methods=["POST"])
+        app.add_api_route(f"{base}/unregister", unregister, methods=["POST"])
+        app.add_api_route(f"{one}/unregister", unregister, methods=["POST"])
+
+
+def _count(doc: dict, key: str, default: int | None = None) -> int:
+    value = doc.get(key, default)
+    if type(value) is not int or value < 0:
+        raise InvalidArgument(f"shared memory register request: '{key}' must be a non-negative integer"
+                              + (" (required)" if value is None else f", got {value!r}"))
+    return value
 
 
 def _parameters(doc: dict | None, what: str) -> dict:

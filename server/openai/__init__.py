@@ -1,26 +1,32 @@
-"""The OpenAI-compatible frontend: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``, ``/health``.
+"""The OpenAI-compatible frontend: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``,
+``/v1/embeddings``, ``/tokenize``, ``/detokenize``, ``/tokenizer_info``, ``/health``.
 
 Mounted on the HTTP app (same port as KServe v2). Like every frontend it only translates: requests
 become DataPlane requests of the model's text interface (:mod:`.llm`), responses become OpenAI JSON
-or server-sent events. One package per endpoint (``models``, ``completion``, ``chat_completion``),
-as in vLLM's ``entrypoints/openai``. The API key and the restricted API groups guard these routes
-like every other (server/access.py): with ``--api-key`` the ``/v1`` routes answer 401 without
-``Authorization: Bearer <key>``; ``/health`` never asks for the key.
+or server-sent events. One package per endpoint (``models``, ``completion``, ``chat_completion``,
+``embedding``, ``tokenization``), as in vLLM's ``entrypoints/openai``. The API key and the restricted
+API groups guard these routes like every other (server/access.py): with ``--api-key`` the ``/v1``
+routes (and ``/tokenize``, ``/detokenize``, ``/tokenizer_info``) answer 401 without ``Authorization: Bearer <key>``;
+``/health`` never asks for the key.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from starlette.responses import Response
 from starlette.routing import Route
 
 from .chat_completion import create_chat_completion
 from .completion import create_completion
+from .embedding import EmbedderCatalog, create_embedding
 from .errors import OpenAIError
 from .http import OpenAIRoute, OpenAIServer
 from .limits import OpenAILimits
-from .llm import Catalog
+from .llm import Catalog, OutputParsers
+from .lora import load_lora_adapter, unload_lora_adapter
 from .models import get_model, list_models
+from .tokenization import detokenize, tokenize, tokenizer_info
 
 if TYPE_CHECKING:
     from ..http.body import BodyReader
@@ -28,23 +34,36 @@ if TYPE_CHECKING:
 __all__ = ["OpenAILimits", "mount"]
 
 
-async def _health(server, _doc, _scope) -> bytes:
-    if not server.dataplane.accepting:
-        raise OpenAIError("the server is shutting down", 503)
-    return b""
+def _health(dataplane):
+    """vLLM's liveness probe: 200 with an empty body, 503 (empty) once shutting down or when a model's
+    engine died (``DataPlane.healthy``)."""
+
+    async def health(_request) -> Response:
+        return Response(status_code=200 if dataplane.healthy() else 503)
+
+    return health
 
 
-def mount(app, dataplane, body: BodyReader, limits: OpenAILimits | None = None) -> OpenAIServer:
+def mount(app, dataplane, body: BodyReader, limits: OpenAILimits | None = None,
+          parsers: OutputParsers | None = None) -> OpenAIServer:
     """Add the OpenAI routes to ``app`` (a FastAPI / Starlette app); ``body`` is the HTTP port's body
-    reader, ``limits`` what one request may ask for (the ``--openai-*`` flags)."""
-    server = OpenAIServer(dataplane, Catalog(dataplane), body, limits)
+    reader, ``limits`` what one request may ask for (the ``--openai-*`` flags), ``parsers`` the default
+    tool-call and reasoning parsers (``--tool-call-parser``, ``--reasoning-parser``)."""
+    server = OpenAIServer(dataplane, Catalog(dataplane, parsers), body, limits,
+                          embedders=EmbedderCatalog(dataplane))
     routes = [
         ("/v1/models", list_models, ["GET"], False),
         ("/v1/models/{model:path}", get_model, ["GET"], False),
         ("/v1/completions", create_completion, ["POST"], True),
         ("/v1/chat/completions", create_chat_completion, ["POST"], True),
+        ("/v1/embeddings", create_embedding, ["POST"], True),
+        ("/tokenize", tokenize, ["POST"], True),
+        ("/detokenize", detokenize, ["POST"], True),
+        ("/tokenizer_info", tokenizer_info, ["GET"], False),
+        ("/v1/load_lora_adapter", load_lora_adapter, ["POST"], True),
+        ("/v1/unload_lora_adapter", unload_lora_adapter, ["POST"], True),
     ]
     for path, handler, methods, body in routes:
         app.router.routes.append(Route(path, OpenAIRoute(server, handler, body), methods=methods))
-    app.router.routes.append(Route("/health", OpenAIRoute(server, _health, False), methods=["GET"]))
+    app.router.routes.append(Route("/health", _health(dataplane), methods=["GET"]))
     return server

@@ -37,6 +37,7 @@ class OpenAIError(Exception):
         self.message = message
         self.status = status
         self.param = param
+        self.retry_after_s: int | None = None  # a Retry-After header (a queue at its bound: 503)
 
     @property
     def type(self) -> str:
@@ -92,4 +93,6 @@ def from_server_error(exc: BaseException, fields: dict[str, str] | None = None,
             param = prompt_param
     elif exc.status is Status.NOT_FOUND:
         param = "model"
-    return OpenAIError(message, status, param)
+    error = OpenAIError(message, status, param)
+    error.retry_after_s = exc.retry_after_s
+    return error

@@ -19,13 +19,16 @@ from .llm import LLMModel, Step, StepReader
 class Run:
     """The responses of one prompt, as Steps; ``index`` places its choices among the request's."""
 
-    __slots__ = ("_done", "_pending", "index", "prompt_tokens", "reader", "stream")
+    __slots__ = ("_done", "_pending", "cached_tokens", "index", "prompt_logprobs", "prompt_tokens", "reader",
+                 "stream")
 
     def __init__(self, dataplane, llm: LLMModel, request, n: int, index: int = 0) -> None:
         self.stream = dataplane.infer(request)  # raises ServerError when the request is refused
         self.reader = StepReader(llm, n)
         self.index = index
         self.prompt_tokens: int | None = None
+        self.cached_tokens: int | None = None  # prompt tokens the prefix cache served (when asked for)
+        self.prompt_logprobs: list[dict] | None = None
         self._pending: Step | None = None
         self._done = False
 
@@ -47,9 +50,14 @@ class Run:
                 raise as_server_error(response.error)
             if response.empty:
                 continue
+            cached = response.parameters.get("num_cached_tokens")
+            if cached is not None:
+                self.cached_tokens = int(cached)
             step = self.reader.read(response)
             if step.prompt_tokens is not None:
                 self.prompt_tokens = step.prompt_tokens
+            if step.prompt_logprobs is not None:
+                self.prompt_logprobs = step.prompt_logprobs
             return step
         return None
 
@@ -142,15 +150,17 @@ async def collect(run: Run, n: int) -> list[Choice]:
 class Usage:
     """A request's token counts: the model's own when it reports them, else its tokenizer's count."""
 
-    __slots__ = ("_uncounted", "completion_tokens", "llm", "prompt_tokens")
+    __slots__ = ("_runs", "_uncounted", "completion_tokens", "llm", "prompt_tokens")
 
     def __init__(self, llm: LLMModel) -> None:
         self.llm = llm
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self._uncounted: list[str] = []
+        self._runs: list[Run] = []  # their cached prompt tokens are read when the usage is written
 
     def add_prompt(self, run: Run, prompt: str | list[int]) -> None:
+        self._runs.append(run)
         if run.prompt_tokens is not None:
             self.prompt_tokens += run.prompt_tokens
         elif isinstance(prompt, list):
@@ -171,8 +181,12 @@ class Usage:
         if self._uncounted:
             self.completion_tokens += self.llm.count_tokens("".join(self._uncounted))
             self._uncounted = []
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+        doc = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+               "total_tokens": self.prompt_tokens + self.completion_tokens}
+        cached = [run.cached_tokens for run in self._runs if run.cached_tokens is not None]
+        if cached:  # asked for (--enable-prompt-tokens-details) and reported by the engine
+            doc["prompt_tokens_details"] = {"cached_tokens": sum(cached)}
+        return doc
 
 
 def chunk_event(header: dict, choice: dict, usage: Usage | None = None) -> bytes:

@@ -38,6 +38,13 @@ def event(doc: Any) -> bytes:
     return b"data: " + orjson.dumps(doc) + b"\n\n"
 
 
+class PlainText(bytes):
+    """A reply sent as ``text/plain`` (vLLM's LoRA adapter routes answer a sentence), not JSON."""
+
+
+_TEXT_HEADER = (b"content-type", b"text/plain; charset=utf-8")
+
+
 class EventStream:
     """A streamed answer: its events, and what to close when it ends (or the client leaves)."""
 
@@ -52,9 +59,11 @@ class OpenAIServer:
     """What the handlers share: the DataPlane, the model catalog, the HTTP port's body reader, the request
     limits and the threads that keep blocking work (chat templates, token counts) off the event loop."""
 
-    def __init__(self, dataplane, catalog, body: BodyReader, limits: OpenAILimits | None = None) -> None:
+    def __init__(self, dataplane, catalog, body: BodyReader, limits: OpenAILimits | None = None,
+                 embedders=None) -> None:
         self.dataplane = dataplane
         self.catalog = catalog
+        self.embedders = embedders  # the embedding models (embedding.EmbedderCatalog)
         self.body = body  # the reader every route of the port reads its body with (size, decompression, depth)
         self.limits = limits or OpenAILimits()
         self._workers = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="openai-work")
@@ -98,7 +107,8 @@ class OpenAIRoute:
             with cancel_on_disconnect(receive):
                 reply = await self.handler(server, doc, scope)
                 if isinstance(reply, bytes):
-                    await send_response(send, 200, reply, [JSON_HEADER])
+                    header = _TEXT_HEADER if isinstance(reply, PlainText) else JSON_HEADER
+                    await send_response(send, 200, reply, [header])
                     return
                 await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
                 try:  # from here on an error is an event of the stream
@@ -143,4 +153,7 @@ def _error_event(exc: BaseException) -> bytes:
 
 
 async def _send_error(send, exc: OpenAIError) -> None:
-    await send_response(send, exc.status, exc.json(), [JSON_HEADER])
+    headers = [JSON_HEADER]
+    if exc.retry_after_s is not None:
+        headers.append((b"retry-after", str(exc.retry_after_s).encode()))
+    await send_response(send, exc.status, exc.json(), headers)

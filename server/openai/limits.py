@@ -35,6 +35,9 @@ class OpenAILimits:
     """``logprobs`` (completions) and ``top_logprobs`` (chat); vLLM's engine default ``max_logprobs`` is 20."""
     chat_template_timeout_s: float = 2.0
     """How long rendering one chat template may take before the request is refused."""
+    prompt_tokens_details: bool = False
+    """Not a limit: ``usage.prompt_tokens_details.cached_tokens`` (prompt tokens the engine's prefix cache
+    served) in every answer of a vLLM model, as vLLM's ``--enable-prompt-tokens-details`` adds it."""
 
     def __post_init__(self) -> None:
         for name in ("max_prompts", "max_prompt_tokens", "max_n"):

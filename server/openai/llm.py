@@ -13,6 +13,11 @@ interface. What else it declares decides what a request may ask for:
 * ``return_finish_reason`` / ``return_num_input_tokens`` / ``return_num_output_tokens`` /
   ``return_logprobs`` with their outputs: finish reasons, usage and log probabilities; without them
   usage is counted with the tokenizer files when there are any, and logprobs are a 400;
+* ``return_prompt_logprobs`` with ``prompt_logprobs`` (and ``sampling_parameters``): the prompt's log
+  probabilities, for ``echo`` with ``logprobs`` (otherwise that is a 400);
+* config parameters ``tool_call_parser`` / ``reasoning_parser`` (else the server's ``--tool-call-parser`` /
+  ``--reasoning-parser``): tool calls with ``tool_choice: "auto"`` and reasoning parsed from the output
+  text (:mod:`tideserve.tool_parsers`, :mod:`tideserve.reasoning_parsers`);
 * ``backend: "vllm"``: structured outputs (``response_format``, named tools; also through an ensemble
   whose ``sampling_parameters`` go to a vLLM step), token-id prompts (``input_ids``), prompts rendered
   from a chat template tokenized without special tokens.
@@ -21,6 +26,7 @@ interface. What else it declares decides what a request may ask for:
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import json
 import logging
 import math
@@ -44,7 +50,8 @@ log = logging.getLogger(__name__)
 TEXT_INPUT, TEXT_OUTPUT = "text_input", "text_output"
 # output -> the BOOL input that asks for it
 _FLAGS = {"finish_reason": "return_finish_reason", "num_input_tokens": "return_num_input_tokens",
-          "num_output_tokens": "return_num_output_tokens", "logprobs": "return_logprobs"}
+          "num_output_tokens": "return_num_output_tokens", "logprobs": "return_logprobs",
+          "prompt_logprobs": "return_prompt_logprobs"}
 # sampling field -> input names that take it, for models without a sampling_parameters input
 _KNOBS = {
     "max_tokens": ("max_tokens", "request_output_len"),
@@ -73,6 +80,10 @@ class LLMModel:
     template: chat_template.ChatTemplate | None
     tokenizer_dir: Path | None
     _tokenizer: Any = field(default=None, repr=False)
+    tool_call_parser: str | None = None  # a name in tideserve.tool_parsers.TOOL_PARSERS
+    reasoning_parser: str | None = None  # a name in tideserve.reasoning_parsers.REASONING_PARSERS
+    base: str | None = None  # set when ``name`` is a LoRA adapter: the model that serves it (vLLM's parent)
+    max_model_len: int | None = None  # the context length, where the config or the model files say it
 
     @property
     def sampling_json(self) -> bool:
@@ -90,12 +101,17 @@ class LLMModel:
     def logprobs(self) -> bool:
         return "return_logprobs" in self.input_types and "logprobs" in self.outputs
 
+    @property
+    def prompt_logprobs(self) -> bool:
+        return self.sampling_json and self.has_flag("prompt_logprobs")
+
     def has_flag(self, output: str) -> bool:
         return _FLAGS[output] in self.input_types and output in self.outputs
 
     # -- requests -------------------------------------------------------------------------
     def request(self, prompt: str | list[int], sampling: dict[str, Any], *, stream: bool, logprobs: bool,
-                add_special_tokens: bool = True, request_id: str = "") -> InferenceRequest:
+                add_special_tokens: bool = True, request_id: str = "", prompt_logprobs: bool = False
+                ) -> InferenceRequest:
         """The DataPlane request of one prompt; raises BadRequest for what the model cannot take."""
         inputs: dict[str, Tensor] = {}
         outputs = None
@@ -112,23 +128,35 @@ class LLMModel:
             inputs["stream"] = self._array("stream", [stream])
         if "exclude_input_in_output" in types:
             inputs["exclude_input_in_output"] = self._array("exclude_input_in_output", [True])
+        asked = {"logprobs": logprobs, "prompt_logprobs": prompt_logprobs}
         for output, flag in _FLAGS.items():
-            if (output != "logprobs" or logprobs) and self.has_flag(output):
+            if asked.get(output, True) and self.has_flag(output):
                 inputs[flag] = self._array(flag, [True])
                 if outputs is not None:
                     outputs.append(output)
+        if prompt_logprobs and not self.prompt_logprobs:
+            raise BadRequest(f"model '{self.name}' does not return the prompt's log probabilities, which 'echo' with "
+                             "'logprobs' needs (a vLLM model has them)", "echo")
         if logprobs and not self.logprobs:
             raise BadRequest(f"model '{self.name}' does not return log probabilities", "logprobs")
         if self.sampling_json:
             inputs["sampling_parameters"] = self._bytes("sampling_parameters", orjson.dumps(sampling))
         else:
             self._sampling_inputs(sampling, inputs)
-        parameters = {}
+        parameters: dict[str, Any] = {"lora_name": self.name} if self.base else {}  # as Triton's vLLM backend
         if not add_special_tokens and self.backend == "vllm":
             parameters["add_special_tokens"] = False
-        request = InferenceRequest(self.name, inputs, id=request_id, parameters=parameters,
+        request = InferenceRequest(self.base or self.name, inputs, id=request_id, parameters=parameters,
                                    outputs=[RequestedOutput(o) for o in outputs] if outputs else None)
         request.streaming = stream
+        return request
+
+    def admission(self, request: InferenceRequest, priority: int, cached_tokens: bool) -> InferenceRequest:
+        """Set the request's scheduling priority, and ask a vLLM model for its prefix-cache hits
+        (``usage.prompt_tokens_details``)."""
+        request.priority = priority
+        if cached_tokens and self.backend == "vllm":
+            request.parameters["return_num_cached_tokens"] = True
         return request
 
     def _sampling_inputs(self, sampling: dict[str, Any], inputs: dict[str, Tensor]) -> None:
@@ -187,7 +215,39 @@ class LLMModel:
         return tokenizer.decode(ids, skip_special_tokens=False)
 
 
-def describe(runtime, lookup) -> LLMModel | None:
+@dataclass(frozen=True)
+class OutputParsers:
+    """The server's default output parsers (``--tool-call-parser``, ``--reasoning-parser``), for models whose
+    config sets no parameter ``tool_call_parser`` / ``reasoning_parser`` (an empty value there: none)."""
+
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        check_parser_names(self.tool_call_parser, self.reasoning_parser, "--tool-call-parser", "--reasoning-parser")
+
+    def of(self, config) -> tuple[str | None, str | None]:
+        """A model's parsers: its config parameters, else these defaults."""
+        params = config.parameters
+        tool_call = params["tool_call_parser"].string_value or None if "tool_call_parser" in params \
+            else self.tool_call_parser
+        reasoning = params["reasoning_parser"].string_value or None if "reasoning_parser" in params \
+            else self.reasoning_parser
+        return tool_call, reasoning
+
+
+def check_parser_names(tool_call: str | None, reasoning: str | None, tool_field: str, reasoning_field: str) -> None:
+    """ValueError naming the field of an unknown parser name and the known ones."""
+    from ..reasoning_parsers import REASONING_PARSERS
+    from ..tool_parsers import TOOL_PARSERS
+
+    for field_name, value, known in ((tool_field, tool_call, TOOL_PARSERS),
+                                     (reasoning_field, reasoning, REASONING_PARSERS)):
+        if value and value not in known:
+            raise ValueError(f"{field_name}: unknown parser '{value}' (known: {', '.join(known)})")
+
+
+def describe(runtime, lookup, parsers: OutputParsers | None = None) -> LLMModel | None:
     """``runtime``'s LLMModel, or None when it is no text-generation model."""
     config = runtime.config
     input_types = {t.name: config_to_datatype(mc.DataType.Name(t.data_type)) for t in config.input}
@@ -199,8 +259,41 @@ def describe(runtime, lookup) -> LLMModel | None:
     except Exception as exc:  # a template that does not compile: chat requests say so
         log.warning("model '%s': its chat template is unusable: %s", runtime.name, exc)
         template = None
+    directory = chat_template.tokenizer_dir(runtime, lookup)
+    tool_call_parser, reasoning_parser = (parsers or OutputParsers()).of(config)
     return LLMModel(runtime.name, config.backend, config.max_batch_size > 0, _sampling_backend(runtime, lookup),
-                    input_types, frozenset(outputs), template, chat_template.tokenizer_dir(runtime, lookup))
+                    input_types, frozenset(outputs), template, directory,
+                    max_model_len=_context_length(runtime, directory), tool_call_parser=tool_call_parser,
+                    reasoning_parser=reasoning_parser)
+
+
+def _context_length(runtime, directory: Path | None) -> int | None:
+    """The model's context length: the ``max_model_len`` config parameter or engine argument (a vLLM model's
+    ``model.json``), else the ``max_position_embeddings`` of the model files' ``config.json``."""
+    config = runtime.config
+    values: list[Any] = []
+    if "max_model_len" in config.parameters:
+        values.append(config.parameters["max_model_len"].string_value)
+    if config.backend == "vllm":
+        values.append(_json_file(Path(runtime.ctx.version_path) / "model.json").get("max_model_len"))
+    if directory is not None:
+        values.append(_json_file(directory / "config.json").get("max_position_embeddings"))
+    for value in values:
+        try:
+            length = int(value)
+        except (TypeError, ValueError):
+            continue
+        if length > 0:
+            return length
+    return None
+
+
+def _json_file(path: Path) -> dict:
+    try:
+        found = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
 
 
 def _sampling_backend(runtime, lookup) -> str:
@@ -221,14 +314,16 @@ def _sampling_backend(runtime, lookup) -> str:
 class Catalog:
     """Finds the LLM models among the DataPlane's ready models (one LLMModel per loaded version)."""
 
-    def __init__(self, dataplane) -> None:
+    def __init__(self, dataplane, parsers: OutputParsers | None = None) -> None:
         self.dataplane = dataplane
+        self.parsers = parsers or OutputParsers()
         self._known: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._adapters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base LLMModel -> {name: LLMModel}
 
     def _describe(self, runtime) -> LLMModel | None:
         found = self._known.get(runtime)
         if found is None:
-            found = describe(runtime, self.dataplane.model) or False
+            found = describe(runtime, self.dataplane.model, self.parsers) or False
             self._known[runtime] = found
         return found or None
 
@@ -236,7 +331,10 @@ class Catalog:
         try:
             runtime = self.dataplane.model(name)
         except NotFound:
-            raise ModelNotFound(name) from None
+            adapter = self.adapter(name)
+            if adapter is None:
+                raise ModelNotFound(name) from None
+            return self._adapter_model(self.get(adapter["model"]), name)
         except Unavailable as exc:
             raise OpenAIError(f"The model `{name}` is not ready: {exc.message}", 503, "model") from None
         except InvalidArgument as exc:
@@ -245,6 +343,17 @@ class Catalog:
         if llm is None:
             raise ModelNotFound(name, "It is not a text-generation model (text_input -> text_output).")
         return llm
+
+    def _adapter_model(self, base: LLMModel, name: str) -> LLMModel:
+        """``base`` as LoRA adapter ``name`` serves it (one per base and adapter: its tokenizer loads once)."""
+        known = self._adapters.setdefault(base, {})
+        if name not in known:
+            known[name] = dataclasses.replace(base, name=name, base=base.name)
+        return known[name]
+
+    def adapter(self, name: str) -> dict[str, str] | None:
+        """The LoRA adapter ``name`` (``{"name", "path", "model"}``), if a ready model serves one."""
+        return next((a for a in self.dataplane.lora_adapters() if a["name"] == name), None)
 
     def ready(self) -> list[LLMModel]:
         found = []
@@ -279,6 +388,7 @@ class Step:
     tokens: list[int] | None        # new output tokens per choice (None: the model does not say)
     prompt_tokens: int | None
     logprobs: list[list[dict] | None] | None
+    prompt_logprobs: list[dict] | None = None  # the prompt's, once (the first token's logprob is null)
 
 
 class StepReader:
@@ -295,7 +405,7 @@ class StepReader:
         n = self.n
         texts = [""] * n
         finish: list[str | None] = [None] * n
-        tokens = prompt_tokens = logprobs = None
+        tokens = prompt_tokens = logprobs = prompt_logprobs = None
         for tensor in response.outputs:
             name = tensor.name
             if name == TEXT_OUTPUT:
@@ -313,7 +423,10 @@ class StepReader:
                 prompt_tokens = int(tensor.data.reshape(-1)[0])
             elif name == "logprobs":
                 logprobs = [_logprobs(v) for v in tensor.data.reshape(-1)[:n]]
-        return Step(texts, finish, tokens, prompt_tokens, logprobs)
+            elif name == "prompt_logprobs":
+                values = tensor.data.reshape(-1)
+                prompt_logprobs = _logprobs(values[0]) if values.size else None
+        return Step(texts, finish, tokens, prompt_tokens, logprobs, prompt_logprobs)
 
     def _text(self, i: int, value) -> str:
         if isinstance(value, str):

@@ -1,7 +1,9 @@
 """Log probabilities from the text interface's ``logprobs`` output into OpenAI's two formats.
 
 The output holds, per generated token, ``{token_id: {"logprob", "rank", "decoded_token"}}``: the sampled
-token first, then the most likely tokens (vLLM's order).
+token first, then the most likely tokens (vLLM's order). The prompt's (``prompt_logprobs``) have the same
+shape; its first token has a null logprob, which a completion reports as ``null`` in ``token_logprobs`` and
+``top_logprobs``, as vLLM does.
 """
 
 from __future__ import annotations
@@ -21,6 +23,11 @@ def _entries(entry: dict) -> list[tuple[str, float, float]]:
         rank = info.get("rank")
         out.append((token, clamp_logprob(info.get("logprob")), float("inf") if rank is None else rank))
     return out
+
+
+def _unscored(entry: dict) -> bool:
+    first = next(iter(entry.values()), None)
+    return isinstance(first, dict) and first.get("logprob") is None
 
 
 def _top(items: list[tuple[str, float, float]], count: int) -> list[tuple[str, float, float]]:
@@ -59,14 +66,18 @@ class CompletionLogprobs:
             if not items:
                 continue
             token, logprob, _ = items[0]
+            text_offset.append(self.offset)
+            self.offset += len(token)
             tokens.append(token)
+            if _unscored(entry):  # a prompt's first token
+                token_logprobs.append(None)
+                top_logprobs.append(None)
+                continue
             token_logprobs.append(logprob)
             top = {token: logprob}  # the sampled token is always there (OpenAI: up to logprobs + 1 entries)
             for t, lp, _ in _top(items, self.top):
                 top.setdefault(t, lp)
             top_logprobs.append(top)
-            text_offset.append(self.offset)
-            self.offset += len(token)
         return {"text_offset": text_offset, "token_logprobs": token_logprobs, "tokens": tokens,
                 "top_logprobs": top_logprobs}
 

@@ -66,6 +66,8 @@ class SamplingRequest(OpenAIModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     structured_outputs: dict[str, Any] | None = None  # vLLM StructuredOutputsParams: options, or a constraint
+    # vLLM: the request's priority when the model schedules by priority (lower first); ignored otherwise
+    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
 
     def check(self, max_tokens: int | None, max_tokens_field: str, limits: OpenAILimits) -> None:
         """Cross-field checks and the server's limits (the per-field ranges are in the schema)."""

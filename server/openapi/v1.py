@@ -118,6 +118,20 @@ def _create(summary: str, request: str, response: str, chunk: str) -> dict:
             **_errors("400", "401", "404", "500", "503")}}}
 
 
+def _lora(summary: str, properties: dict) -> dict:
+    """vLLM's LoRA adapter routes: a JSON body in, a plain-text sentence out (404 while they are off)."""
+    body = {"type": "object", "required": ["lora_name"], "properties": properties}
+    return {"post": {
+        "summary": summary, "tags": ["openai"], "security": AUTH,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+        "responses": {
+            "200": {"description": "Done: 'Success: LoRA adapter ... successfully.'",
+                    "content": {"text/plain": {"schema": {"type": "string"}}}},
+            **_errors("400", "401"),
+            "404": json_body(ref("OpenAIError"), "No such adapter or adapter path, or runtime LoRA updates are off"),
+            **_errors("503")}}}
+
+
 def schemas() -> dict[str, dict]:
     out = dict(RESPONSE_SCHEMAS)
     out["CompletionRequest"] = _request_schema(CompletionRequest, out)
@@ -139,6 +153,12 @@ def paths() -> dict[str, dict]:
         "/v1/completions": _create("Text completion", "CompletionRequest", "Completion", "CompletionChunk"),
         "/v1/chat/completions": _create("Chat completion", "ChatCompletionRequest", "ChatCompletion",
                                         "ChatCompletionChunk"),
-        "/health": {"get": {"summary": "200 while the server runs, 503 once it shuts down", "tags": ["health"],
-                            "responses": {"200": {"description": "Running"}, **_errors("503")}}},
+        "/v1/load_lora_adapter": _lora("Load a LoRA adapter from disk (--enable-lora-runtime-updates)", {
+            "lora_name": {"type": "string"}, "lora_path": {"type": "string"}, "load_inplace": {"type": "boolean"},
+            "base_model_name": {"type": "string"}, "is_3d_lora_weight": {"type": "boolean"}}),
+        "/v1/unload_lora_adapter": _lora("Unload a LoRA adapter (--enable-lora-runtime-updates)",
+                                         {"lora_name": {"type": "string"}}),
+        "/health": {"get": {"summary": "Liveness, as vLLM's server: 200 (empty body) while healthy, 503 (empty) "
+                                       "once it shuts down or a model's engine died", "tags": ["health"],
+                            "responses": {"200": {"description": "Healthy"}, "503": {"description": "Not healthy"}}}},
     }

@@ -178,7 +178,25 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "UnloadRequest": {
         "type": "object",
         "properties": {"parameters": {"type": "object", "properties": {"unload_dependents": {"type": "boolean"}}}}},
+    "SystemSharedMemoryRegisterRequest": {
+        "type": "object", "required": ["key", "byte_size"],
+        "properties": {"key": {"type": "string", "description": "POSIX shared memory name (shm_open), e.g. /input"},
+                       "offset": {"type": "integer", "minimum": 0}, "byte_size": {"type": "integer", "minimum": 1}}},
+    "SystemSharedMemoryRegion": {
+        "type": "object", "required": ["name", "key", "offset", "byte_size"],
+        "properties": {"name": {"type": "string"}, "key": {"type": "string"}, "offset": {"type": "integer"},
+                       "byte_size": {"type": "integer"}}},
+    "CudaSharedMemoryRegisterRequest": {
+        "type": "object", "required": ["raw_handle", "device_id", "byte_size"],
+        "properties": {"raw_handle": {"type": "object", "properties": {"b64": {"type": "string"}}},
+                       "device_id": {"type": "integer", "minimum": 0}, "byte_size": {"type": "integer", "minimum": 1}}},
+    "CudaSharedMemoryRegion": {
+        "type": "object", "required": ["name", "device_id", "byte_size"],
+        "properties": {"name": {"type": "string"}, "device_id": {"type": "integer"}, "byte_size": {"type": "integer"}}},
 }
+
+REGION_NAME = {"name": "region_name", "in": "path", "required": True, "schema": {"type": "string", "minLength": 1},
+               "description": "Name of a shared memory region"}
 
 
 def _health(summary: str) -> dict:
@@ -231,6 +249,12 @@ def paths() -> dict[str, dict]:
                         "responses": {"200": json_body(ref("ServerMetadata"))}}},
         "/v2/models/stats": {"get": {"summary": "Statistics of every model", "tags": ["statistics"],
                                      "responses": {"200": json_body(ref("ModelStatisticsResponse"))}}},
+        "/metrics": {"get": {"summary": "Prometheus metrics (nv_inference_*, tideserve:*, vllm:*), as on the "
+                                        "metrics port", "tags": ["statistics"],
+                             "responses": {"200": {"description": "Prometheus text exposition",
+                                                   "content": {"text/plain": {"schema": {"type": "string"}}}},
+                                           "401": json_body(ref("Error"), "Invalid or missing API key "
+                                                                          "(--api-key-scope all)")}}},
     }
     out.update(_model_routes("", "Model metadata", {
         "tags": ["metadata"], "responses": {"200": json_body(ref("ModelMetadata")), **errors("400", "404", "503")}}))
@@ -255,4 +279,30 @@ def paths() -> dict[str, dict]:
             "parameters": [MODEL_NAME, CONTENT_ENCODING],
             "requestBody": {"required": False, "content": {"application/json": {"schema": ref(schema)}}},
             "responses": {"200": {"description": "Done"}, **errors("400", "404", "409", "415", "501", "503")}}}
+    out.update(_shared_memory_routes("system", "System", "SystemSharedMemoryRegisterRequest",
+                                     "SystemSharedMemoryRegion"))
+    out.update(_shared_memory_routes("cuda", "CUDA", "CudaSharedMemoryRegisterRequest", "CudaSharedMemoryRegion"))
     return out
+
+
+def _shared_memory_routes(kind: str, title: str, register: str, region: str) -> dict[str, dict]:
+    """Triton's shared-memory extension: status and unregister of one region or all, register of one."""
+    base, one = f"/v2/{kind}sharedmemory", f"/v2/{kind}sharedmemory/region/{{region_name}}"
+    note = " (not supported on a machine without a GPU and CuPy: 400)" if kind == "cuda" else ""
+    tags = ["shared-memory"]
+    status = {"200": json_body({"type": "array", "items": ref(region)})}
+    return {
+        f"{base}/status": {"get": {"summary": f"{title} shared memory: every region", "tags": tags,
+                                   "responses": status}},
+        f"{one}/status": {"get": {"summary": f"{title} shared memory: one region", "tags": tags,
+                                  "parameters": [REGION_NAME], "responses": {**status, **errors("404")}}},
+        f"{one}/register": {"post": {
+            "summary": f"Register a {title} shared memory region{note}", "tags": tags,
+            "parameters": [REGION_NAME, CONTENT_ENCODING],
+            "requestBody": {"required": True, "content": {"application/json": {"schema": ref(register)}}},
+            "responses": {"200": {"description": "Registered"}, **errors("400", "409", "415")}}},
+        f"{base}/unregister": {"post": {"summary": f"Unregister every {title} shared memory region", "tags": tags,
+                                        "responses": {"200": {"description": "Done"}}}},
+        f"{one}/unregister": {"post": {"summary": f"Unregister a {title} shared memory region", "tags": tags,
+                                       "parameters": [REGION_NAME], "responses": {"200": {"description": "Done"}}}},
+    }

@@ -8,11 +8,13 @@ from .base import Scheduler
 from .direct import DirectScheduler
 from .dynamic_batcher import DynamicBatcher
 from .passthrough import PassThroughScheduler
+from .sequence import SequenceBatcher
 
 if TYPE_CHECKING:
     from ..runtime import ModelRuntime
 
-__all__ = ["Scheduler", "DirectScheduler", "DynamicBatcher", "PassThroughScheduler", "make_scheduler"]
+__all__ = ["Scheduler", "DirectScheduler", "DynamicBatcher", "PassThroughScheduler", "SequenceBatcher",
+           "make_scheduler"]
 
 
 def make_scheduler(runtime: "ModelRuntime") -> Scheduler:
@@ -20,6 +22,8 @@ def make_scheduler(runtime: "ModelRuntime") -> Scheduler:
     custom = getattr(runtime.model, "create_scheduler", None)
     if custom is not None:
         return custom(runtime)
+    if runtime.config.HasField("sequence_batching"):
+        return SequenceBatcher(runtime)
     if runtime.config.HasField("dynamic_batching"):
         return DynamicBatcher(runtime)
     return DirectScheduler(runtime)

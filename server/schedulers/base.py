@@ -54,7 +54,15 @@ class Scheduler:
                     log.exception("model '%s': batch execution failed", self.runtime.name)
 
     async def run(self, slot: "InstanceSlot", batch: list[InferenceRequest]) -> None:
-        await self.runtime.execute(slot, batch)
+        limiter = self.runtime.rate_limiter
+        if limiter is None or slot.limits is None:
+            await self.runtime.execute(slot, batch)
+            return
+        await limiter.acquire(slot.limits)  # the instance's turn and resources (--rate-limit execution_count)
+        try:
+            await self.runtime.execute(slot, batch)
+        finally:
+            limiter.release(slot.limits)
 
 
 def drop_cancelled(request: InferenceRequest) -> bool:

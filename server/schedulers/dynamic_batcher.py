@@ -18,7 +18,7 @@ from functools import partial
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from ..errors import Unavailable
+from ..errors import QueueFull, Unavailable
 from ..types import InferenceRequest, InferenceResponse
 from .base import Scheduler, drop_cancelled
 
@@ -80,7 +80,7 @@ class DynamicBatcher(Scheduler):
         if level is None:
             level = self.levels[self.default_level]
         if level.max_size and len(level.queue) >= level.max_size:
-            raise Unavailable(f"exceeds maximum queue size for model '{self.runtime.name}'")
+            raise QueueFull(f"exceeds maximum queue size for model '{self.runtime.name}'")
         entry = level.entry(request)
         level.queue.append(entry)
         if entry.deadline_ns:  # expire it on time even while every instance is busy

@@ -7,6 +7,13 @@ ResponseSender, so the statistics' compute time covers the request from its star
 response. The engine's own waiting count, when the model knows it (``Model.waiting_requests``), is
 the model's pending count.
 
+Admission: the config parameter ``max_queue_size`` (as TensorRT-LLM's Triton backend names it; 0 or
+absent: no bound) bounds the requests waiting for the engine: those in flight beyond what the engine
+runs at once (``Model.engine_capacity``, vLLM's ``max_num_seqs``; all of them when the model does not
+say). A request past the bound is refused at once with :class:`~tideserve.errors.QueueFull` (503 with
+``Retry-After``, gRPC UNAVAILABLE, counted as REJECTED), so a flood gets fast answers instead of
+queueing without limit inside the engine.
+
 Stopping: the repository drains a model (waits up to the unload or exit timeout for the requests in
 flight) before it unloads it, so by :meth:`PassThroughScheduler.stop` that time is spent. ``stop``
 waits at most ``stop_timeout_s`` more (requests whose end is already under way: an engine abort, a
@@ -19,7 +26,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from ..errors import InternalError, Unavailable
+from ..errors import InternalError, InvalidArgument, QueueFull, Unavailable
 from ..types import InferenceRequest
 from .base import Scheduler, drop_cancelled
 
@@ -29,6 +36,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 1.0
+MAX_QUEUE_SIZE = "max_queue_size"  # the config parameter bounding the requests waiting for the engine
 
 
 class PassThroughScheduler(Scheduler):
@@ -43,6 +51,7 @@ class PassThroughScheduler(Scheduler):
         self.stop_timeout_s = stop_timeout_s
         self._next = 0
         self._running: dict[asyncio.Task, InferenceRequest] = {}
+        self.max_queue_size = queue_bound(runtime)
 
     async def start(self) -> None:  # no worker loop: nothing waits here
         if self.runtime.config.HasField("dynamic_batching"):
@@ -52,12 +61,22 @@ class PassThroughScheduler(Scheduler):
     def enqueue(self, request: InferenceRequest) -> None:
         if drop_cancelled(request):
             return
+        if self.max_queue_size:
+            self._admit()
         slots = self.runtime.slots
         slot = slots[self._next % len(slots)]
         self._next += 1
         task = asyncio.get_running_loop().create_task(self._run(slot, request))
         self._running[task] = request
         task.add_done_callback(self._finished)
+
+    def _admit(self) -> None:
+        """Refuse a request when ``max_queue_size`` requests already wait beyond the engine's capacity."""
+        capacity = self.runtime.model.engine_capacity() or 0
+        waiting = len(self._running) - capacity
+        if waiting >= self.max_queue_size:
+            raise QueueFull(f"model '{self.runtime.name}' is busy: {waiting} requests wait for its engine "
+                            f"(max_queue_size {self.max_queue_size}); retry later or on another replica")
 
     def _finished(self, task: asyncio.Task) -> None:
         self._running.pop(task, None)
@@ -99,3 +118,19 @@ class PassThroughScheduler(Scheduler):
     def _stopped_error(self) -> Unavailable:
         return Unavailable(f"model '{self.runtime.name}' version {self.runtime.version} was unloaded "
                            f"before the request finished")
+
+
+def queue_bound(runtime: ModelRuntime) -> int:
+    """The model's ``max_queue_size`` config parameter (0 when absent); InvalidArgument when not an integer >= 0."""
+    param = runtime.config.parameters.get(MAX_QUEUE_SIZE)
+    if param is None or not param.string_value.strip():
+        return 0
+    text = param.string_value.strip()
+    try:
+        bound = int(text)
+    except ValueError:
+        bound = -1
+    if bound < 0:
+        raise InvalidArgument(f"model '{runtime.name}': config parameter '{MAX_QUEUE_SIZE}' must be an integer "
+                              f">= 0 (0: no bound), got '{text}'")
+    return bound

@@ -798,9 +798,9 @@ async def test_aio_client(tideserve):
 def test_shared_memory_trace_and_log_rpcs(client):
     assert len(client.get_system_shared_memory_status().regions) == 0
     assert len(client.get_cuda_shared_memory_status().regions) == 0
-    with pytest.raises(InferenceServerException) as info:
-        client.register_system_shared_memory("region", "/key", 64)
-    assert info.value.status() == "StatusCode.UNIMPLEMENTED"
+    with pytest.raises(InferenceServerException, match="Unable to open shared memory region: '/key'") as info:
+        client.register_system_shared_memory("region", "/key", 64)  # no such object under /dev/shm
+    assert info.value.status() == "StatusCode.INVALID_ARGUMENT"
     client.unregister_system_shared_memory()
     client.unregister_cuda_shared_memory()
 

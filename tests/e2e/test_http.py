@@ -757,7 +757,7 @@ BAD_JSON_REQUESTS = [
     ("input parameters not object", {"inputs": [{**GOOD_INPUTS[0], "parameters": [1]}, GOOD_INPUTS[1]]},
      "add_sub", 400, "input 'INPUT0': 'parameters'"),
     ("shared memory input", {"inputs": [{**GOOD_INPUTS[0], "parameters": {"shared_memory_region": "r"}},
-                                        GOOD_INPUTS[1]]}, "add_sub", 501, "input 'INPUT0': shared memory"),
+                                        GOOD_INPUTS[1]]}, "add_sub", 400, "input 'INPUT0' must set only one of"),
     ("id not string", {"id": 5, "inputs": GOOD_INPUTS}, "add_sub", 400, "'id'"),
     ("parameters not object", {"parameters": [], "inputs": GOOD_INPUTS}, "add_sub", 400, "'parameters'"),
     ("reserved parameter", {"parameters": {"triton_x": 1}, "inputs": GOOD_INPUTS}, "add_sub", 400, "'triton_x'"),

@@ -194,6 +194,105 @@ def test_completion_logprobs(client):
     assert sum(len(c.choices[0].logprobs.tokens) for c in chunks) == 6
 
 
+
+# -- prompt log probabilities (echo + logprobs), as evaluation harnesses ask ------------------------
+@pytest.fixture(scope="module")
+def hf_prompt_logprobs(tiny_model):
+    """``prompt ids -> [None, logprob of token 1 given token 0, ...]`` and the greedy flags, by transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+
+    def score(ids: list[int]) -> tuple[list[float | None], list[bool]]:
+        with torch.no_grad():
+            logits = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), dim=-1)
+        following = logits[:-1].gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1)
+        greedy = (logits[:-1].argmax(dim=-1) == torch.tensor(ids[1:])).tolist()
+        return [None, *following.tolist()], greedy
+
+    return score
+
+
+def _lm_eval_loglikelihood(choice: dict, ctxlen: int) -> tuple[float, bool]:
+    """lm-eval's ``local-completions`` reading of one choice (``parse_logprobs``): the continuation's summed
+    log probability, and whether each of its tokens was the most likely one."""
+    token_logprobs = choice["logprobs"]["token_logprobs"][ctxlen:-1]
+    top_logprobs = choice["logprobs"]["top_logprobs"][ctxlen:-1]
+    return sum(token_logprobs), all(lp == max(top.values()) for lp, top in zip(token_logprobs, top_logprobs))
+
+
+def test_lm_eval_loglikelihood_request_shape(client, tokenizer, hf_prompt_logprobs):
+    """lm-eval's loglikelihood request: token-id prompts (context + continuation), max_tokens 1, logprobs 1,
+    echo, temperature 0, seed; the prompt's log probabilities equal transformers'."""
+    context = tokenizer("The quick brown fox jumps over").input_ids
+    continuations = [tokenizer(" the lazy dog", add_special_tokens=False).input_ids,
+                     tokenizer(" a sleeping cat", add_special_tokens=False).input_ids]
+    prompts = [context + c for c in continuations]
+    result = client.completions.create(model=MODEL, prompt=prompts, temperature=0, max_tokens=1, logprobs=1,
+                                       seed=1234, echo=True)
+    choices = sorted((c.model_dump() for c in result.choices), key=lambda c: c["index"])
+    assert [c["index"] for c in choices] == [0, 1]
+    for ids, choice in zip(prompts, choices):
+        expected, greedy = hf_prompt_logprobs(ids)
+        logprobs = choice["logprobs"]
+        assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == len(ids) + 1  # the prompt, one token
+        assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+        assert logprobs["token_logprobs"][1:len(ids)] == pytest.approx(expected[1:], abs=2e-3)
+        for token, logprob, top in zip(logprobs["tokens"][1:], logprobs["token_logprobs"][1:],
+                                       logprobs["top_logprobs"][1:]):
+            assert 1 <= len(top) <= 2 and top[token] == logprob  # the token itself, and the most likely one
+        assert choice["text"].startswith(tokenizer.decode(ids))
+        assert logprobs["text_offset"][0] == 0 and logprobs["text_offset"] == sorted(logprobs["text_offset"])
+        total, is_greedy = _lm_eval_loglikelihood(choice, len(context))
+        assert total == pytest.approx(sum(expected[len(context):]), abs=5e-3)
+        assert is_greedy == all(greedy[len(context) - 1:])
+    assert result.usage.prompt_tokens == sum(len(p) for p in prompts)
+
+
+def test_echo_with_max_tokens_0_and_streamed(client, tokenizer, hf_prompt_logprobs):
+    ids = tokenizer(PROMPT).input_ids
+    expected, _ = hf_prompt_logprobs(ids)
+    only = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=0)
+    logprobs = only.choices[0].logprobs
+    assert only.choices[0].text == PROMPT and len(logprobs.tokens) == len(ids)
+    assert logprobs.token_logprobs[0] is None and logprobs.token_logprobs[1:] == pytest.approx(expected[1:], abs=2e-3)
+    assert all(len(top) == 1 for top in logprobs.top_logprobs[1:])  # logprobs 0: the token itself
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, echo=True, logprobs=2,
+                                            stream=True, **GREEDY, **IGNORE_EOS))
+    tokens = [t for c in chunks for t in c.choices[0].logprobs.tokens]
+    values = [v for c in chunks for v in c.choices[0].logprobs.token_logprobs]
+    assert len(tokens) == len(ids) + 3 and values[0] is None
+    assert values[1:len(ids)] == pytest.approx(expected[1:], abs=2e-3)
+    assert "".join(c.choices[0].text for c in chunks).startswith(PROMPT)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0)
+    assert info.value.body["param"] == "max_tokens"
+
+
+# -- /tokenize and /detokenize ------------------------------------------------------------------
+def test_tokenize_and_detokenize(llm_server, tokenizer):
+    base = llm_server.base_url
+    ids = tokenizer(PROMPT).input_ids
+    answer = httpx.post(f"{base}/tokenize", json={"model": MODEL, "prompt": PROMPT}, timeout=30).json()
+    assert answer == {"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids, "token_strs": None}
+    bare = httpx.post(f"{base}/tokenize", json={"prompt": PROMPT, "add_special_tokens": False,
+                                               "return_token_strs": True}, timeout=30).json()
+    assert bare["tokens"] == tokenizer(PROMPT, add_special_tokens=False).input_ids
+    assert bare["token_strs"] == tokenizer.convert_ids_to_tokens(bare["tokens"])
+    chat = httpx.post(f"{base}/tokenize", json={"model": MODEL, "messages": MESSAGES}, timeout=30).json()
+    assert chat["tokens"] == tokenizer(_rendered(tokenizer, MESSAGES), add_special_tokens=False).input_ids
+    back = httpx.post(f"{base}/detokenize", json={"model": MODEL, "tokens": ids}, timeout=30).json()
+    assert back == {"prompt": tokenizer.decode(ids)}
+    info = httpx.get(f"{base}/tokenizer_info", timeout=30).json()
+    assert info["eos_token"] == tokenizer.eos_token and info["chat_template"] and info["tokenizer_class"]
+    for path, body, param, status in (("/detokenize", {"tokens": [-1]}, "tokens", 400),
+                                      ("/detokenize", {"tokens": [10**9]}, "tokens", 400),
+                                      ("/tokenize", {"prompt": 5}, "prompt", 400),
+                                      ("/tokenize", {"model": "nope", "prompt": "x"}, "model", 404)):
+        response = httpx.post(f"{base}{path}", json=body, timeout=30)
+        assert response.status_code == status and response.json()["error"]["param"] == param, response.text
+
 # -- chat ---------------------------------------------------------------------------------------
 def test_chat_renders_the_template_and_counts_tokens(client, tokenizer):
     prompt_tokens = len(tokenizer(_rendered(tokenizer, MESSAGES), add_special_tokens=False).input_ids)

@@ -38,7 +38,6 @@ LIMITS = OpenAILimits()
     ({"prompt": "x", "temperature": 2.5}, "temperature"),
     ({"prompt": "x", "temperature": -0.1}, "temperature"),
     ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
-    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": "x", "top_p": 0}, "top_p"),
     ({"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
@@ -61,7 +60,8 @@ def test_completion_fields_out_of_range_name_the_field(doc, param):
     ({"prompt": [[1], []]}, "prompt"),
     ({"prompt": "x", "suffix": "y"}, "suffix"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
-    ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": "x", "suffix": "y", "echo": True}, "suffix"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),  # 0 only with echo
     ({"prompt": "x", "min_tokens": 20, "max_tokens": 10}, "min_tokens"),
     ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
     ({"prompt": "x", "response_format": {"type": "json_schema"}}, "response_format"),
@@ -399,6 +399,9 @@ async def test_async_client_streams(toy_server):
     ({"logprobs": 2}, "logprobs"),
     ({"extra_body": {"top_k": 3}}, "top_k"),
     ({"extra_body": {"response_format": {"type": "json_object"}}}, "response_format"),
+    ({"echo": True, "logprobs": 1}, "echo"),  # no prompt log probabilities from this model
+    ({"suffix": "!"}, "suffix"),
+    ({"max_tokens": 0}, "max_tokens"),  # 0 only with echo
 ])
 def test_completion_errors_are_400_with_the_field(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as info:
@@ -414,6 +417,20 @@ def test_unknown_model_is_404(client):
                                "param": "model", "code": 404}
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="add_sub", messages=[{"role": "user", "content": "x"}])
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/tokenize", {"model": "words", "prompt": "hi"}, 400, "model"),  # no tokenizer files
+    ("/detokenize", {"model": "words", "tokens": [1]}, 400, "model"),
+    ("/tokenize", {"model": "add_sub", "prompt": "hi"}, 404, "model"),
+    ("/tokenize", {"prompt": "hi"}, 400, "model"),  # two text models: the request must name one
+    ("/v1/embeddings", {"input": "hi"}, 400, "model"),  # no embedding model served
+    ("/v1/embeddings", {"model": "words", "input": "hi"}, 404, "model"),
+])
+def test_tokenize_and_embeddings_errors_without_such_models(toy_server, path, body, status, param):
+    response = httpx.post(f"{toy_server.base_url}{path}", json=body, timeout=30)
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["param"] == param and response.json()["error"]["code"] == status
 
 
 def test_malformed_bodies_are_400(toy_server):

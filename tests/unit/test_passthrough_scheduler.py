@@ -12,7 +12,7 @@ import pytest
 
 from tideserve import config as config_module
 from tideserve.backend import Backend, Model, ModelContext, ModelInstance
-from tideserve.errors import Status
+from tideserve.errors import InvalidArgument, QueueFull, Status
 from tideserve.responses import ResponseSender, ResponseStream
 from tideserve.runtime import ModelRuntime
 from tideserve.schedulers import PassThroughScheduler
@@ -167,3 +167,27 @@ async def test_dynamic_batching_is_logged_as_ignored(tmp_path, caplog, extra, lo
         runtime = await _runtime(tmp_path, extra)
     await runtime.unload()
     assert ("dynamic_batching is ignored" in caplog.text) is logged
+
+
+async def test_max_queue_size_refuses_requests_beyond_the_engine_capacity_and_the_bound(tmp_path):
+    """max_queue_size 2 over an engine that runs 2 at once: 4 in flight, the 5th is QueueFull (503 +
+    Retry-After, REJECTED); once one ends, one more is admitted."""
+    runtime = await _runtime(tmp_path, 'parameters { key: "max_queue_size" value { string_value: "2" } }')
+    runtime.model.engine_capacity = lambda: 2
+    try:
+        streams = [_submit(runtime, 3) for _ in range(4)]
+        with pytest.raises(QueueFull) as refused:
+            _submit(runtime, 1)
+        assert refused.value.status is Status.UNAVAILABLE and refused.value.retry_after_s == 1
+        assert "max_queue_size 2" in refused.value.message
+        await asyncio.gather(*(_responses(s) for s in streams))
+        await asyncio.sleep(0)
+        assert (await _responses(_submit(runtime, 1)))[-1].error is None
+    finally:
+        await runtime.unload()
+
+
+@pytest.mark.parametrize("value", ["-1", "many"])
+async def test_a_bad_max_queue_size_fails_the_load(tmp_path, value):
+    with pytest.raises(InvalidArgument, match="'max_queue_size' must be an integer >= 0"):
+        await _runtime(tmp_path, f'parameters {{ key: "max_queue_size" value {{ string_value: "{value}" }} }}')

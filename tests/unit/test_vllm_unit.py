@@ -216,6 +216,26 @@ def test_response_builder_n_completions_and_token_ids():
         ResponseBuilder(inputs, 2, {})
 
 
+
+def test_response_builder_prompt_logprobs_once():
+    """``prompt_logprobs``: vLLM's list (None first) as JSON, the first token named with a null logprob; a
+    stream carries it once, with the first response that has it."""
+    lp = SimpleNamespace(logprob=-1.5, rank=3, decoded_token=" b")
+    top = SimpleNamespace(logprob=-0.5, rank=1, decoded_token=" c")
+    inputs = parse_inputs(_request(text_input="Hi", stream=[True], return_prompt_logprobs=[True]))
+    assert "prompt_logprobs" in inputs.outputs
+    builder = ResponseBuilder(inputs, 1, {}, decode=lambda token: f"<{token}>")
+    first = _output([" a"], [[1]], prompt_ids=(7, 8))
+    first.prompt_logprobs = [None, {8: lp, 9: top}]
+    entries = json.loads(builder.delta(first).output("prompt_logprobs").data[0])
+    assert entries == [{"7": {"logprob": None, "rank": None, "decoded_token": "<7>"}},
+                       {"8": {"logprob": -1.5, "rank": 3, "decoded_token": " b"},
+                        "9": {"logprob": -0.5, "rank": 1, "decoded_token": " c"}}]
+    assert builder.delta(_output([" x"], [[2]])).output("prompt_logprobs") is None
+    whole = ResponseBuilder(parse_inputs(_request(text_input="Hi", return_prompt_logprobs=[True])), 1, {})
+    whole.add(_output([" a"], [[1]]))  # no prompt_logprobs asked of the engine: null
+    assert whole.whole().output("prompt_logprobs").data.tolist() == [b"null"]
+
 # -- sampling parameters ------------------------------------------------------------------------
 @needs_vllm
 def test_sampling_parameters_convert_and_name_bad_fields():

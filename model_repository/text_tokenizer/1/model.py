@@ -1,6 +1,8 @@
 """MiniLM's tokenizer as a Triton Python model: ``text`` (BYTES [batch, 1]) -> ``input_ids`` and
-``attention_mask`` (INT64 [batch, length]), padded to the longest sentence of the request and
-truncated at the ``max_length`` parameter, as sentence-transformers tokenizes for this model. A request
+``attention_mask`` (INT64 [batch, length]), padded to the longest sentence of the request (rounded up
+to a multiple of the ``pad_to_multiple_of`` parameter, when set: the encoder's batcher batches requests
+of one shape; the mask keeps the padding out of the embedding) and truncated at the ``max_length``
+parameter, as sentence-transformers tokenizes for this model. A request
 whose text is not UTF-8 is answered with an INVALID_ARG error (HTTP 400, gRPC INVALID_ARGUMENT)."""
 
 import json
@@ -22,7 +24,8 @@ class TritonPythonModel:
                 f"{path} is missing: run `python -m tideserve.bench.examples.prepare` (make serve does) first")
         self.tokenizer = Tokenizer.from_file(str(path))
         self.tokenizer.enable_truncation(int(parameters.get("max_length", "256")))
-        self.tokenizer.enable_padding(pad_id=0, pad_token="[PAD]")
+        multiple = int(parameters.get("pad_to_multiple_of", "0")) or None
+        self.tokenizer.enable_padding(pad_id=0, pad_token="[PAD]", pad_to_multiple_of=multiple)
 
     def execute(self, requests):
         responses = []

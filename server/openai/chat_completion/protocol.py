@@ -4,8 +4,9 @@ Messages are checked here (roles, content of text parts) and turned into the pla
 template reads (content parts joined into one string, ``developer`` read as ``system``, tool-call
 arguments parsed from JSON). Tools: ``tool_choice`` ``none`` renders them for the model and never
 parses a call; a named function or ``required`` constrains the output with structured output (a JSON
-object of the function's parameters, or a JSON array of ``{"name", "parameters"}`` calls); ``auto``
-needs a tool-call parser, which this server does not have (a 400, as vLLM answers without one).
+object of the function's parameters, or a JSON array of ``{"name", "parameters"}`` calls); ``auto`` (the
+default when tools are given) parses calls out of the output with the model's tool-call parser, and is a
+400 for a model without one, as vLLM answers without ``--tool-call-parser``.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True  # with a reasoning parser: send the reasoning (else only the answer)
 
     @property
     def max_output(self) -> tuple[int | None, str]:
@@ -89,12 +91,15 @@ class ChatCompletionRequest(SamplingRequest):
 
     @property
     def tool_mode(self) -> str:
-        """``none``, ``named`` or ``required`` (``auto`` is refused by :meth:`check_chat`)."""
-        if not self.tools or self.tool_choice in (None, "none"):
+        """``none``, ``auto``, ``named`` or ``required``."""
+        if not self.tools or self.tool_choice == "none":
             return "none"
+        if self.tool_choice is None:
+            return "auto"
         return "named" if isinstance(self.tool_choice, NamedToolChoice) else str(self.tool_choice)
 
-    def check_chat(self, limits: OpenAILimits) -> None:
+    def check_chat(self, limits: OpenAILimits, auto_tools: bool = False) -> None:
+        """Cross-field checks; ``auto_tools``: the model has a tool-call parser."""
         self.check(*self.max_output, limits)
         limits.check_logprobs(self.top_logprobs, "top_logprobs")
         if self.top_logprobs and not self.logprobs:
@@ -104,9 +109,9 @@ class ChatCompletionRequest(SamplingRequest):
                              "continue_final_message")
         for i, message in enumerate(self.messages):
             _check_message(i, message)
-        self._check_tools()
+        self._check_tools(auto_tools)
 
-    def _check_tools(self) -> None:
+    def _check_tools(self, auto_tools: bool) -> None:
         if self.tools == []:
             raise BadRequest("`tools` must not be an empty array", "tools")
         choice = self.tool_choice
@@ -115,9 +120,11 @@ class ChatCompletionRequest(SamplingRequest):
         if not self.tools or choice == "none":
             return
         if choice is None or choice == "auto":
-            raise BadRequest("tool_choice 'auto' (the default when tools are given) needs a tool-call parser, "
-                             "which this server does not have: use tool_choice 'none', 'required' or a named "
-                             "function", "tool_choice")
+            if not auto_tools:
+                raise BadRequest('"auto" tool choice requires --tool-call-parser to be set (or the model config '
+                                 "parameter 'tool_call_parser'); tool_choice 'none', 'required' or a named "
+                                 "function work without one", "tool_choice")
+            return  # response_format may constrain the output as well, as vLLM allows
         if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools}:
             raise BadRequest(f"tool_choice names function '{choice.function.name}', which is not in `tools`",
                              "tool_choice")

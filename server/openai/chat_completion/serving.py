@@ -4,18 +4,20 @@ Streaming sends, per choice, a first chunk with the role, then one ``chat.comple
 response that adds something (the last carries ``finish_reason``), then a usage chunk when
 ``stream_options.include_usage``, then ``data: [DONE]``. A named tool streams its arguments as
 ``tool_calls`` deltas; ``required`` tool calls come whole in the finishing chunk (they are parsed from
-the complete JSON array). The template renders on a worker thread within the server's time and size limits.
+the complete JSON array); ``auto`` calls stream as the model's tool-call parser reads them, reasoning as
+``reasoning`` deltas (:mod:`.output`). The template renders on a worker thread within the server's time
+and size limits.
 """
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 
 import orjson
 
 from ...errors import ServerError
+from ...tool_parsers import tool_parser
 from ..chat_template import ChatTemplate, TemplateError, special_tokens
 from ..limits import OpenAILimits
 from ..errors import BadRequest, from_server_error
@@ -25,10 +27,11 @@ from ..llm import LLMModel
 from ..logprobs import chat_content
 from ..protocol import parse
 from ..template_sandbox import RenderBudget
+from . import output
+from .output import ROLE
 from .protocol import ChatCompletionRequest
 
 OBJECT, CHUNK = "chat.completion", "chat.completion.chunk"
-ROLE = "assistant"
 
 
 async def create_chat_completion(server, doc, _scope) -> bytes | EventStream:
@@ -36,7 +39,7 @@ async def create_chat_completion(server, doc, _scope) -> bytes | EventStream:
     catalog = server.catalog
     llm = catalog.get(request.model) if request.model else catalog.default()
     limits = server.limits
-    request.check_chat(limits)
+    request.check_chat(limits, auto_tools=llm.tool_call_parser is not None)
     mode = request.tool_mode
     constraint = request.constraint()
     if constraint is not None and not llm.structured_outputs:
@@ -47,6 +50,8 @@ async def create_chat_completion(server, doc, _scope) -> bytes | EventStream:
     await limits.check_prompts_fit(llm, [prompt], "messages", server.run_blocking)
     max_tokens, max_field = request.max_output
     sampling = request.sampling(max_tokens, (request.top_logprobs or 0) if request.logprobs else None)
+    if mode == "auto" and llm.sampling_json and tool_parser(llm.tool_call_parser).keeps_special_tokens:
+        sampling["skip_special_tokens"] = False  # the parser's markers are special tokens of such models
     fields = {"max_tokens": max_field, "logprobs": "top_logprobs",
               "structured_outputs": "tool_choice" if mode != "none" else "response_format"}
     stream = bool(request.stream)
@@ -55,6 +60,7 @@ async def create_chat_completion(server, doc, _scope) -> bytes | EventStream:
     try:
         inference = llm.request(prompt, sampling, stream=stream, logprobs=bool(request.logprobs),
                                 add_special_tokens=False, request_id=request_id)
+        llm.admission(inference, request.priority, server.limits.prompt_tokens_details)
         run = Run(server.dataplane, llm, inference, request.n)
         if stream:
             await run.peek()
@@ -77,7 +83,7 @@ async def create_chat_completion(server, doc, _scope) -> bytes | EventStream:
     out = []
     for i, choice in enumerate(choices):
         usage.add_choice(choice)
-        message, reason = _message(request, choice.text, choice.finish_reason)
+        message, reason = output.message(request, llm, choice.text, choice.finish_reason)
         out.append({"index": i, "message": message,
                     "logprobs": {"content": chat_content(choice.logprobs, request.top_logprobs or 0)}
                     if request.logprobs else None,
@@ -110,50 +116,17 @@ def _render(request: ChatCompletionRequest, llm: LLMModel, limits: OpenAILimits)
         raise BadRequest(str(exc), "chat_template" if request.chat_template is not None else "messages") from None
 
 
-def _tool_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def _required_calls(text: str) -> list[dict] | None:
-    """The calls of a ``required`` tool choice's JSON array (None when the text is not one)."""
-    try:
-        calls = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(calls, list) or not all(isinstance(c, dict) and "name" in c for c in calls):
-        return None
-    return [{"id": _tool_call_id(), "type": "function",
-             "function": {"name": c["name"], "arguments": json.dumps(c.get("parameters", {}), ensure_ascii=False)}}
-            for c in calls]
-
-
-def _message(request: ChatCompletionRequest, text: str, reason: str | None) -> tuple[dict, str]:
-    reason = reason or "stop"
-    mode = request.tool_mode
-    if mode == "named":
-        call = {"id": _tool_call_id(), "type": "function",
-                "function": {"name": request.tool_choice.function.name, "arguments": text}}
-        return {"role": ROLE, "content": None, "tool_calls": [call]}, reason
-    if mode == "required":
-        calls = _required_calls(text)
-        if calls is not None:
-            return {"role": ROLE, "content": None, "tool_calls": calls}, "tool_calls" if reason == "stop" else reason
-    return {"role": ROLE, "content": text}, reason
-
-
 async def _events(request: ChatCompletionRequest, header: dict, llm: LLMModel, run: Run, prompt: str,
                   fields: dict):
     n = request.n
     options = request.stream_options
     include_usage = bool(options and options.include_usage)
     top = request.top_logprobs or 0
-    mode = request.tool_mode
     usage = Usage(llm)
     live_usage = usage if options and options.continuous_usage_stats else None
     usage.add_prompt(run, prompt)
     finished = [False] * n
-    started = [False] * n        # a named tool's first delta carries its id and name
-    buffers = [""] * n           # required tool calls are parsed whole at the end
+    outputs = [output.ChoiceStream(request, llm) for _ in range(n)]
     for i in range(n):
         first = {"index": i, "delta": {"role": ROLE, "content": ""}, "logprobs": None, "finish_reason": None}
         yield chunk_event(header, first, live_usage)
@@ -167,23 +140,12 @@ async def _events(request: ChatCompletionRequest, header: dict, llm: LLMModel, r
                 entries = step.logprobs[i] if step.logprobs is not None else None
                 if not text and reason is None and not entries:
                     continue
-                if mode == "none":
-                    delta = {"content": text}
-                elif mode == "named":
-                    delta = {}
-                    if not started[i]:
-                        started[i] = True
-                        delta = {"tool_calls": [{"index": 0, "id": _tool_call_id(), "type": "function", "function": {
-                            "name": request.tool_choice.function.name, "arguments": text}}]}
-                    elif text:
-                        delta = {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
-                else:
-                    buffers[i] += text
-                    delta = {}
-                    if reason is not None:
-                        message, reason = _message(request, buffers[i], reason)
-                        delta = ({"tool_calls": [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]}
-                                 if message.get("tool_calls") else {"content": buffers[i]})
+                delta = outputs[i].feed(text) if text else {}
+                if reason is not None:
+                    last, reason = outputs[i].finish(reason)
+                    output.merge(delta, last)
+                elif not delta and not entries:
+                    continue  # text held back (it may start a marker)
                 choice = {"index": i, "delta": delta,
                           "logprobs": {"content": chat_content(entries, top)} if request.logprobs else None,
                           "finish_reason": reason}
@@ -194,8 +156,8 @@ async def _events(request: ChatCompletionRequest, header: dict, llm: LLMModel, r
         raise from_server_error(exc, fields, "messages") from None
     for i in range(n):  # a model that reports no finish reason ends its choices here
         if not finished[i]:
-            delta = {"content": buffers[i]} if mode == "required" and buffers[i] else {}
-            last = {"index": i, "delta": delta, "logprobs": None, "finish_reason": "stop"}
+            delta, reason = outputs[i].finish(None)
+            last = {"index": i, "delta": delta, "logprobs": None, "finish_reason": reason}
             yield chunk_event(header, last, live_usage)
     if include_usage:
         yield event({**header, "choices": [], "usage": usage.doc()})

@@ -15,7 +15,7 @@ TokenId = Annotated[int, Field(ge=0)]
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]] | None = None
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0: only with echo (the prompt's log probabilities)
     logprobs: int | None = Field(None, ge=0)  # at most OpenAILimits.max_logprobs
     echo: bool | None = False
     suffix: str | None = None
@@ -40,10 +40,22 @@ class CompletionRequest(SamplingRequest):
     def check_completion(self, limits: OpenAILimits) -> None:
         self.check(self.max_tokens, "max_tokens", limits)
         limits.check_logprobs(self.logprobs, "logprobs")
-        if self.suffix:
-            raise BadRequest("'suffix' is not supported", "suffix")
+        if self.max_tokens == 0 and not self.echo:
+            raise BadRequest("'max_tokens' must be at least 1 (0 only with 'echo': the prompt alone)", "max_tokens")
+        if self.suffix is not None:
+            if self.echo:
+                raise BadRequest("Echo is unsupported with suffix.", "suffix")
+            raise BadRequest("suffix is only supported for models with FIM completion rendering; the models of "
+                             "this server have none", "suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise BadRequest("'best_of' other than n is not supported", "best_of")
-        if self.echo and self.logprobs is not None:
-            raise BadRequest("'echo' with 'logprobs' is not supported: the prompt's log probabilities are not "
-                             "returned", "echo")
+
+    @property
+    def prompt_logprobs(self) -> bool:
+        """Whether the prompt's log probabilities are asked for (``echo`` with ``logprobs``, as vLLM)."""
+        return bool(self.echo) and self.logprobs is not None
+
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens`` 0: the answer is the prompt (the engine still makes one token)."""
+        return bool(self.echo) and self.max_tokens == 0

@@ -1,6 +1,9 @@
 """``POST /v1/completions``: one DataPlane request per prompt, ``n`` choices each.
 
-Choice ``index`` is ``prompt_index * n + i`` (as vLLM numbers them). Streaming sends one
+Choice ``index`` is ``prompt_index * n + i`` (as vLLM numbers them). ``echo`` puts the prompt before each
+choice's text; with ``logprobs`` also the prompt's log probabilities before the choice's (the engine's
+``prompt_logprobs``; the first token's is null), and ``max_tokens`` 0 answers with the prompt alone (as
+vLLM: the engine makes one token, which is left out). Streaming sends one
 ``text_completion`` chunk per choice and model response that adds text (the last one carries
 ``finish_reason``), then a usage chunk when ``stream_options.include_usage``, then ``data: [DONE]``.
 The prompts' requests are started a slice at a time, the event loop serving other work in between.
@@ -39,8 +42,10 @@ async def create_completion(server, doc, _scope) -> bytes | EventStream:
     if request.constraint() is not None and not llm.structured_outputs:
         raise BadRequest(f"model '{llm.name}' has no structured output (response_format needs a vLLM model)",
                          "response_format" if request.response_format is not None else "structured_outputs")
-    sampling = request.sampling(request.max_tokens if request.max_tokens is not None else DEFAULT_MAX_TOKENS,
-                                request.logprobs)
+    max_tokens = request.max_tokens if request.max_tokens is not None else DEFAULT_MAX_TOKENS
+    sampling = request.sampling(1 if request.echo_only else max_tokens, request.logprobs)
+    if request.prompt_logprobs:
+        sampling["prompt_logprobs"] = request.logprobs
     stream = bool(request.stream)
     n = request.n
     request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -51,7 +56,9 @@ async def create_completion(server, doc, _scope) -> bytes | EventStream:
             if k and k % SLICE == 0:
                 await asyncio.sleep(0)  # let the loop run the requests started so far, and other clients
             inference = llm.request(prompt, sampling, stream=stream, logprobs=request.logprobs is not None,
-                                    add_special_tokens=request.add_special_tokens, request_id=f"{request_id}-{k}")
+                                    add_special_tokens=request.add_special_tokens, request_id=f"{request_id}-{k}",
+                                    prompt_logprobs=request.prompt_logprobs)
+            llm.admission(inference, request.priority, server.limits.prompt_tokens_details)
             runs.append(Run(server.dataplane, llm, inference, n, index=k * n))
         if stream:
             await peek_all(runs)
@@ -85,10 +92,13 @@ def _response(request: CompletionRequest, header: dict, llm, runs, prompts, echo
         usage.add_prompt(run, prompts[k])
         for i, choice in enumerate(result):
             usage.add_choice(choice)
+            text, entries = (echoes[k], []) if request.echo_only else (echoes[k] + choice.text, choice.logprobs)
             logprobs = None
-            if request.logprobs is not None:
-                logprobs = CompletionLogprobs(request.logprobs, len(echoes[k])).piece(choice.logprobs)
-            choices.append({"index": run.index + i, "text": echoes[k] + choice.text, "logprobs": logprobs,
+            if request.prompt_logprobs:
+                logprobs = CompletionLogprobs(request.logprobs).piece((run.prompt_logprobs or []) + entries)
+            elif request.logprobs is not None:
+                logprobs = CompletionLogprobs(request.logprobs, len(echoes[k])).piece(entries)
+            choices.append({"index": run.index + i, "text": text, "logprobs": logprobs,
                             "finish_reason": _finish(choice.finish_reason), "stop_reason": None})
     return orjson.dumps({**header, "choices": choices, "usage": usage.doc()})
 
@@ -104,8 +114,10 @@ async def _events(request: CompletionRequest, header: dict, llm, runs, prompts, 
     total = len(runs) * n
     finished = [False] * total
     echoed = [not request.echo] * total
-    logprobs = ([CompletionLogprobs(request.logprobs, len(echoes[j // n])) for j in range(total)]
+    offset = (lambda j: 0) if request.prompt_logprobs else (lambda j: len(echoes[j // n]))
+    logprobs = ([CompletionLogprobs(request.logprobs, offset(j)) for j in range(total)]
                 if request.logprobs is not None else None)
+    echo_only = request.echo_only
     try:
         async for run, step in merged(runs):
             usage.add_step(step)
@@ -115,8 +127,12 @@ async def _events(request: CompletionRequest, header: dict, llm, runs, prompts, 
                     continue
                 text, reason = step.texts[i], step.finish[i]
                 entries = step.logprobs[i] if step.logprobs is not None else None
+                if echo_only:  # the one token the engine made is not part of the answer
+                    text, entries = "", None
                 if not echoed[index]:
                     text = echoes[index // n] + text
+                    if request.prompt_logprobs:
+                        entries = (run.prompt_logprobs or []) + (entries or [])
                     echoed[index] = True
                 if not text and reason is None and not entries:
                     continue

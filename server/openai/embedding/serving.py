@@ -1,0 +1,150 @@
+"""``POST /v1/embeddings``: one DataPlane request per input, all at once (the model's dynamic batcher
+gathers them, with other clients' requests, into batches).
+
+Text goes to the model's text interface as it is; when the request changes its tokens
+(``truncate_prompt_tokens`` cuts an input, ``add_special_tokens`` false), the frontend tokenizes it and its
+token ids go to the token interface. The tokenizer counts ``usage`` and checks lengths on a worker thread.
+``dimensions`` keeps the leading values of a Matryoshka model's vector, normalised again; ``base64`` is
+the vector's bytes (``embed_dtype``, ``endianness``), as vLLM encodes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import sys
+import time
+import uuid
+
+import numpy as np
+import orjson
+
+from ...errors import ServerError
+from ..errors import BadRequest, OpenAIError, from_server_error
+from ..protocol import parse
+from .model import EmbeddingModel
+from .protocol import EmbeddingRequest
+
+SLICE = 64  # requests started per turn of the event loop
+
+
+async def create_embedding(server, doc, _scope) -> bytes:
+    request: EmbeddingRequest = parse(EmbeddingRequest, doc)
+    catalog = server.embedders
+    model = catalog.get(request.model) if request.model else catalog.default()
+    _check(request, model)
+    prompts, counts = await server.run_blocking(_prepare, model, request, request.inputs())
+    request_id = f"embd-{uuid.uuid4().hex}"
+    vectors = await _embed(server.dataplane, model, prompts, request_id)
+    data = [{"index": i, "object": "embedding", "embedding": _encode(_dimensions(v, request.dimensions), request)}
+            for i, v in enumerate(vectors)]
+    usage = sum(counts)
+    return orjson.dumps({"id": request_id, "object": "list", "created": int(time.time()), "model": model.name,
+                         "data": data, "usage": {"prompt_tokens": usage, "total_tokens": usage}},
+                        option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def _check(request: EmbeddingRequest, model: EmbeddingModel) -> None:
+    if request.use_activation is False:
+        raise BadRequest(f"model '{model.name}' normalises its embeddings itself: 'use_activation' false is not "
+                         "supported", "use_activation")
+    dimensions = request.dimensions
+    if dimensions is None:
+        return
+    if not model.matryoshka:
+        raise BadRequest(f"Model {model.name!r} does not support Matryoshka embeddings; dimensions must be unset "
+                         f"(received dimensions={dimensions}).", "dimensions")
+    size = model.dimension or 0
+    if not 1 <= dimensions <= size:
+        raise BadRequest(f"Model {model.name!r} only supports dimensions in range [1, {size}], got {dimensions}.",
+                         "dimensions")
+    if model.matryoshka_dimensions is not None and dimensions not in model.matryoshka_dimensions:
+        raise BadRequest(f"Model {model.name!r} only supports Matryoshka dimensions "
+                         f"{list(model.matryoshka_dimensions)}, got {dimensions}.", "dimensions")
+
+
+def _prepare(model: EmbeddingModel, request: EmbeddingRequest,
+             inputs: list[str | list[int]]) -> tuple[list[str | list[int]], list[int]]:
+    """The prompts to send (text kept as text where the model may tokenize it) and each one's token count;
+    blocking (tokenizes), on a worker thread. Raises BadRequest for an input the model cannot take."""
+    tokenizer = model.tokenizer()
+    limit = model.max_model_len
+    truncate = request.truncate_prompt_tokens
+    if truncate is not None:
+        if limit is not None and truncate > limit:
+            raise BadRequest(f"truncate_prompt_tokens value ({truncate}) is greater than max_model_len ({limit}). "
+                             "Please request a smaller truncation size.", "truncate_prompt_tokens")
+        truncate = limit if truncate == -1 else truncate
+    vocabulary = tokenizer.get_vocab_size(with_added_tokens=True) if tokenizer is not None else None
+    texts = [(i, p) for i, p in enumerate(inputs) if isinstance(p, str)]
+    encoded = {}
+    if texts and tokenizer is not None:
+        encodings = tokenizer.encode_batch([p for _, p in texts], add_special_tokens=request.add_special_tokens)
+        encoded = {i: e.ids for (i, _), e in zip(texts, encodings)}
+    prompts, counts = [], []
+    for i, prompt in enumerate(inputs):
+        ids = prompt if not isinstance(prompt, str) else encoded.get(i)
+        if isinstance(prompt, list) and vocabulary is not None:
+            bad = next((t for t in prompt if t >= vocabulary), None)
+            if bad is not None:
+                raise BadRequest(f"input[{i}]: token id {bad} is out of vocabulary (model '{model.name}' has "
+                                 f"{vocabulary} tokens)", "input")
+        send = prompt
+        if ids is not None:
+            if truncate is not None and truncate and len(ids) > truncate:
+                ids = ids[:truncate]
+                send = ids
+            elif limit is not None and len(ids) > limit:
+                raise BadRequest(f"This model's maximum context length is {limit} tokens. However, you requested "
+                                 f"{len(ids)} tokens in the input for embedding generation. Please reduce the length "
+                                 "of the input.", "input")
+            if isinstance(prompt, str) and not request.add_special_tokens:
+                send = ids
+        elif isinstance(prompt, str) and (truncate is not None or not request.add_special_tokens):
+            raise BadRequest(f"model '{model.name}' has no tokenizer files the server can read, which "
+                             f"{'truncate_prompt_tokens' if truncate is not None else 'add_special_tokens'} needs",
+                             "truncate_prompt_tokens" if truncate is not None else "add_special_tokens")
+        prompts.append(send)
+        counts.append(len(ids) if ids is not None else 0)
+    return prompts, counts
+
+
+async def _embed(dataplane, model: EmbeddingModel, prompts: list[str | list[int]], request_id: str) -> list:
+    """Each prompt's vector (float32), the requests run concurrently."""
+    tasks = []
+    try:
+        for k, prompt in enumerate(prompts):
+            if k and k % SLICE == 0:
+                await asyncio.sleep(0)
+            inference = model.request(prompt, f"{request_id}-{k}")
+            tasks.append(asyncio.ensure_future(dataplane.infer_unary(inference)))
+        responses = await asyncio.gather(*tasks)
+    except ServerError as exc:
+        raise from_server_error(exc, prompt_param="input") from None
+    finally:
+        for task in tasks:
+            task.cancel()
+    vectors = []
+    for prompt, response in zip(prompts, responses):
+        name = model.output_name(prompt)
+        tensor = next((t for t in response.outputs if t.name == name), None)
+        if tensor is None:
+            raise OpenAIError(f"model '{model.name}' answered without its embedding output '{name}'", 500)
+        vectors.append(np.asarray(tensor.data, dtype=np.float32).reshape(-1))
+    return vectors
+
+
+def _dimensions(vector: np.ndarray, dimensions: int | None) -> np.ndarray:
+    if dimensions is None or dimensions >= vector.size:
+        return vector
+    kept = vector[:dimensions]
+    norm = float(np.linalg.norm(kept))
+    return kept / max(norm, 1e-12)
+
+
+def _encode(vector: np.ndarray, request: EmbeddingRequest):
+    if request.encoding_format == "float":
+        return vector
+    dtype = np.dtype(np.float16 if request.embed_dtype == "float16" else np.float32)
+    order = {"little": "<", "big": ">"}.get(request.endianness, "<" if sys.byteorder == "little" else ">")
+    return base64.b64encode(vector.astype(dtype.newbyteorder(order)).tobytes()).decode("ascii")

@@ -1,0 +1,79 @@
+"""A frontend worker process: the HTTP and gRPC frontends over a RemoteDataPlane.
+
+Started by the core (server/workers/pool.py) with its end of a socketpair and the shared HTTP listening
+socket. It serves until the core says Stop, and exits at once if the core goes away.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import pickle
+import signal
+import socket
+import sys
+
+from .remote import CoreLink, RemoteDataPlane
+
+log = logging.getLogger("tideserve.workers")
+
+
+async def serve(link_fd: int, http_fd: int | None) -> int:
+    from ..access import AccessPolicy
+    from ..app import Frontends
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # stopping is the core's decision (it drains first)
+        loop.add_signal_handler(sig, lambda: None)
+    sock = socket.socket(fileno=link_fd)
+    _, link = await loop.connect_accepted_socket(CoreLink, sock)
+    start = await link.started
+    options = pickle.loads(start.options)
+    logging.getLogger().setLevel(logging.DEBUG if options.log_verbose > 0 else logging.INFO)
+    await link.first_snapshot
+    access = AccessPolicy(options.http_restricted_apis, options.grpc_restricted_protocols, options.api_key,
+                          options.api_key_scope)
+    dataplane = RemoteDataPlane(link)
+    frontends = Frontends(dataplane, options, access)
+    http = socket.socket(fileno=http_fd) if http_fd is not None else None
+    await frontends.start(http_socket=http, grpc_shared=True)
+    if options.freeze_heap:
+        from .. import heap
+        heap.freeze()
+    link.send(_ready())
+    why = await link.stopped
+    if why == "lost":  # the core died: nobody to answer requests; leave now
+        log.error("frontend worker %d: the core process is gone; exiting", start.index)
+        return 1
+    await frontends.stop()
+    return 0
+
+
+def _ready():
+    from .protocol import Ready
+    return Ready(os.getpid())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tideserve-frontend-worker")
+    parser.add_argument("--link-fd", type=int, required=True)
+    parser.add_argument("--http-fd", type=int, default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s %(levelname)s %(name)s[worker {os.getpid()}]: %(message)s")
+    try:
+        import uvloop
+        run = uvloop.run
+    except ImportError:
+        run = asyncio.run
+    return run(serve(args.link_fd, args.http_fd))
+
+
+if __name__ == "__main__":
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

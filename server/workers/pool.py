@@ -1,0 +1,392 @@
+"""The core's side of the frontend workers: it starts them, answers their requests through the DataPlane,
+keeps their view of the repository current, restarts one that dies and stops them all on shutdown.
+
+Each worker has one Unix stream socket to the core (a socketpair made before it starts). The HTTP
+listening socket is made here and inherited by every worker (the kernel hands each new connection to
+one of them); the gRPC port is bound by each worker with SO_REUSEPORT, behind a socket the core holds
+on it so that a port another program uses is still a start-up error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ServerError
+from . import protocol as p
+
+if TYPE_CHECKING:
+    from ..app import ServerOptions
+    from ..dataplane import DataPlane, InferenceStream
+
+log = logging.getLogger(__name__)
+
+# DataPlane methods a worker may not call: inference has messages of its own, the rest hand out live objects
+NOT_CALLS = frozenset({"infer", "infer_unary", "collect_unary", "submit", "abort_all", "server_handles", "model"})
+# synchronous DataPlane questions whose answers every snapshot carries (answered in the worker from it)
+VIEWS = ("healthy", "lora_adapters")
+# calls after which the worker gets a snapshot before the answer (they change what snapshots hold)
+QUIET_CALLS = frozenset({"statistics", "model_statistics", "metrics_text"})
+SNAPSHOT_INTERVAL_S = 1.0  # also push the repository's state this often (new model directories, ensembles)
+RESTART_DELAY_S = 0.5
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` and listening, inheritable by the workers."""
+    family, kind, proto, _, address = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(4096)
+        sock.set_inheritable(True)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def reserved_port(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` with SO_REUSEPORT, not listening: the workers' gRPC servers (also
+    SO_REUSEPORT, same user) can bind beside it; anything else cannot, and a port in use fails here."""
+    family, kind, proto, _, address = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(address)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+class _Link(asyncio.Protocol):
+    """One worker's connection: its requests in flight, its calls, the runtimes it knows."""
+
+    def __init__(self, pool: "FrontendWorkers", index: int) -> None:
+        self.pool = pool
+        self.index = index
+        self.transport: asyncio.Transport | None = None
+        self.splitter = p.FrameSplitter(p.ToCore)
+        self.tasks: dict[int, asyncio.Task] = {}
+        self.known: set[int] = set()  # runtime uids this worker has been described
+        self.ready = asyncio.get_running_loop().create_future()
+        self.closed = asyncio.get_running_loop().create_future()
+        self.process: subprocess.Popen | None = None
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def connection_lost(self, exc) -> None:
+        for task in list(self.tasks.values()):
+            task.cancel()
+        self.tasks.clear()
+        if not self.closed.done():
+            self.closed.set_result(None)
+        if not self.ready.done():
+            self.ready.set_exception(RuntimeError(f"frontend worker {self.index} exited during start-up"))
+            self.ready.exception()  # retrieved here: the pool reports it
+        self.pool.lost(self)
+
+    def send(self, message) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(p.frame(message))
+
+    def data_received(self, data: bytes) -> None:
+        for message in self.splitter.feed(data):
+            kind = type(message)
+            if kind is p.Infer:
+                self._infer(message)
+            elif kind is p.Cancel:
+                task = self.tasks.pop(message.rid, None)
+                if task is not None:
+                    task.cancel()
+            elif kind is p.Call:
+                self._call(message)
+            elif kind is p.Ready:
+                if not self.ready.done():
+                    self.ready.set_result(message.pid)
+
+    # -- inference ---------------------------------------------------------------------------------------
+    def _infer(self, message: p.Infer) -> None:
+        rid = message.rid
+        try:
+            request = p.request_of(message)
+            if message.unary:
+                request.streaming = False
+            stream = self.pool.dataplane.infer(request)
+        except Exception as exc:
+            self.send(p.Respond(rid, p.ResponseData(error=p.error_data(exc)), rejected=True))
+            return
+        task = asyncio.get_running_loop().create_task(self._relay(rid, stream, message.unary))
+        self.tasks[rid] = task
+
+    async def _relay(self, rid: int, stream: "InferenceStream", unary: bool) -> None:
+        send = self.send
+        uid = self.pool.describe(self, stream.runtime)
+        try:
+            if unary:
+                response = await self.pool.dataplane.collect_unary(stream)
+                send(p.Respond(rid, p.response_data(response), uid))
+                return
+            async for response in stream:
+                try:
+                    data = p.response_data(response)
+                except Exception as exc:  # an output the link cannot carry
+                    log.exception("model '%s': a response cannot be sent to the frontend", stream.request.model_name)
+                    send(p.Respond(rid, p.ResponseData(error=p.error_data(exc)), uid))
+                    return
+                send(p.Respond(rid, data, uid))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            send(p.Respond(rid, p.ResponseData(error=p.error_data(exc)), uid))
+        finally:
+            self.tasks.pop(rid, None)
+            await stream.aclose()
+
+    # -- other calls ---------------------------------------------------------------------------------------
+    def _call(self, message: p.Call) -> None:
+        method = message.method
+        if method.startswith("_") or method in NOT_CALLS or not callable(getattr(self.pool.dataplane, method, None)):
+            self.send(p.Result(message.cid, error=p.Error("INTERNAL", f"unknown call '{message.method}'")))
+            return
+        asyncio.get_running_loop().create_task(self._run_call(message))
+
+    async def _run_call(self, message: p.Call) -> None:
+        try:
+            value = getattr(self.pool.dataplane, message.method)(*message.args)
+            if asyncio.iscoroutine(value):
+                value = await value
+            result = p.Result(message.cid, value)
+        except Exception as exc:
+            if not isinstance(exc, ServerError):
+                log.exception("frontend call '%s' failed", message.method)
+            result = p.Result(message.cid, error=p.error_data(exc))
+        if message.method not in QUIET_CALLS and not message.method.endswith("_status"):
+            self.pool.push_to(self)  # the worker sees the change before the answer
+        try:
+            self.send(result)
+        except Exception as exc:  # a value msgpack cannot carry
+            log.exception("frontend call '%s': the result cannot be sent", message.method)
+            self.send(p.Result(message.cid, error=p.error_data(exc)))
+
+
+class FrontendWorkers:
+    """``count`` frontend worker processes serving the HTTP and gRPC ports over ``dataplane``."""
+
+    def __init__(self, dataplane: "DataPlane", options: "ServerOptions", count: int) -> None:
+        self.dataplane = dataplane
+        self.options = options
+        self.count = count
+        self.links: list[_Link | None] = [None] * count
+        self._http: socket.socket | None = None
+        self._grpc: socket.socket | None = None
+        self._stopping = False
+        self._push_scheduled = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ticker: asyncio.Task | None = None
+        self._restarts: set[asyncio.Task] = set()
+
+    # -- lifecycle ---------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        opts = self.options
+        self._loop = asyncio.get_running_loop()
+        if opts.allow_http:
+            self._http = listening_socket(opts.host, opts.http_port)
+        if opts.allow_grpc:
+            self._grpc = reserved_port(opts.host, opts.grpc_port)
+        self.dataplane.repository.listeners.append(self.changed)
+        starting = [self._spawn(i) for i in range(self.count)]
+        links = await asyncio.gather(*starting)
+        await asyncio.gather(*(link.ready for link in links))
+        self._ticker = self._loop.create_task(self._tick())
+
+    async def _spawn(self, index: int) -> _Link:
+        loop = asyncio.get_running_loop()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        fds = [theirs.fileno()]
+        args = [sys.executable, "-m", "tideserve.workers.main", "--link-fd", str(theirs.fileno())]
+        if self._http is not None:
+            fds.append(self._http.fileno())
+            args += ["--http-fd", str(self._http.fileno())]
+        try:
+            process = subprocess.Popen(args, pass_fds=fds, start_new_session=False,
+                                       preexec_fn=_worker_preexec)
+        finally:
+            theirs.close()
+        _, link = await loop.connect_accepted_socket(lambda: _Link(self, index), ours)
+        link.process = process
+        self.links[index] = link
+        link.send(p.Start(pickle.dumps(self.options), index))
+        self.push_to(link)
+        return link
+
+    def lost(self, link: _Link) -> None:
+        """A worker's connection closed: expected while stopping, else the worker died: start another."""
+        if self._stopping or self.links[link.index] is not link:
+            return
+        code = link.process.poll() if link.process is not None else None
+        log.error("frontend worker %d (pid %s) exited%s; starting another", link.index,
+                  link.process.pid if link.process else "?", f" with code {code}" if code is not None else "")
+        task = self._loop.create_task(self._restart(link.index))
+        self._restarts.add(task)
+        task.add_done_callback(self._restarts.discard)
+
+    async def _restart(self, index: int) -> None:
+        old = self.links[index]
+        if old is not None and old.process is not None:
+            await asyncio.get_running_loop().run_in_executor(None, _reap, old.process, 5.0)
+        await asyncio.sleep(RESTART_DELAY_S)
+        if self._stopping:
+            return
+        try:
+            link = await self._spawn(index)
+            await link.ready
+        except Exception:
+            log.exception("frontend worker %d failed to restart", index)
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Ask every worker to stop (they close their ports and exit), then reap them."""
+        self._stopping = True
+        if self._ticker is not None:
+            self._ticker.cancel()
+        for task in list(self._restarts):
+            task.cancel()
+        for link in self.links:
+            if link is not None:
+                link.send(p.Stop())
+        loop = asyncio.get_running_loop()
+        processes = [link.process for link in self.links if link is not None and link.process is not None]
+        await asyncio.gather(*(loop.run_in_executor(None, _reap, proc, grace) for proc in processes))
+        for link in self.links:
+            if link is not None and link.transport is not None:
+                link.transport.close()
+        for sock in (self._http, self._grpc):
+            if sock is not None:
+                sock.close()
+        try:
+            self.dataplane.repository.listeners.remove(self.changed)
+        except ValueError:
+            pass
+
+    def pids(self) -> list[int]:
+        return [link.process.pid for link in self.links if link is not None and link.process is not None]
+
+    # -- the repository as the workers see it ------------------------------------------------------------
+    def changed(self) -> None:
+        """A model changed state (any thread): push a snapshot to every worker soon (once for a burst)."""
+        loop = self._loop
+        if loop is None or self._push_scheduled:
+            return
+        self._push_scheduled = True
+        try:
+            loop.call_soon_threadsafe(self._push_all)
+        except RuntimeError:  # the loop is closed
+            pass
+
+    def _push_all(self) -> None:
+        self._push_scheduled = False
+        for link in self.links:
+            if link is not None:
+                self.push_to(link)
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(SNAPSHOT_INTERVAL_S)
+            self._push_all()
+
+    def describe(self, link: _Link, runtime) -> int:
+        uid = runtime.uid
+        if uid not in link.known:
+            self.push_to(link)  # a version the worker has not seen: describe it before its responses
+        return uid
+
+    def push_to(self, link: _Link) -> None:
+        dataplane = self.dataplane
+        repository = dataplane.repository
+        lookups: dict[str, dict[str, Any]] = {}
+        fresh: list[p.RuntimeInfo] = []
+        seen: set[int] = set()
+        for name in set(repository.entries) | set(_names(repository)):
+            entry = repository.entries.get(name)
+            versions = sorted(entry.versions) if entry is not None else []
+            table: dict[str, Any] = {}
+            for version in [""] + [str(v) for v in versions]:
+                try:
+                    runtime = repository.get(name, version)
+                except ServerError as exc:
+                    table[version] = p.error_data(exc)
+                    continue
+                uid = runtime.uid
+                table[version] = uid
+                seen.add(uid)
+                if uid not in link.known:
+                    link.known.add(uid)
+                    fresh.append(p.RuntimeInfo(uid, runtime.name, runtime.version,
+                                               runtime.config.SerializeToString(), str(runtime.ctx.model_path),
+                                               [str(r) for r in runtime.ctx.allowed_roots], versions))
+            lookups[name] = table
+        link.known &= seen
+        try:
+            index = repository.index(False)
+        except Exception:  # e.g. the repository directory went away
+            log.exception("reading the repository index")
+            index = []
+        views = {}
+        for name in VIEWS:
+            method = getattr(dataplane, name, None)
+            if method is not None:
+                try:
+                    views[name] = method()
+                except Exception:
+                    log.exception("DataPlane.%s failed", name)
+        link.send(p.Snapshot(dataplane.accepting, dataplane.ready(), index, lookups, fresh, views))
+
+
+def _names(repository) -> list[str]:
+    try:
+        return repository.model_names()
+    except OSError:
+        return []
+
+
+def _worker_preexec() -> None:
+    # Ctrl-C reaches the whole process group: the workers leave stopping to the core
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _reap(process: subprocess.Popen, grace: float) -> None:
+    deadline = time.monotonic() + grace
+    try:
+        process.wait(timeout=max(deadline - time.monotonic(), 0.01))
+        return
+    except subprocess.TimeoutExpired:
+        pass
+    log.warning("frontend worker pid %d did not exit within %.1fs; killing it", process.pid, grace)
+    try:
+        process.send_signal(signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    try:
+        process.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        log.error("frontend worker pid %d did not die", process.pid)
+
+
+def worker_count(text: str | int | None) -> int:
+    """The default number of frontend workers: one per two cores, at least 1, at most 8."""
+    if text not in (None, "", "auto"):
+        return int(text)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(8, cores // 2))

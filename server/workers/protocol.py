@@ -1,0 +1,301 @@
+"""The messages between the core process and its frontend workers, and their framing.
+
+Each frame is a 4-byte little-endian length and a MessagePack body (msgspec structs, tagged). Tensor
+bytes travel in the message itself: for the tensors of an HTTP or gRPC request (already in memory,
+read from a socket) one copy into the frame and one out of it cost less than a shared-memory block's
+allocation and hand-back (measured in docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from ..errors import (
+    Cancelled,
+    DeadlineExceeded,
+    InternalError,
+    InvalidArgument,
+    NotFound,
+    ServerError,
+    Status,
+    Unavailable,
+    Unsupported,
+    as_server_error,
+)
+from ..types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
+
+
+# -- parts ----------------------------------------------------------------------------------------------------
+class TensorData(msgspec.Struct, array_like=True, omit_defaults=True):
+    name: str
+    datatype: str
+    dtype: str  # numpy's dtype string; "|O" for BYTES (then ``data`` is a list of the elements)
+    shape: tuple[int, ...]
+    data: Any  # bytes (raw, C order) or list[bytes]
+    parameters: dict[str, Any] = {}
+
+
+class Error(msgspec.Struct, array_like=True):
+    status: str  # a tideserve.errors.Status value
+    message: str
+
+
+class OutputSpec(msgspec.Struct, array_like=True, omit_defaults=True):
+    name: str
+    parameters: dict[str, Any] = {}
+
+
+class ResponseData(msgspec.Struct, array_like=True, omit_defaults=True):
+    model_name: str = ""
+    model_version: str = ""
+    id: str = ""
+    outputs: list[TensorData] = []
+    parameters: dict[str, Any] = {}
+    error: Error | None = None
+    final: bool = True
+    empty: bool = False
+
+
+# -- worker -> core -----------------------------------------------------------------------------------------
+class Infer(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
+    """A request to run: ``unary`` asks for exactly one response (``DataPlane.infer_unary``)."""
+
+    rid: int
+    unary: bool
+    model_name: str
+    model_version: str
+    id: str
+    inputs: list[TensorData]
+    outputs: list[OutputSpec]
+    parameters: dict[str, Any]
+    arrival_ns: int
+    priority: int = 0
+    timeout_us: int = 0
+    streaming: bool = True
+
+
+class Cancel(msgspec.Struct, tag=True, array_like=True):
+    rid: int
+
+
+class Call(msgspec.Struct, tag=True, array_like=True):
+    """A DataPlane method that is not inference (statistics, repository control...)."""
+
+    cid: int
+    method: str
+    args: list[Any]
+
+
+class Ready(msgspec.Struct, tag=True, array_like=True):
+    """The worker's ports are serving."""
+
+    pid: int
+
+
+# -- core -> worker -----------------------------------------------------------------------------------------
+class Start(msgspec.Struct, tag=True, array_like=True):
+    options: bytes  # the pickled ServerOptions
+    index: int
+
+
+class Respond(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
+    """One response of request ``rid``; ``rejected``: the request was refused before it was scheduled
+    (what ``DataPlane.infer`` raises); ``runtime``: the uid of the model version that served it."""
+
+    rid: int
+    response: ResponseData
+    runtime: int = 0
+    rejected: bool = False
+
+
+class Result(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
+    cid: int
+    value: Any = None
+    error: Error | None = None
+
+
+class RuntimeInfo(msgspec.Struct, array_like=True):
+    """What frontends read of a loaded model version."""
+
+    uid: int
+    name: str
+    version: int
+    config: bytes  # a serialized ModelConfig
+    model_path: str
+    allowed_roots: list[str]
+    versions: list[int]  # every loaded version of the model (model metadata lists them)
+
+
+class Snapshot(msgspec.Struct, tag=True, array_like=True):
+    """The core's repository as frontends see it, pushed on every change.
+
+    ``lookups`` maps a model name to what ``DataPlane.model(name, version)`` gives for version "" and
+    each loaded version: a runtime uid, or the error it raises."""
+
+    accepting: bool
+    ready: bool
+    index: list[dict[str, Any]]
+    lookups: dict[str, dict[str, int | Error]]
+    runtimes: list[RuntimeInfo]  # those the worker has not been sent yet
+    views: dict[str, Any]  # the results of the DataPlane's other synchronous questions (pool.VIEWS)
+
+
+class Stop(msgspec.Struct, tag=True, array_like=True):
+    pass
+
+
+ToCore = Infer | Cancel | Call | Ready
+ToWorker = Start | Respond | Result | Snapshot | Stop
+
+# -- framing --------------------------------------------------------------------------------------------------
+_HEADER = struct.Struct("<I")
+_PB_EXT = 1  # a protobuf message in a Result: its full name, NUL, its bytes
+
+
+def _enc_hook(value: Any) -> Any:
+    serialize = getattr(value, "SerializeToString", None)
+    if serialize is not None:
+        return msgspec.msgpack.Ext(_PB_EXT, value.DESCRIPTOR.full_name.encode() + b"\0" + serialize())
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"cannot send a {type(value).__name__} between processes")
+
+
+def _ext_hook(code: int, data: memoryview) -> Any:
+    if code == _PB_EXT:
+        from google.protobuf import symbol_database
+
+        name, _, body = bytes(data).partition(b"\0")
+        message = symbol_database.Default().GetSymbol(name.decode())()
+        message.ParseFromString(body)
+        return message
+    raise TypeError(f"unknown extension type {code}")
+
+
+_encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+
+
+def frame(message: msgspec.Struct) -> bytes:
+    body = _encoder.encode(message)
+    return _HEADER.pack(len(body)) + body
+
+
+class FrameSplitter:
+    """Turns the bytes a stream delivers into messages of type ``kind``."""
+
+    def __init__(self, kind: Any) -> None:
+        self._decoder = msgspec.msgpack.Decoder(kind, ext_hook=_ext_hook)
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list:
+        buffer = self._buffer
+        if buffer:
+            buffer += data
+            data = buffer
+        messages, position, total = [], 0, len(data)
+        with memoryview(data) as view:
+            while total - position >= 4:
+                (length,) = _HEADER.unpack_from(view, position)
+                end = position + 4 + length
+                if end > total:
+                    break
+                messages.append(self._decoder.decode(view[position + 4:end]))
+                position = end
+        if buffer:
+            del buffer[:position]
+        elif position < total:
+            buffer += data[position:]
+        return messages
+
+
+# -- tensors, requests, responses, errors -------------------------------------------------------------------
+_ERRORS = {
+    Status.INVALID_ARG: InvalidArgument, Status.NOT_FOUND: NotFound, Status.UNAVAILABLE: Unavailable,
+    Status.UNSUPPORTED: Unsupported, Status.CANCELLED: Cancelled, Status.DEADLINE_EXCEEDED: DeadlineExceeded,
+    Status.INTERNAL: InternalError,
+}
+
+
+def error_data(error: BaseException) -> Error:
+    error = as_server_error(error)
+    return Error(error.status.value, error.message)
+
+
+def server_error(error: Error) -> ServerError:
+    status = Status(error.status)
+    kind = _ERRORS.get(status)
+    return kind(error.message) if kind is not None else ServerError(error.message, status)
+
+
+def _element(item: Any) -> bytes:
+    if type(item) is bytes:
+        return item
+    if isinstance(item, str):
+        return item.encode("utf-8")
+    return bytes(item)
+
+
+def tensor_data(tensor: Tensor) -> TensorData:
+    array = np.asarray(tensor.data)
+    if array.dtype == np.object_ or tensor.datatype == "BYTES":
+        return TensorData(tensor.name, tensor.datatype, "|O", tuple(array.shape),
+                          [_element(x) for x in array.reshape(-1)], tensor.parameters or {})
+    if not array.flags.c_contiguous:
+        array = np.ascontiguousarray(array)
+    data = memoryview(array).cast("B") if array.ndim and array.size else array.tobytes()
+    return TensorData(tensor.name, tensor.datatype, array.dtype.str, tuple(array.shape), data,
+                      tensor.parameters or {})
+
+
+_DTYPES: dict[str, np.dtype] = {}
+
+
+def tensor_of(data: TensorData) -> Tensor:
+    if data.dtype == "|O":
+        array = np.empty(len(data.data), np.object_)
+        array[:] = data.data
+        array = array.reshape(data.shape)
+    else:
+        dtype = _DTYPES.get(data.dtype)
+        if dtype is None:
+            dtype = _DTYPES[data.dtype] = np.dtype(data.dtype)
+        array = np.frombuffer(data.data, dtype).reshape(data.shape)
+    return Tensor(data.name, data.datatype, tuple(data.shape), array, dict(data.parameters))
+
+
+def infer_message(rid: int, request: InferenceRequest, unary: bool) -> Infer:
+    return Infer(rid, unary, request.model_name, request.model_version, request.id,
+                 [tensor_data(t) for t in request.inputs.values()],
+                 [OutputSpec(o.name, o.parameters or {}) for o in request.outputs],
+                 request.parameters or {}, request.arrival_ns, request.priority, request.timeout_us,
+                 request.streaming)
+
+
+def request_of(message: Infer) -> InferenceRequest:
+    request = InferenceRequest(message.model_name, {t.name: tensor_of(t) for t in message.inputs},
+                               model_version=message.model_version, id=message.id,
+                               outputs=[RequestedOutput(o.name, dict(o.parameters)) for o in message.outputs],
+                               parameters=dict(message.parameters), priority=message.priority,
+                               timeout_us=message.timeout_us)
+    request.arrival_ns = message.arrival_ns  # CLOCK_MONOTONIC: the same clock in every process
+    request.streaming = message.streaming
+    return request
+
+
+def response_data(response: InferenceResponse) -> ResponseData:
+    return ResponseData(response.model_name, response.model_version, response.id,
+                        [tensor_data(t) for t in response.outputs], response.parameters or {},
+                        error_data(response.error) if response.error is not None else None,
+                        response.final, response.empty)
+
+
+def response_of(data: ResponseData) -> InferenceResponse:
+    return InferenceResponse(data.model_name, data.model_version, data.id, [tensor_of(t) for t in data.outputs],
+                             dict(data.parameters), server_error(data.error) if data.error is not None else None,
+                             data.final, data.empty)

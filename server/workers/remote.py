@@ -1,0 +1,297 @@
+"""The DataPlane as a frontend worker sees it: inference and calls go to the core over the link; the
+repository's state (readiness, lookups, configurations) is a copy the core pushes on every change, so
+that the frontends' synchronous questions (``model``, ``model_config``, ``ready``...) need no round trip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from pathlib import Path
+from typing import Any
+
+from tritonclient.grpc import model_config_pb2 as mc
+
+from ..backend import ModelContext
+from ..dataplane import EXTENSIONS, model_metadata, server_metadata
+from ..errors import InvalidArgument, NotFound, ServerError, Unavailable
+from ..types import InferenceRequest, InferenceResponse
+from . import protocol as p
+
+log = logging.getLogger(__name__)
+
+
+class RemoteRuntime:
+    """A loaded model version as frontends read it (``name``, ``version``, ``config``, ``ctx``)."""
+
+    __slots__ = ("uid", "name", "version", "config", "ctx", "versions", "__weakref__")
+
+    def __init__(self, info: p.RuntimeInfo) -> None:
+        config = mc.ModelConfig()
+        config.ParseFromString(info.config)
+        self.uid = info.uid
+        self.name = info.name
+        self.version = info.version
+        self.config = config
+        self.versions = list(info.versions)
+        self.ctx = ModelContext(info.name, info.version, config, Path(info.model_path),
+                                allowed_roots=tuple(Path(r) for r in info.allowed_roots))
+
+    @property
+    def decoupled(self) -> bool:
+        return self.config.model_transaction_policy.decoupled
+
+
+class RemoteInferenceStream:
+    """The responses of one request, coming from the core. Closing it early cancels the request."""
+
+    __slots__ = ("_link", "rid", "request", "runtime", "_queue", "_done")
+
+    def __init__(self, link: "CoreLink", rid: int, request: InferenceRequest) -> None:
+        self._link = link
+        self.rid = rid
+        self.request = request
+        self.runtime: RemoteRuntime | None = None
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._done = False
+
+    def _put(self, message: p.Respond) -> None:
+        self._queue.put_nowait(message)
+
+    def __aiter__(self) -> "RemoteInferenceStream":
+        return self
+
+    async def __anext__(self) -> InferenceResponse:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            message = await self._queue.get()
+        except asyncio.CancelledError:
+            self.cancel()
+            raise
+        response = message.response
+        if message.runtime:
+            self.runtime = self._link.runtimes.get(message.runtime, self.runtime)
+        if message.rejected:
+            self._finish()
+            raise p.server_error(response.error)
+        if response.final:
+            self._finish()
+        return p.response_of(response)
+
+    def _finish(self) -> None:
+        self._done = True
+        self._link.streams.pop(self.rid, None)
+
+    def cancel(self) -> None:
+        if self._done:
+            return
+        self._finish()
+        self.request.cancellation.cancel()
+        self._link.send(p.Cancel(self.rid))
+
+    async def aclose(self) -> None:
+        self.cancel()
+
+
+class CoreLink(asyncio.Protocol):
+    """The worker's connection to the core."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.splitter = p.FrameSplitter(p.ToWorker)
+        self.streams: dict[int, RemoteInferenceStream] = {}
+        self.calls: dict[int, asyncio.Future] = {}
+        self.runtimes: dict[int, RemoteRuntime] = {}
+        self.snapshot: p.Snapshot | None = None
+        self.started: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.first_snapshot: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.stopped: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._ids = itertools.count(1)
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def connection_lost(self, exc) -> None:
+        if not self.stopped.done():
+            self.stopped.set_result("lost")
+
+    def send(self, message) -> None:
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            raise Unavailable("the server's core process is gone")
+        transport.write(p.frame(message))
+
+    def data_received(self, data: bytes) -> None:
+        for message in self.splitter.feed(data):
+            kind = type(message)
+            if kind is p.Respond:
+                stream = self.streams.get(message.rid)
+                if stream is not None:
+                    stream._put(message)
+            elif kind is p.Result:
+                future = self.calls.pop(message.cid, None)
+                if future is not None and not future.done():
+                    if message.error is not None:
+                        future.set_exception(p.server_error(message.error))
+                    else:
+                        future.set_result(message.value)
+            elif kind is p.Snapshot:
+                self._apply(message)
+            elif kind is p.Start:
+                if not self.started.done():
+                    self.started.set_result(message)
+            elif kind is p.Stop:
+                if not self.stopped.done():
+                    self.stopped.set_result("stop")
+
+    def _apply(self, snapshot: p.Snapshot) -> None:
+        for info in snapshot.runtimes:
+            self.runtimes[info.uid] = RemoteRuntime(info)
+        live = {uid for table in snapshot.lookups.values() for uid in table.values() if isinstance(uid, int)}
+        for uid in [uid for uid in self.runtimes if uid not in live]:
+            del self.runtimes[uid]
+        self.snapshot = snapshot
+        if not self.first_snapshot.done():
+            self.first_snapshot.set_result(None)
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    async def call(self, method: str, *args) -> Any:
+        cid = self.next_id()
+        future = asyncio.get_running_loop().create_future()
+        self.calls[cid] = future
+        try:
+            self.send(p.Call(cid, method, list(args)))
+            return await future
+        finally:
+            self.calls.pop(cid, None)
+
+
+class RemoteDataPlane:
+    """What the frontends call in a worker process: the DataPlane's methods, served by the core."""
+
+    def __init__(self, link: CoreLink) -> None:
+        self.link = link
+
+    # -- health and metadata (from the pushed snapshot) ----------------------------------------------------
+    @property
+    def accepting(self) -> bool:
+        return self.link.snapshot.accepting and not self.link.stopped.done()
+
+    def live(self) -> bool:
+        return True
+
+    def ready(self) -> bool:
+        return self.accepting and self.link.snapshot.ready
+
+    def healthy(self) -> bool:
+        return self.accepting and self.link.snapshot.views.get("healthy", True)
+
+    def lora_adapters(self) -> list[dict[str, str]]:
+        return self.link.snapshot.views.get("lora_adapters", [])
+
+    async def metrics_text(self) -> bytes:
+        return await self.link.call("metrics_text")
+
+    def server_metadata(self) -> dict[str, Any]:
+        return server_metadata()
+
+    def model(self, name: str, version: str = "") -> RemoteRuntime:
+        table = self.link.snapshot.lookups.get(name)
+        if table is None:
+            raise NotFound(f"unknown model: '{name}'")
+        found = table.get(version)
+        if found is None:
+            first = table.get("")
+            if len(table) == 1 and isinstance(first, p.Error):  # no version loaded: that error for any
+                raise p.server_error(first)
+            try:
+                int(version)
+            except ValueError:
+                raise InvalidArgument(f"invalid model version '{version}': versions are integers") from None
+            raise NotFound(f"unknown version {version} of model '{name}'")
+        if isinstance(found, p.Error):
+            raise p.server_error(found)
+        runtime = self.link.runtimes.get(found)
+        if runtime is None:  # pushed in the same snapshot: cannot happen; say so plainly if it does
+            raise Unavailable(f"model '{name}' is changing; try again")
+        return runtime
+
+    def model_ready(self, name: str, version: str = "") -> bool:
+        try:
+            self.model(name, version)
+        except ServerError:
+            return False
+        return True
+
+    def model_metadata(self, name: str, version: str = "") -> dict[str, Any]:
+        runtime = self.model(name, version)
+        return model_metadata(name, runtime.versions, runtime.config)
+
+    def model_config(self, name: str, version: str = "") -> mc.ModelConfig:
+        return self.model(name, version).config
+
+    async def statistics(self, name: str = "", version: str = "") -> list[dict]:
+        return await self.link.call("statistics", name, version)
+
+    # -- repository ------------------------------------------------------------------------------------------
+    def repository_index(self, ready_only: bool = False) -> list[dict]:
+        rows = self.link.snapshot.index
+        return [row for row in rows if row.get("state") == "READY"] if ready_only else list(rows)
+
+    async def load_model(self, name: str, config_json: str | None = None) -> None:
+        await self.link.call("load_model", name, config_json)
+
+    async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
+        await self.link.call("unload_model", name, unload_dependents)
+
+    # -- inference ---------------------------------------------------------------------------------------------
+    def infer(self, request: InferenceRequest) -> RemoteInferenceStream:
+        """Send ``request`` to the core; a refusal is raised by the stream's first step."""
+        if not self.accepting:
+            raise Unavailable("the server is shutting down and accepts no new requests")
+        return self._submit(request, False)
+
+    def _submit(self, request: InferenceRequest, unary: bool) -> RemoteInferenceStream:
+        link = self.link
+        rid = link.next_id()
+        stream = RemoteInferenceStream(link, rid, request)
+        link.streams[rid] = stream
+        try:
+            link.send(p.infer_message(rid, request, unary))
+        except BaseException:
+            link.streams.pop(rid, None)
+            raise
+        return stream
+
+    async def submit(self, request: InferenceRequest) -> RemoteInferenceStream:
+        return self.infer(request)
+
+    async def infer_unary(self, request: InferenceRequest) -> InferenceResponse:
+        if not self.accepting:
+            raise Unavailable("the server is shutting down and accepts no new requests")
+        request.streaming = False
+        stream = self._submit(request, True)
+        try:
+            response = await stream.__anext__()
+        finally:
+            await stream.aclose()
+        if response.error is not None:
+            raise response.error
+        return response
+
+    def __getattr__(self, name: str):
+        """DataPlane methods this class does not know are calls to the core (async)."""
+        if name.startswith("_"):
+            raise AttributeError(name)
+
+        async def call(*args):
+            return await self.link.call(name, *args)
+
+        return call
+
+
+__all__ = ["CoreLink", "RemoteDataPlane", "RemoteInferenceStream", "RemoteRuntime", "EXTENSIONS"]

