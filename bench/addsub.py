@@ -4,7 +4,12 @@ Both servers load the very same Triton repository (``../shared/peers/repos/trito
 add_sub model, two FP32 [4] inputs, max_batch_size 8, dynamic batching, 2 CPU instances) and
 ``perf_analyzer`` drives each over HTTP and gRPC at each concurrency, one server at a time.
 
-    python bench/addsub.py [--concurrency 1 8 32] [--http-format json|binary] [--rounds 1]
+    python bench/addsub.py [--concurrency 1 8 32] [--http-format json|binary]
+                           [--servers triton tideserve:w1 tideserve:w2]
+
+``tideserve:wN`` runs tideserve with ``--frontend-workers N``. Besides throughput and latency it reports
+the server's CPU time per request: every process of the server's session (core, frontend workers,
+model processes; Triton and its Python stubs), measured over each perf_analyzer run.
 
 Peers come from ``../shared/peers`` (setup scripts install them under $PEERS_HOME, /tmp/peers).
 Prints a markdown table with tideserve / Triton ratios and writes bench/results/addsub-<time>.json.
@@ -47,17 +52,32 @@ def ensure_peers() -> None:
                        stdout=subprocess.DEVNULL)
 
 
+def session_cpu_seconds(sid: int) -> float:
+    """User + system CPU time of every live process in session ``sid`` (Linux /proc)."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid:
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def start_server(kind: str, repo: Path, log: Path) -> tuple[subprocess.Popen, int, int]:
     http, grpc, metrics = free_ports(3)
     ports = ["--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
-    if kind == "tideserve":
-        cmd = [sys.executable, "-m", "tideserve.cli", "--model-repository", str(repo), *ports]
+    if kind.startswith("tideserve"):
+        _, _, workers = kind.partition(":w")
+        cmd = [sys.executable, "-m", "tideserve.cli", "--model-repository", str(repo), *ports,
+               "--frontend-workers", workers or "1"]
     else:
         cmd = [str(PEERS_HOME / "bin" / "tritonserver-cpu"), "--model-repository", str(repo), *ports]
     # Triton runs from the log's folder: started in this repository, its Python stub would import
     # tideserve's own triton_python_backend_utils module from the working directory.
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
-                            cwd=ROOT if kind == "tideserve" else log.parent)
+                            cwd=ROOT if kind.startswith("tideserve") else log.parent)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -85,15 +105,17 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def perf_analyzer(protocol: str, port: int, concurrency: int, http_format: str, log: Path) -> dict:
+def perf_analyzer(protocol: str, port: int, concurrency: int, http_format: str, log: Path, server_sid: int) -> dict:
     cmd = [str(PEERS_HOME / "bin" / "perf_analyzer"), "-m", "add_sub", "-u", f"127.0.0.1:{port}",
            "-i", protocol, "--concurrency-range", str(concurrency), "--measurement-mode", "time_windows",
            "-p", "3000", "-s", "25", "-r", "5", "-v"]
     if protocol == "http" and http_format == "json":
         cmd += ["--input-tensor-format", "json", "--output-tensor-format", "json"]
+    cpu_before, started = session_cpu_seconds(server_sid), time.monotonic()
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300).stdout
+    wall, cpu = time.monotonic() - started, session_cpu_seconds(server_sid) - cpu_before
     log.write_text(out)
-    result = {"command": " ".join(cmd[1:])}
+    result = {"command": " ".join(cmd[1:]), "server_cpu_s": cpu, "wall_s": wall}
     if m := re.search(r"Throughput: ([\d.]+) infer/sec", out):
         result["infer_per_s"] = float(m.group(1))
         result["stable"] = True
@@ -104,6 +126,8 @@ def perf_analyzer(protocol: str, port: int, concurrency: int, http_format: str, 
     for key, label in (("p50_ms", "p50 latency"), ("p99_ms", "p99 latency"), ("avg_ms", "Avg latency")):
         if m := re.search(label + r": (\d+) usec", out):
             result[key] = int(m.group(1)) / 1000
+    if result["infer_per_s"]:  # requests over the whole run (warm-up included) at the measured rate
+        result["cpu_us_per_request"] = cpu / (result["infer_per_s"] * wall) * 1e6
     return result
 
 
@@ -111,23 +135,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--http-format", choices=["json", "binary"], default="json")
-    parser.add_argument("--servers", nargs="+", default=["triton", "tideserve"])
+    parser.add_argument("--servers", nargs="+", default=["triton", "tideserve:w1", "tideserve:w2"])
     args = parser.parse_args()
     ensure_peers()
     work = Path(tempfile.mkdtemp(prefix="bench-addsub-"))
     results: dict = {"load_before": open("/proc/loadavg").read().split()[:3], "cpus": os.cpu_count(),
                      "http_format": args.http_format, "runs": {}}
     for kind in args.servers:
-        repo = work / f"{kind}-repo"
+        repo = work / f"{kind.replace(':', '-')}-repo"
         shutil.copytree(SHARED / "peers" / "repos" / "triton", repo)
-        proc, http, grpc = start_server(kind, repo, work / f"{kind}.log")
+        proc, http, grpc = start_server(kind, repo, work / f"{kind.replace(':', '-')}.log")
         try:
             for protocol, port in (("http", http), ("grpc", grpc)):
                 for c in args.concurrency:
-                    r = perf_analyzer(protocol, port, c, args.http_format, work / f"pa-{kind}-{protocol}-{c}.txt")
+                    r = perf_analyzer(protocol, port, c, args.http_format,
+                                      work / f"pa-{kind.replace(':', '-')}-{protocol}-{c}.txt", proc.pid)
                     results["runs"][f"{kind}/{protocol}/{c}"] = r
-                    print(f"{kind:10s} {protocol:5s} c={c:<3d} {r['infer_per_s']:9.0f} infer/s "
-                          f"p50 {r.get('p50_ms', float('nan')):.2f} ms p99 {r.get('p99_ms', float('nan')):.2f} ms"
+                    print(f"{kind:13s} {protocol:5s} c={c:<3d} {r['infer_per_s']:9.0f} infer/s "
+                          f"p50 {r.get('p50_ms', float('nan')):.2f} ms p99 {r.get('p99_ms', float('nan')):.2f} ms "
+                          f"CPU {r.get('cpu_us_per_request', float('nan')):.0f} us/req"
                           + ("" if r["stable"] else "  (unstable)"), flush=True)
         finally:
             stop_server(proc)
@@ -136,18 +162,22 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / f"addsub-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps(results, indent=1))
-    print(f"\n| protocol | concurrency | tideserve infer/s | Triton infer/s | ratio | tideserve p50 / p99 ms "
-          f"| Triton p50 / p99 ms |\n|---|---|---|---|---|---|---|")
     runs = results["runs"]
-    for protocol in ("http", "grpc"):
-        for c in args.concurrency:
-            t, p = runs.get(f"tideserve/{protocol}/{c}"), runs.get(f"triton/{protocol}/{c}")
-            if not t or not p:
-                continue
-            ratio = t["infer_per_s"] / p["infer_per_s"] if p["infer_per_s"] else float("nan")
-            print(f"| {protocol} | {c} | {t['infer_per_s']:.0f} | {p['infer_per_s']:.0f} | {ratio:.2f}x | "
-                  f"{t.get('p50_ms', 0):.2f} / {t.get('p99_ms', 0):.2f} | {p.get('p50_ms', 0):.2f} / "
-                  f"{p.get('p99_ms', 0):.2f} |")
+    peer = "triton"
+    for kind in [k for k in args.servers if k != peer]:
+        print(f"\n{kind} vs {peer}\n\n| protocol | concurrency | {kind} infer/s | {peer} infer/s | ratio "
+              f"| {kind} p50 / p99 ms | {peer} p50 / p99 ms | CPU us/request {kind} / {peer} |\n"
+              f"|---|---|---|---|---|---|---|---|")
+        for protocol in ("http", "grpc"):
+            for c in args.concurrency:
+                t, q = runs.get(f"{kind}/{protocol}/{c}"), runs.get(f"{peer}/{protocol}/{c}")
+                if not t or not q:
+                    continue
+                ratio = t["infer_per_s"] / q["infer_per_s"] if q["infer_per_s"] else float("nan")
+                print(f"| {protocol} | {c} | {t['infer_per_s']:.0f} | {q['infer_per_s']:.0f} | {ratio:.2f}x | "
+                      f"{t.get('p50_ms', 0):.2f} / {t.get('p99_ms', 0):.2f} | {q.get('p50_ms', 0):.2f} / "
+                      f"{q.get('p99_ms', 0):.2f} | {t.get('cpu_us_per_request', 0):.0f} / "
+                      f"{q.get('cpu_us_per_request', 0):.0f} |")
     print(f"\nresults: {out}; logs: {work}")
 
 

@@ -132,7 +132,7 @@ def start_vllm(log: Path) -> tuple[subprocess.Popen, int]:
            "VLLM_NO_USAGE_STATS": "1"}
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(minilm_path()),
            "--served-model-name", MODEL, "--runner", "pooling", "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "float32", "--enforce-eager", "--disable-log-requests"]
+           "--dtype", "float32", "--enforce-eager"]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     deadline = time.monotonic() + 900

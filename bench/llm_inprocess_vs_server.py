@@ -49,7 +49,8 @@ def make_engine(engine_args: dict):
     return engine
 
 
-async def inprocess_round(engine, texts: list[str], max_tokens: int, tag: str) -> dict:
+async def inprocess_round(engine, texts: list[str], max_tokens: int, tag: str, lora=None) -> dict:
+    """One round of concurrent requests; ``lora``: a vLLM ``LoRARequest`` for every request (bench/lora.py)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -57,7 +58,7 @@ async def inprocess_round(engine, texts: list[str], max_tokens: int, tag: str) -
 
     async def one(request_id: str, prompt: str) -> tuple[float, list[float], int]:
         start, stamps, count = time.perf_counter(), [], 0
-        async for out in engine.generate(prompt, params, request_id):
+        async for out in engine.generate(prompt, params, request_id, lora_request=lora):
             new = len(out.outputs[0].token_ids)
             if new:
                 stamps.append(time.perf_counter())
@@ -74,14 +75,16 @@ async def inprocess_round(engine, texts: list[str], max_tokens: int, tag: str) -
 
 
 # -- through tideserve ----------------------------------------------------------------------------
-async def served_round(protocol: str, ports: dict, texts: list[str], max_tokens: int) -> dict:
+async def served_round(protocol: str, ports: dict, texts: list[str], max_tokens: int,
+                       extra: dict | None = None) -> dict:
+    """One round through tideserve; ``extra``: more sampling parameters (``lora_name``: bench/lora.py)."""
     from tideserve.bench.tideserve_bench.api import measure_async
 
     if protocol == "grpc":
         target, url = "grpc-stream", f"127.0.0.1:{ports['grpc']}"
     else:
         target, url = "kserve-generate", f"http://127.0.0.1:{ports['http']}"
-    result = await measure_async(target, url, MODEL_NAME, texts, max_tokens, extra={"temperature": 0})
+    result = await measure_async(target, url, MODEL_NAME, texts, max_tokens, extra={"temperature": 0, **(extra or {})})
     summary = result.summary
     if summary["failed"] or summary["truncated"]:
         raise RuntimeError(f"{summary['failed']} failed, {summary['truncated']} truncated: "

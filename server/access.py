@@ -85,6 +85,7 @@ OPENAI_ROUTE_GROUPS: dict[str, str] = {
     # LoRA adapters loaded from disk (--enable-lora-runtime-updates): repository changes, as a model load is
     "/v1/load_lora_adapter": MODEL_REPOSITORY, "/v1/unload_lora_adapter": MODEL_REPOSITORY,
     "/v1/embeddings": INFERENCE, "/tokenize": INFERENCE, "/detokenize": INFERENCE, "/tokenizer_info": MODEL_CONFIG,
+    "/v1/score": INFERENCE, "/score": INFERENCE, "/v1/rerank": INFERENCE, "/rerank": INFERENCE,
 }
 
 _SHARED_MEMORY_RPCS = tuple(f"{kind}SharedMemory{op}" for kind in ("System", "Cuda")

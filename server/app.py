@@ -205,7 +205,7 @@ class Server:
         render = self.dataplane.metrics_text
 
         async def metrics(_request):
-            return Response(render(), media_type=CONTENT_TYPE_LATEST)
+            return Response(await render(), media_type=CONTENT_TYPE_LATEST)
 
         app = Starlette(routes=[Route("/metrics", metrics)])
         guard_metrics(app, self.access)

@@ -21,7 +21,9 @@ Backend, Model, ModelInstance
     on a worker thread) or ``async`` (run on the event loop). ``execute(requests)`` either returns
     one response per request or answers through each request's :class:`ResponseSender` (decoupled
     models: 0..N responses, then FINAL). :class:`TensorModelInstance` runs a batch as one tensor
-    call (inputs concatenated along the batch dimension, outputs split back).
+    call (inputs concatenated along the batch dimension, outputs split back). A model that serves
+    LoRA adapters overrides ``lora_adapters``, ``load_lora_adapter`` and ``unload_lora_adapter``
+    (the vllm backend does; the DataPlane lists and loads adapters through them).
 
 ModelContext: what the server hands a model at construction
     ``name``, ``version``, ``config`` (Triton's ``ModelConfig`` message), ``model_path``, helpers

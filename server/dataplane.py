@@ -196,8 +196,9 @@ class DataPlane:
             return False
         return not any(r.state is ModelState.UNAVAILABLE for r in self.repository.runtimes())
 
-    def metrics_text(self) -> bytes:
-        """The Prometheus text exposition of the server's registry (``GET /metrics`` on either port)."""
+    async def metrics_text(self) -> bytes:
+        """The Prometheus text exposition of the server's registry (``GET /metrics`` on either port; in a
+        frontend worker, a call to the core)."""
         return self.metrics.render()
 
     def server_metadata(self) -> dict[str, Any]:

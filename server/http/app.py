@@ -81,7 +81,7 @@ def create_app(dataplane, *, max_input_size: int = DEFAULT_MAX_INPUT_SIZE, max_d
     mount_openai(app, dataplane, body, openai_limits, openai_parsers)
     @app.get(METRICS_PATH)
     async def metrics():  # the metrics port's registry, for routers and autoscalers that scrape this port
-        return Response(dataplane.metrics_text(), media_type=CONTENT_TYPE_LATEST)
+        return Response(await dataplane.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
     if openapi:
         @app.get(openapi_document.PATH)

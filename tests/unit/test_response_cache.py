@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
+from tritonclient.grpc import model_config_pb2 as mc
 
-from tideserve.response_cache import ENTRY_OVERHEAD, ResponseCache, request_key
+from tideserve.errors import InvalidArgument
+from tideserve.response_cache import ENTRY_OVERHEAD, ResponseCache, check_config, request_key
 from tideserve.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 
 
@@ -62,3 +65,18 @@ def test_stored_answers_are_copies():
     cache.insert(b"k", response)
     response.outputs[0].data[:] = 7  # the model reuses its buffer
     assert not cache.lookup(b"k", _request([0])).outputs[0].data.any()
+
+
+def test_decoupled_and_sequence_models_cannot_enable_the_cache():
+    config = mc.ModelConfig(name="m")
+    config.response_cache.enable = True
+    check_config(config)
+    config.sequence_batching.SetInParent()
+    with pytest.raises(InvalidArgument, match="does not currently support model m with sequence batching"):
+        check_config(config)
+    config.ClearField("sequence_batching")
+    config.model_transaction_policy.decoupled = True
+    with pytest.raises(InvalidArgument, match="with 'decoupled' transaction policy"):
+        check_config(config)
+    config.response_cache.enable = False
+    check_config(config)

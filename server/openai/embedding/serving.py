@@ -33,9 +33,10 @@ async def create_embedding(server, doc, _scope) -> bytes:
     catalog = server.embedders
     model = catalog.get(request.model) if request.model else catalog.default()
     _check(request, model)
-    prompts, counts = await server.run_blocking(_prepare, model, request, request.inputs())
     request_id = f"embd-{uuid.uuid4().hex}"
-    vectors = await _embed(server.dataplane, model, prompts, request_id)
+    vectors, counts = await embed(server, model, request.inputs(), request_id,
+                                  truncate_prompt_tokens=request.truncate_prompt_tokens,
+                                  add_special_tokens=request.add_special_tokens)
     data = [{"index": i, "object": "embedding", "embedding": _encode(_dimensions(v, request.dimensions), request)}
             for i, v in enumerate(vectors)]
     usage = sum(counts)
@@ -63,13 +64,20 @@ def _check(request: EmbeddingRequest, model: EmbeddingModel) -> None:
                          f"{list(model.matryoshka_dimensions)}, got {dimensions}.", "dimensions")
 
 
-def _prepare(model: EmbeddingModel, request: EmbeddingRequest,
-             inputs: list[str | list[int]]) -> tuple[list[str | list[int]], list[int]]:
+async def embed(server, model: EmbeddingModel, inputs: list[str | list[int]], request_id: str, *,
+                truncate_prompt_tokens: int | None = None, add_special_tokens: bool = True
+                ) -> tuple[list[np.ndarray], list[int]]:
+    """Each input's vector (float32) and token count; also what ``/v1/score`` and ``/v1/rerank`` compare."""
+    prompts, counts = await server.run_blocking(_prepare, model, inputs, truncate_prompt_tokens, add_special_tokens)
+    return await _embed(server.dataplane, model, prompts, request_id), counts
+
+
+def _prepare(model: EmbeddingModel, inputs: list[str | list[int]], truncate: int | None,
+             add_special_tokens: bool) -> tuple[list[str | list[int]], list[int]]:
     """The prompts to send (text kept as text where the model may tokenize it) and each one's token count;
     blocking (tokenizes), on a worker thread. Raises BadRequest for an input the model cannot take."""
     tokenizer = model.tokenizer()
     limit = model.max_model_len
-    truncate = request.truncate_prompt_tokens
     if truncate is not None:
         if limit is not None and truncate > limit:
             raise BadRequest(f"truncate_prompt_tokens value ({truncate}) is greater than max_model_len ({limit}). "
@@ -79,7 +87,7 @@ def _prepare(model: EmbeddingModel, request: EmbeddingRequest,
     texts = [(i, p) for i, p in enumerate(inputs) if isinstance(p, str)]
     encoded = {}
     if texts and tokenizer is not None:
-        encodings = tokenizer.encode_batch([p for _, p in texts], add_special_tokens=request.add_special_tokens)
+        encodings = tokenizer.encode_batch([p for _, p in texts], add_special_tokens=add_special_tokens)
         encoded = {i: e.ids for (i, _), e in zip(texts, encodings)}
     prompts, counts = [], []
     for i, prompt in enumerate(inputs):
@@ -98,9 +106,9 @@ def _prepare(model: EmbeddingModel, request: EmbeddingRequest,
                 raise BadRequest(f"This model's maximum context length is {limit} tokens. However, you requested "
                                  f"{len(ids)} tokens in the input for embedding generation. Please reduce the length "
                                  "of the input.", "input")
-            if isinstance(prompt, str) and not request.add_special_tokens:
+            if isinstance(prompt, str) and not add_special_tokens:
                 send = ids
-        elif isinstance(prompt, str) and (truncate is not None or not request.add_special_tokens):
+        elif isinstance(prompt, str) and (truncate is not None or not add_special_tokens):
             raise BadRequest(f"model '{model.name}' has no tokenizer files the server can read, which "
                              f"{'truncate_prompt_tokens' if truncate is not None else 'add_special_tokens'} needs",
                              "truncate_prompt_tokens" if truncate is not None else "add_special_tokens")
