@@ -205,7 +205,6 @@ class ToolParser:
 class HermesToolParser(ToolParser):
     name = "hermes"
     marker = "<tool_call>"
-    end_marker = "</tool_call>"
     keeps_special_tokens = True
     _regions = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 
@@ -351,6 +350,9 @@ class PythonicToolParser(ToolParser):
     openers = ("[",)
     _callee = re.compile(r"\s*([A-Za-z_][\w.]*)\s*\(")
 
+    def __init__(self) -> None:
+        self._read: dict[tuple[int, int], Call] = {}  # closed calls by place: the list is re-read as it grows
+
     def _extract(self, text):
         tree = ast.parse(text.strip(), mode="eval").body
         if not isinstance(tree, ast.List) or not tree.elts or not all(isinstance(e, ast.Call) for e in tree.elts):
@@ -375,6 +377,7 @@ class PythonicToolParser(ToolParser):
             if i >= len(text):
                 return calls, pos, 0
             if text[i] == "]":
+                self._read.clear()
                 return calls, i + 1, len(calls)
             match = self._callee.match(text, i)
             if match is None:  # not (yet) a call: at the end, the output is content
@@ -382,13 +385,15 @@ class PythonicToolParser(ToolParser):
             end = _bracket_end(text, match.end() - 1, _PYTHON_SPECIAL)
             if end is None:  # a call goes out once it closes and parses (its name too: it may be no call)
                 return calls, pos, 0
-            try:
-                node = ast.parse(text[i:end].strip(), mode="eval").body
-                call = self._call(node)
-            except (ToolParseError, ValueError, SyntaxError, RecursionError, MemoryError):
-                return calls, pos, 0
+            call = self._read.get((i, end))
+            if call is None:
+                try:
+                    call = self._read[i, end] = self._call(ast.parse(text[i:end].strip(), mode="eval").body)
+                except (ToolParseError, ValueError, SyntaxError, RecursionError, MemoryError):
+                    return calls, pos, 0
             calls.append(call)
             i = end
+
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (
     HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser)}

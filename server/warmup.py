@@ -5,8 +5,9 @@ As Triton: a sample of ``batch_size`` N is N requests of batch 1 run as one batc
 ``random_data`` (zeros for strings) or ``input_data_file`` (raw row-major bytes, or serialized
 strings, read from ``<model>/warmup/``); its ``dims`` exclude the batch dimension of a batching
 model and must all be fixed. An input that is not a model input (a sequence control, a state) is
-passed to the model as given (with the batch dimension of a batching model). Samples are checked against the config like client requests, and a sample that
-is malformed, fails validation or gets an error from the model fails the load, naming the sample.
+passed to the model as given (with the batch dimension of a batching model). Samples are checked
+against the config like client requests, and a sample that is malformed, fails validation or gets
+an error from the model fails the load, naming the sample.
 """
 
 from __future__ import annotations

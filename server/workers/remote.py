@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -46,18 +47,22 @@ class RemoteRuntime:
 class RemoteInferenceStream:
     """The responses of one request, coming from the core. Closing it early cancels the request."""
 
-    __slots__ = ("_link", "rid", "request", "runtime", "_queue", "_done")
+    __slots__ = ("_link", "rid", "request", "runtime", "_pending", "_waiter", "_done")
 
     def __init__(self, link: "CoreLink", rid: int, request: InferenceRequest) -> None:
         self._link = link
         self.rid = rid
         self.request = request
         self.runtime: RemoteRuntime | None = None
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._pending: deque[p.Respond] = deque()  # arrived, not yet taken
+        self._waiter: asyncio.Future | None = None
         self._done = False
 
     def _put(self, message: p.Respond) -> None:
-        self._queue.put_nowait(message)
+        self._pending.append(message)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def __aiter__(self) -> "RemoteInferenceStream":
         return self
@@ -65,11 +70,17 @@ class RemoteInferenceStream:
     async def __anext__(self) -> InferenceResponse:
         if self._done:
             raise StopAsyncIteration
-        try:
-            message = await self._queue.get()
-        except asyncio.CancelledError:
-            self.cancel()
-            raise
+        pending = self._pending
+        while not pending:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            except asyncio.CancelledError:
+                self.cancel()
+                raise
+            finally:
+                self._waiter = None
+        message = pending.popleft()
         response = message.response
         if message.runtime:
             self.runtime = self._link.runtimes.get(message.runtime, self.runtime)
@@ -89,7 +100,10 @@ class RemoteInferenceStream:
             return
         self._finish()
         self.request.cancellation.cancel()
-        self._link.send(p.Cancel(self.rid))
+        try:
+            self._link.send(p.Cancel(self.rid))
+        except ServerError:  # the core is gone: nothing left to cancel
+            pass
 
     async def aclose(self) -> None:
         self.cancel()

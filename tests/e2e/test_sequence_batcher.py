@@ -10,12 +10,12 @@ errors of Triton's sequence batcher (no correlation id, no START, a batch of 2, 
 
 from __future__ import annotations
 
-import json
 import textwrap
 import threading
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
@@ -281,8 +281,6 @@ def test_sequence_errors(server, protocol):
 
 
 def test_bad_sequence_flag_types_over_http(server):
-    import httpx
-
     body = {"inputs": [{"name": "INPUT", "datatype": "INT32", "shape": [1, 1], "data": [1]}],
             "parameters": {"sequence_id": 9, "sequence_start": "yes"}}
     answer = httpx.post(f"{server.base_url}/v2/models/acc_direct/infer", json=body)

@@ -52,10 +52,14 @@ instance_group [ {{ count: {instances} kind: KIND_CPU }} ]
 
 GOOD = """
 model_warmup [
-  { name: "zeros" batch_size: 2 count: 3 inputs { key: "INPUT" value { data_type: TYPE_INT32 dims: [ 3 ] zero_data: true } } },
-  { name: "file" batch_size: 1 inputs { key: "INPUT" value { data_type: TYPE_INT32 dims: [ 3 ] input_data_file: "ones" } } },
-  { name: "random" batch_size: 4 inputs { key: "INPUT" value { data_type: TYPE_INT32 dims: [ 3 ] random_data: true } } },
-  { name: "skipped" batch_size: 0 inputs { key: "INPUT" value { data_type: TYPE_INT32 dims: [ 3 ] zero_data: true } } }
+  { name: "zeros" batch_size: 2 count: 3
+    inputs { key: "INPUT" value { data_type: TYPE_INT32 dims: [ 3 ] zero_data: true } } },
+  { name: "file" batch_size: 1
+    inputs { key: "INPUT" value { data_type: TYPE_INT32 dims: [ 3 ] input_data_file: "ones" } } },
+  { name: "random" batch_size: 4
+    inputs { key: "INPUT" value { data_type: TYPE_INT32 dims: [ 3 ] random_data: true } } },
+  { name: "skipped" batch_size: 0
+    inputs { key: "INPUT" value { data_type: TYPE_INT32 dims: [ 3 ] zero_data: true } } }
 ]
 """
 

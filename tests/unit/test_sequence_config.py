@@ -38,8 +38,9 @@ def test_control_tensors_per_row(tmp_path):
 
 
 def test_unbatched_model_gets_rank_1_controls(tmp_path):
-    controls, _ = read('control_input [ { name: "C" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_INT32 } ] } ]',
-                       tmp_path, mbs=0)
+    controls, _ = read(
+        'control_input [ { name: "C" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_INT32 } ] } ]',
+        tmp_path, mbs=0)
     (corrid,) = controls.tensors(False, False, True, 12)
     assert (corrid.shape, corrid.data.dtype, corrid.data.tolist()) == ((1,), np.int32, [12])
     with pytest.raises(InvalidArgument, match="does not fit"):
