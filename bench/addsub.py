@@ -52,17 +52,32 @@ def ensure_peers() -> None:
                        stdout=subprocess.DEVNULL)
 
 
-def session_cpu_seconds(sid: int) -> float:
-    """User + system CPU time of every live process in session ``sid`` (Linux /proc)."""
-    total = 0
+def _role(pid: str) -> str:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return "other"
+    if b"tideserve.workers.main" in cmdline:
+        return "frontend workers"
+    if b"tideserve.cli" in cmdline:
+        return "core"
+    if b"tritonserver" in cmdline:
+        return "tritonserver"
+    return "model processes"  # tideserve's zygote and model processes, Triton's Python stubs
+
+
+def session_cpu_seconds(sid: int) -> dict[str, float]:
+    """User + system CPU seconds of every live process in session ``sid`` (Linux /proc), by role."""
+    totals: dict[str, float] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
         if int(fields[3]) == sid:
-            total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
+            role = _role(stat.parent.name)
+            totals[role] = totals.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return totals
 
 
 def start_server(kind: str, repo: Path, log: Path) -> tuple[subprocess.Popen, int, int]:
@@ -113,9 +128,11 @@ def perf_analyzer(protocol: str, port: int, concurrency: int, http_format: str, 
         cmd += ["--input-tensor-format", "json", "--output-tensor-format", "json"]
     cpu_before, started = session_cpu_seconds(server_sid), time.monotonic()
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300).stdout
-    wall, cpu = time.monotonic() - started, session_cpu_seconds(server_sid) - cpu_before
+    wall, cpu_after = time.monotonic() - started, session_cpu_seconds(server_sid)
+    roles = {role: cpu_after.get(role, 0.0) - cpu_before.get(role, 0.0) for role in cpu_after}
+    cpu = sum(roles.values())
     log.write_text(out)
-    result = {"command": " ".join(cmd[1:]), "server_cpu_s": cpu, "wall_s": wall}
+    result = {"command": " ".join(cmd[1:]), "server_cpu_s": cpu, "cpu_s_by_role": roles, "wall_s": wall}
     if m := re.search(r"Throughput: ([\d.]+) infer/sec", out):
         result["infer_per_s"] = float(m.group(1))
         result["stable"] = True
@@ -127,7 +144,9 @@ def perf_analyzer(protocol: str, port: int, concurrency: int, http_format: str, 
         if m := re.search(label + r": (\d+) usec", out):
             result[key] = int(m.group(1)) / 1000
     if result["infer_per_s"]:  # requests over the whole run (warm-up included) at the measured rate
-        result["cpu_us_per_request"] = cpu / (result["infer_per_s"] * wall) * 1e6
+        requests = result["infer_per_s"] * wall
+        result["cpu_us_per_request"] = cpu / requests * 1e6
+        result["cpu_us_per_request_by_role"] = {role: round(t / requests * 1e6, 1) for role, t in roles.items()}
     return result
 
 
@@ -153,7 +172,8 @@ def main() -> None:
                     results["runs"][f"{kind}/{protocol}/{c}"] = r
                     print(f"{kind:13s} {protocol:5s} c={c:<3d} {r['infer_per_s']:9.0f} infer/s "
                           f"p50 {r.get('p50_ms', float('nan')):.2f} ms p99 {r.get('p99_ms', float('nan')):.2f} ms "
-                          f"CPU {r.get('cpu_us_per_request', float('nan')):.0f} us/req"
+                          f"CPU {r.get('cpu_us_per_request', float('nan')):.0f} us/req "
+                          f"{r.get('cpu_us_per_request_by_role', {})}"
                           + ("" if r["stable"] else "  (unstable)"), flush=True)
         finally:
             stop_server(proc)

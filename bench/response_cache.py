@@ -78,8 +78,9 @@ def main() -> None:
         for protocol in ("http", "grpc"):
             for c in args.concurrency:
                 hit, run = runs[f"{kind}/{protocol}/{c}/cached"], runs[f"{kind}/{protocol}/{c}/plain"]
-                line = (f"| {kind} | {protocol} | {c} | {hit['infer_per_s']:.0f} ({hit.get('p50_ms', float('nan')):.2f})"
-                        f" | {run['infer_per_s']:.0f} ({run.get('p50_ms', float('nan')):.2f}) | "
+                nan = float("nan")
+                line = (f"| {kind} | {protocol} | {c} | {hit['infer_per_s']:.0f} ({hit.get('p50_ms', nan):.2f})"
+                        f" | {run['infer_per_s']:.0f} ({run.get('p50_ms', nan):.2f}) | "
                         f"{hit['infer_per_s'] / run['infer_per_s'] if run['infer_per_s'] else float('nan'):.1f}x |")
                 peer = runs.get(f"triton/{protocol}/{c}/cached")
                 if kind == "tideserve" and peer and peer["infer_per_s"]:

@@ -241,6 +241,11 @@ class DataPlane:
     def repository_index(self, ready_only: bool = False) -> list[dict]:
         return self.repository.index(ready_only)
 
+    async def index(self, ready_only: bool = False) -> list[dict]:
+        """:meth:`repository_index` for the repository APIs (in a frontend worker, a call to the core: the
+        index as it is now, not as last pushed)."""
+        return self.repository.index(ready_only)
+
     async def load_model(self, name: str, config_json: str | None = None) -> None:
         await self.repository.load(name, config_json)
 

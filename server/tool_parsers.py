@@ -198,7 +198,8 @@ class ToolParser:
 
     def scan(self, text: str, pos: int) -> tuple[list[Call], int, int]:
         """The calls in ``text`` from ``pos`` (the last one may be incomplete), the position after those of
-        them that are done with, and how many calls that is."""
+        them that are done with, and how many calls that is. A parser may keep state between scans of one
+        output (the stream's position follows what it returns)."""
         raise NotImplementedError
 
 
@@ -222,6 +223,8 @@ class HermesToolParser(ToolParser):
             if i >= len(text) or text[i] != "{":
                 break
             call, end = _json_call(text, i)
+            if end is not None and call.name is None:  # no call after all: the output stays content
+                break
             calls.append(call)
             if end is None:
                 break
@@ -257,6 +260,8 @@ class Llama3JsonToolParser(ToolParser):
             if i >= len(text) or text[i] != "{":
                 break
             call, end = _json_call(text, i)
+            if end is not None and call.name is None:
+                break
             calls.append(call)
             if end is None:
                 break
@@ -295,19 +300,36 @@ class MistralToolParser(ToolParser):
             calls.append(_call_of({"name": match.group(1), "arguments": json.loads(rest)}))
         return text[:start] or None, calls
 
+    def __init__(self) -> None:
+        self._in_array = False  # inside the JSON array of the older format
+
     def scan(self, text, pos):
         calls, done = [], 0
-        while (start := text.find(self.marker, pos)) >= 0:
+        while True:
+            if self._in_array:
+                i = _COMMAS.match(text, pos).end()
+                if i < len(text) and text[i] == "]":
+                    self._in_array, pos = False, i + 1
+                    continue
+                if i >= len(text) or text[i] != "{":
+                    break
+                call, end = _json_call(text, i)
+                if end is not None and call.name is None:
+                    break
+                calls.append(call)
+                if end is None:
+                    break
+                pos, done = end, done + 1
+                continue
+            start = text.find(self.marker, pos)
+            if start < 0:
+                break
             i = _skip_ws(text, start + len(self.marker))
             if i >= len(text):
                 break
-            if text[i] == "[":  # one JSON array holds every call: done with only once it closes
-                array, end = self._array(text, i)
-                calls.extend(array)
-                if end is not None:
-                    pos, done = end, done + len(array)
-                    continue
-                break
+            if text[i] == "[":
+                self._in_array, pos = True, i + 1
+                continue
             match = self._name.match(text, i)
             if match is None or match.end() >= len(text):
                 break
@@ -328,22 +350,6 @@ class MistralToolParser(ToolParser):
             pos, done = end, done + 1
         return calls, pos, done
 
-    def _array(self, text: str, i: int) -> tuple[list[Call], int | None]:
-        calls, i = [], i + 1
-        while True:
-            i = _COMMAS.match(text, i).end()
-            if i >= len(text):
-                return calls, None
-            if text[i] == "]":
-                return calls, i + 1
-            if text[i] != "{":
-                return calls, None
-            call, end = _json_call(text, i)
-            calls.append(call)
-            if end is None:
-                return calls, None
-            i = end
-
 
 class PythonicToolParser(ToolParser):
     name = "pythonic"
@@ -351,7 +357,7 @@ class PythonicToolParser(ToolParser):
     _callee = re.compile(r"\s*([A-Za-z_][\w.]*)\s*\(")
 
     def __init__(self) -> None:
-        self._read: dict[tuple[int, int], Call] = {}  # closed calls by place: the list is re-read as it grows
+        self._state = "before"  # before, in or after the list
 
     def _extract(self, text):
         tree = ast.parse(text.strip(), mode="eval").body
@@ -367,32 +373,29 @@ class PythonicToolParser(ToolParser):
         return Call(ast.unparse(node.func), json.dumps(arguments, ensure_ascii=False))
 
     def scan(self, text, pos):
-        """The list is done with only once it closes; each call comes whole once it closes."""
-        i = _skip_ws(text, pos)
-        if i >= len(text) or text[i] != "[":
-            return [], pos, 0
-        calls, i = [], i + 1
-        while True:
-            i = _COMMAS.match(text, i).end()
-            if i >= len(text):
-                return calls, pos, 0
-            if text[i] == "]":
-                self._read.clear()
-                return calls, i + 1, len(calls)
+        """Each call comes whole once it closes and parses (its name too: it may be no call after all)."""
+        calls, done = [], 0
+        if self._state == "before":
+            i = _skip_ws(text, pos)
+            if i >= len(text) or text[i] != "[":
+                return calls, pos, done
+            self._state, pos = "in", i + 1
+        while self._state == "in":
+            i = _COMMAS.match(text, pos).end()
+            if i < len(text) and text[i] == "]":
+                self._state, pos = "after", i + 1
+                break
             match = self._callee.match(text, i)
-            if match is None:  # not (yet) a call: at the end, the output is content
-                return calls, pos, 0
-            end = _bracket_end(text, match.end() - 1, _PYTHON_SPECIAL)
-            if end is None:  # a call goes out once it closes and parses (its name too: it may be no call)
-                return calls, pos, 0
-            call = self._read.get((i, end))
-            if call is None:
-                try:
-                    call = self._read[i, end] = self._call(ast.parse(text[i:end].strip(), mode="eval").body)
-                except (ToolParseError, ValueError, SyntaxError, RecursionError, MemoryError):
-                    return calls, pos, 0
+            end = _bracket_end(text, match.end() - 1, _PYTHON_SPECIAL) if match is not None else None
+            if end is None:
+                break
+            try:
+                call = self._call(ast.parse(text[i:end].strip(), mode="eval").body)
+            except (ToolParseError, ValueError, SyntaxError, RecursionError, MemoryError):
+                break
             calls.append(call)
-            i = end
+            pos, done = end, done + 1
+        return calls, pos, done
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (
@@ -498,9 +501,11 @@ class ToolCallStream:
             return []
         calls, pos, done = self.parser.scan(region, self._pos)
         entries = self._entries(calls)
-        if done and all(call.name is not None for call in calls[:done]):  # a call without a name: kept as text
+        if done:  # calls done with are never read again
             self._base += done
             self._region, self._pos = region[pos:], 0
+        else:
+            self._pos = pos
         return entries
 
     def _entries(self, calls: list[Call]) -> list[dict]:

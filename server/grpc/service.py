@@ -226,7 +226,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     # -- repository --------------------------------------------------------------------------
     @abort_on_error
     async def RepositoryIndex(self, request, context):
-        rows = self.dataplane.repository_index(request.ready)
+        rows = await self.dataplane.index(request.ready)
         response = pb.RepositoryIndexResponse()
         for row in rows:
             response.models.add(name=row["name"], version=row["version"], state=row["state"],

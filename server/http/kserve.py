@@ -274,7 +274,7 @@ def mount(app, frontend: HttpFrontend) -> None:
             ready = doc["ready"]
             if type(ready) is not bool:
                 raise InvalidArgument("invalid value for 'ready': expected a boolean")
-        return json_response(dp.repository_index(ready))
+        return json_response(await dp.index(ready))
 
     @app.post("/v2/repository/models/{model_name}/load")
     async def repository_load(model_name: str, request: Request):

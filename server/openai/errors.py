@@ -11,7 +11,7 @@ import re
 
 import orjson
 
-from ..errors import ServerError, Status
+from ..errors import QueueFull, ServerError, Status
 
 _TYPES = {
     400: "BadRequestError",
@@ -38,9 +38,12 @@ class OpenAIError(Exception):
         self.status = status
         self.param = param
         self.retry_after_s: int | None = None  # a Retry-After header (a queue at its bound: 503)
+        self.error_type: str | None = None  # a ``type`` other than the status's (vLLM's overload answer)
 
     @property
     def type(self) -> str:
+        if self.error_type is not None:
+            return self.error_type
         return _TYPES.get(self.status, "InternalServerError" if self.status >= 500 else "BadRequestError")
 
     def body(self) -> dict:
@@ -95,4 +98,6 @@ def from_server_error(exc: BaseException, fields: dict[str, str] | None = None,
         param = "model"
     error = OpenAIError(message, status, param)
     error.retry_after_s = exc.retry_after_s
+    if isinstance(exc, QueueFull) or exc.retry_after_s is not None:
+        error.error_type = "Service Unavailable"  # as vLLM answers its own queue limit (the status's phrase)
     return error

@@ -34,7 +34,7 @@ NOT_CALLS = frozenset({"infer", "infer_unary", "collect_unary", "submit", "abort
 # synchronous DataPlane questions whose answers every snapshot carries (answered in the worker from it)
 VIEWS = ("healthy", "lora_adapters")
 # calls after which the worker gets a snapshot before the answer (they change what snapshots hold)
-QUIET_CALLS = frozenset({"statistics", "model_statistics", "metrics_text"})
+QUIET_CALLS = frozenset({"statistics", "model_statistics", "metrics_text", "index", "repository_index"})
 SNAPSHOT_INTERVAL_S = 1.0  # also push the repository's state this often (new model directories, ensembles)
 RESTART_DELAY_S = 0.5
 
@@ -174,7 +174,7 @@ class _Link(asyncio.Protocol):
                 log.exception("frontend call '%s' failed", message.method)
             result = p.Result(message.cid, error=p.error_data(exc))
         if message.method not in QUIET_CALLS and not message.method.endswith("_status"):
-            self.pool.push_to(self)  # the worker sees the change before the answer
+            self.pool.push_all()  # every worker sees the change before the answer
         try:
             self.send(result)
         except Exception as exc:  # a value msgpack cannot carry
@@ -291,11 +291,11 @@ class FrontendWorkers:
             return
         self._push_scheduled = True
         try:
-            loop.call_soon_threadsafe(self._push_all)
+            loop.call_soon_threadsafe(self.push_all)
         except RuntimeError:  # the loop is closed
             pass
 
-    def _push_all(self) -> None:
+    def push_all(self) -> None:
         self._push_scheduled = False
         for link in self.links:
             if link is not None:
@@ -304,7 +304,7 @@ class FrontendWorkers:
     async def _tick(self) -> None:
         while True:
             await asyncio.sleep(SNAPSHOT_INTERVAL_S)
-            self._push_all()
+            self.push_all()
 
     def describe(self, link: _Link, runtime) -> int:
         uid = runtime.uid

@@ -256,6 +256,9 @@ class RemoteDataPlane:
         rows = self.link.snapshot.index
         return [row for row in rows if row.get("state") == "READY"] if ready_only else list(rows)
 
+    async def index(self, ready_only: bool = False) -> list[dict]:
+        return await self.link.call("index", ready_only)
+
     async def load_model(self, name: str, config_json: str | None = None) -> None:
         await self.link.call("load_model", name, config_json)
 

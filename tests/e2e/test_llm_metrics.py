@@ -209,7 +209,7 @@ class TestAdmission:
             assert refused.value.response.headers["retry-after"] == "1"
             error = refused.value.response.json()["error"]
             assert set(error) == {"message", "type", "param", "code"}
-            assert (error["type"], error["code"]) == ("ServiceUnavailableError", 503)
+            assert (error["type"], error["code"]) == ("Service Unavailable", 503)  # vLLM's answer to overload
         finally:
             for thread in fillers:
                 thread.join(timeout=180)

@@ -167,8 +167,8 @@ def test_statistics_and_metrics(client, server):
 
 
 def test_decoupled_model_with_a_cache_is_refused_at_load(client):
-    with pytest.raises(InferenceServerException,
-                       match="Response Cache does not currently support model decoupled_cache with 'decoupled'") as info:
+    message = "Response Cache does not currently support model decoupled_cache with 'decoupled'"
+    with pytest.raises(InferenceServerException, match=message) as info:
         client.load_model("decoupled_cache")
     assert info.value.status() in ("400", "StatusCode.INVALID_ARGUMENT")
 
@@ -185,7 +185,8 @@ def test_cache_config_flags_are_checked(tmp_path):
     for flags, message in ((("--cache-config", "redis,host=localhost"), "cache 'redis' is not available"),
                            (("--cache-config", "local,size=10", "--cache-config", "redis,port=1"),
                             "multiple cache configurations"),
-                           (("--response-cache-byte-size", "1", "--cache-config", "local,size=2"), "incompatible flags"),
+                           (("--response-cache-byte-size", "1", "--cache-config", "local,size=2"),
+                            "incompatible flags"),
                            (("--cache-config", "local,size=big"), "not a number of bytes"),
                            (("--cache-config", "local"), "expected <cache>,<key>=<value>")):
         with pytest.raises(ValueError, match=message):

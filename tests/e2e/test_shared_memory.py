@@ -27,8 +27,10 @@ SIMPLE = """\
 name: "simple"
 backend: "python"
 max_batch_size: 8
-input [ { name: "INPUT0" data_type: TYPE_INT32 dims: [ 16 ] }, { name: "INPUT1" data_type: TYPE_INT32 dims: [ 16 ] } ]
-output [ { name: "OUTPUT0" data_type: TYPE_INT32 dims: [ 16 ] }, { name: "OUTPUT1" data_type: TYPE_INT32 dims: [ 16 ] } ]
+input [ { name: "INPUT0" data_type: TYPE_INT32 dims: [ 16 ] },
+        { name: "INPUT1" data_type: TYPE_INT32 dims: [ 16 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_INT32 dims: [ 16 ] },
+         { name: "OUTPUT1" data_type: TYPE_INT32 dims: [ 16 ] } ]
 instance_group [ { kind: KIND_CPU count: 1 } ]
 parameters { key: "process_isolation" value { string_value: "false" } }
 """
@@ -42,7 +44,8 @@ class TritonPythonModel:
         for request in requests:
             a = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
             b = pb_utils.get_input_tensor_by_name(request, "INPUT1").as_numpy()
-            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", a + b), pb_utils.Tensor("OUTPUT1", a - b)]))
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", a + b),
+                                                   pb_utils.Tensor("OUTPUT1", a - b)]))
         return out
 '''
 ECHO = """\
@@ -122,7 +125,7 @@ def _shm_inputs(client, regions, a, b):
     shm.set_shared_memory_region(handle_in, [a])
     shm.set_shared_memory_region(handle_in, [b], offset=a.nbytes)
     client.register_system_shared_memory("inputs", key_in, a.nbytes + b.nbytes)
-    inputs = [client.module.InferInput("INPUT0", [1, 16], "INT32"), client.module.InferInput("INPUT1", [1, 16], "INT32")]
+    inputs = [client.module.InferInput(name, [1, 16], "INT32") for name in ("INPUT0", "INPUT1")]
     inputs[0].set_shared_memory("inputs", a.nbytes)
     inputs[1].set_shared_memory("inputs", b.nbytes, offset=a.nbytes)
     return inputs
@@ -235,7 +238,7 @@ def test_bad_shared_memory_requests_are_clear_errors(client, regions):
     bad = "400" if client.protocol == "http" else "StatusCode.INVALID_ARGUMENT"
 
     # an input whose region holds more bytes than the tensor needs
-    inputs = [client.module.InferInput("INPUT0", [1, 16], "INT32"), client.module.InferInput("INPUT1", [1, 16], "INT32")]
+    inputs = [client.module.InferInput(name, [1, 16], "INT32") for name in ("INPUT0", "INPUT1")]
     inputs[0].set_shared_memory("small", 32)
     inputs[1].set_data_from_numpy(a)
     error = _infer_error(client, "simple", inputs)

@@ -77,44 +77,52 @@ def _prepare(model: EmbeddingModel, inputs: list[str | list[int]], truncate: int
     """The prompts to send (text kept as text where the model may tokenize it) and each one's token count;
     blocking (tokenizes), on a worker thread. Raises BadRequest for an input the model cannot take."""
     tokenizer = model.tokenizer()
-    limit = model.max_model_len
-    if truncate is not None:
-        if limit is not None and truncate > limit:
-            raise BadRequest(f"truncate_prompt_tokens value ({truncate}) is greater than max_model_len ({limit}). "
-                             "Please request a smaller truncation size.", "truncate_prompt_tokens")
-        truncate = limit if truncate == -1 else truncate
-    vocabulary = tokenizer.get_vocab_size(with_added_tokens=True) if tokenizer is not None else None
+    truncate = _truncation(model, truncate)
+    if tokenizer is None and (truncate is not None or not add_special_tokens) and any(
+            isinstance(p, str) for p in inputs):
+        field = "truncate_prompt_tokens" if truncate is not None else "add_special_tokens"
+        raise BadRequest(f"model '{model.name}' has no tokenizer files the server can read, which {field} needs",
+                         field)
     texts = [(i, p) for i, p in enumerate(inputs) if isinstance(p, str)]
-    encoded = {}
+    encoded: dict[int, list[int]] = {}
     if texts and tokenizer is not None:
         encodings = tokenizer.encode_batch([p for _, p in texts], add_special_tokens=add_special_tokens)
         encoded = {i: e.ids for (i, _), e in zip(texts, encodings)}
+    vocabulary = tokenizer.get_vocab_size(with_added_tokens=True) if tokenizer is not None else None
     prompts, counts = [], []
     for i, prompt in enumerate(inputs):
-        ids = prompt if not isinstance(prompt, str) else encoded.get(i)
-        if isinstance(prompt, list) and vocabulary is not None:
-            bad = next((t for t in prompt if t >= vocabulary), None)
-            if bad is not None:
-                raise BadRequest(f"input[{i}]: token id {bad} is out of vocabulary (model '{model.name}' has "
-                                 f"{vocabulary} tokens)", "input")
+        if isinstance(prompt, list):
+            _check_ids(model, i, prompt, vocabulary)
+        ids = encoded.get(i) if isinstance(prompt, str) else prompt
         send = prompt
         if ids is not None:
-            if truncate is not None and truncate and len(ids) > truncate:
-                ids = ids[:truncate]
-                send = ids
-            elif limit is not None and len(ids) > limit:
-                raise BadRequest(f"This model's maximum context length is {limit} tokens. However, you requested "
-                                 f"{len(ids)} tokens in the input for embedding generation. Please reduce the length "
-                                 "of the input.", "input")
-            if isinstance(prompt, str) and not add_special_tokens:
-                send = ids
-        elif isinstance(prompt, str) and (truncate is not None or not add_special_tokens):
-            raise BadRequest(f"model '{model.name}' has no tokenizer files the server can read, which "
-                             f"{'truncate_prompt_tokens' if truncate is not None else 'add_special_tokens'} needs",
-                             "truncate_prompt_tokens" if truncate is not None else "add_special_tokens")
+            if truncate and len(ids) > truncate:
+                ids = send = ids[:truncate]
+            elif model.max_model_len is not None and len(ids) > model.max_model_len:
+                raise BadRequest(f"This model's maximum context length is {model.max_model_len} tokens. However, "
+                                 f"you requested {len(ids)} tokens in the input for embedding generation. Please "
+                                 "reduce the length of the input.", "input")
+            if not add_special_tokens:
+                send = ids  # the model's own tokenizer would add them
         prompts.append(send)
         counts.append(len(ids) if ids is not None else 0)
     return prompts, counts
+
+
+def _truncation(model: EmbeddingModel, truncate: int | None) -> int | None:
+    """``truncate_prompt_tokens`` as a token count (-1: the model's length), checked against the model."""
+    limit = model.max_model_len
+    if truncate is not None and limit is not None and truncate > limit:
+        raise BadRequest(f"truncate_prompt_tokens value ({truncate}) is greater than max_model_len ({limit}). "
+                         "Please request a smaller truncation size.", "truncate_prompt_tokens")
+    return limit if truncate == -1 else truncate
+
+
+def _check_ids(model: EmbeddingModel, index: int, ids: list[int], vocabulary: int | None) -> None:
+    bad = next((t for t in ids if t >= vocabulary), None) if vocabulary is not None else None
+    if bad is not None:
+        raise BadRequest(f"input[{index}]: token id {bad} is out of vocabulary (model '{model.name}' has {vocabulary} "
+                         "tokens)", "input")
 
 
 async def _embed(dataplane, model: EmbeddingModel, prompts: list[str | list[int]], request_id: str) -> list:
