@@ -8,7 +8,7 @@ add_sub model, two FP32 [4] inputs, max_batch_size 8, dynamic batching, 2 CPU in
                            [--servers triton tideserve:w1 tideserve:w2]
 
 ``tideserve:wN`` runs tideserve with ``--frontend-workers N``. Besides throughput and latency it reports
-the server's CPU time per request: every process of the server's session (core, frontend workers,
+the server's CPU time per request: the server process and all its descendants (core, frontend workers,
 model processes; Triton and its Python stubs), measured over each perf_analyzer run.
 
 Peers come from ``../shared/peers`` (setup scripts install them under $PEERS_HOME, /tmp/peers).
@@ -66,16 +66,26 @@ def _role(pid: str) -> str:
     return "model processes"  # tideserve's zygote and model processes, Triton's Python stubs
 
 
-def session_cpu_seconds(sid: int) -> dict[str, float]:
-    """User + system CPU seconds of every live process in session ``sid`` (Linux /proc), by role."""
-    totals: dict[str, float] = {}
+def tree_cpu_seconds(root: int) -> dict[str, float]:
+    """User + system CPU seconds of process ``root`` and every live descendant (Linux /proc), by role.
+    (Descendants, not the session: tideserve's model-process zygote has a session of its own.)"""
+    stats: dict[int, list[str]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
+            stats[int(stat.parent.name)] = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[3]) == sid:
-            role = _role(stat.parent.name)
+    children: dict[int, list[int]] = {}
+    for pid, fields in stats.items():
+        children.setdefault(int(fields[1]), []).append(pid)
+    totals: dict[str, float] = {}
+    todo = [root]
+    while todo:
+        pid = todo.pop()
+        todo.extend(children.get(pid, ()))
+        fields = stats.get(pid)
+        if fields is not None:
+            role = _role(str(pid))
             totals[role] = totals.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     return totals
 
@@ -120,15 +130,15 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def perf_analyzer(protocol: str, port: int, concurrency: int, http_format: str, log: Path, server_sid: int) -> dict:
+def perf_analyzer(protocol: str, port: int, concurrency: int, http_format: str, log: Path, server_pid: int) -> dict:
     cmd = [str(PEERS_HOME / "bin" / "perf_analyzer"), "-m", "add_sub", "-u", f"127.0.0.1:{port}",
            "-i", protocol, "--concurrency-range", str(concurrency), "--measurement-mode", "time_windows",
            "-p", "3000", "-s", "25", "-r", "5", "-v"]
     if protocol == "http" and http_format == "json":
         cmd += ["--input-tensor-format", "json", "--output-tensor-format", "json"]
-    cpu_before, started = session_cpu_seconds(server_sid), time.monotonic()
+    cpu_before, started = tree_cpu_seconds(server_pid), time.monotonic()
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300).stdout
-    wall, cpu_after = time.monotonic() - started, session_cpu_seconds(server_sid)
+    wall, cpu_after = time.monotonic() - started, tree_cpu_seconds(server_pid)
     roles = {role: cpu_after.get(role, 0.0) - cpu_before.get(role, 0.0) for role in cpu_after}
     cpu = sum(roles.values())
     log.write_text(out)

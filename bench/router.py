@@ -12,11 +12,13 @@ background load falls on all alike), all streaming chat completions sent by tide
 * ``direct 2-thread`` (``--same-threads``): one replica C whose engine has as many threads as A and B
   together, the fair one-replica peer of ``router->A+B``.
 
-Each side gets two loads per round: ``--latency-requests`` requests one at a time (TTFT p50: what the router
-adds to a request) and ``--streams`` streams at once (output tokens/s). Replicas A and B run one engine
+First ``--pairs`` single requests alternate between ``direct`` and ``router->A`` (the router's added TTFT: the
+median of the pairs' differences, robust to a busy machine's drift). Then each side gets two loads per round:
+``--latency-requests`` requests one at a time (TTFT p50) and ``--streams`` streams at once (output tokens/s). Replicas A and B run one engine
 thread each, bound to cores 0 and 1 (``VLLM_CPU_OMP_THREADS_BIND``); C binds ``0-1``.
 
-    python bench/router.py [--size 100m] [--streams 16] [--tokens 64] [--rounds 3] [--same-threads]
+    python bench/router.py [--size 100m] [--streams 16] [--tokens 64] [--rounds 3] [--pairs 40]
+                           [--same-threads | --overhead-only]
 
 Prints a table with the medians over the rounds and the ratios to ``direct``; writes
 bench/results/router-<time>.json.
@@ -112,6 +114,23 @@ def _checked(result) -> dict:
     return summary
 
 
+def paired_ttft(direct: str, routed: str, pairs: int) -> dict:
+    """``pairs`` single requests to each side, alternating (direct, routed, routed, direct, ...), so drift in
+    the machine's load falls on both alike: each side's TTFT p50 and the median of the pairs' differences."""
+    from tideserve.bench.tideserve_bench.api import measure
+
+    ttft: dict[str, list[float]] = {"direct": [], "routed": []}
+    for index in range(pairs):
+        order = [("direct", direct), ("routed", routed)]
+        for name, url in (order if index % 2 == 0 else order[::-1]):
+            summary = _checked(measure("openai-chat", url, MODEL_NAME, story_prompts(1), 4, extra={"temperature": 0}))
+            ttft[name].append(summary["ttft_ms"]["median"])
+    differences = [r - d for d, r in zip(ttft["direct"], ttft["routed"])]
+    return {"pairs": pairs, "direct_ttft_p50_ms": statistics.median(ttft["direct"]),
+            "routed_ttft_p50_ms": statistics.median(ttft["routed"]),
+            "added_ttft_p50_ms": statistics.median(differences), "ttft_ms": ttft}
+
+
 def medians(runs: list[dict]) -> dict:
     return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
 
@@ -139,6 +158,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--latency-requests", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--pairs", type=int, default=40,
+                        help="single requests to each of direct / router->A, alternating, for the router's added TTFT")
+    parser.add_argument("--overhead-only", action="store_true",
+                        help="only replica A and its router: the paired TTFT and the rounds of those two sides")
     parser.add_argument("--same-threads", action="store_true",
                         help="also start replica C with both cores' threads (a third engine)")
     parser.add_argument("--pause", type=float, default=2.0, help="seconds of rest before each side's round")
@@ -154,7 +177,7 @@ def main() -> None:
     engine_args = {"model": str(model), "dtype": args.dtype, "max_model_len": 1024, "enforce_eager": True}
     repo = _write_repository(work, engine_args)
     print(f"engine args {engine_args}; router {router_binary()}", flush=True)
-    replicas = {"A": "0", "B": "1", **({"C": "0-1"} if args.same_threads else {})}
+    replicas = {"A": "0"} if args.overhead_only else {"A": "0", "B": "1", **({"C": "0-1"} if args.same_threads else {})}
     processes: list[subprocess.Popen] = []
     try:
         ports = {}
@@ -166,17 +189,23 @@ def main() -> None:
             ports[name] = http
         url = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
         router_one, port_one = start_router([url["A"]], work / "router-A.log")
-        router_two, port_two = start_router([url["A"], url["B"]], work / "router-AB.log")
-        processes += [router_one, router_two]
-        sides = {"direct": url["A"], "router->A": f"http://127.0.0.1:{port_one}",
-                 "router->A+B": f"http://127.0.0.1:{port_two}"}
-        if args.same_threads:
+        processes.append(router_one)
+        sides = {"direct": url["A"], "router->A": f"http://127.0.0.1:{port_one}"}
+        if "B" in url:
+            router_two, port_two = start_router([url["A"], url["B"]], work / "router-AB.log")
+            processes.append(router_two)
+            sides["router->A+B"] = f"http://127.0.0.1:{port_two}"
+        if "C" in url:
             sides["direct 2-thread"] = url["C"]
+        paired = paired_ttft(sides["direct"], sides["router->A"], args.pairs)
+        print(f"paired: TTFT p50 direct {paired['direct_ttft_p50_ms']:.1f} ms, router->A "
+              f"{paired['routed_ttft_p50_ms']:.1f} ms, added (median of pairs) {paired['added_ttft_p50_ms']:+.2f} ms",
+              flush=True)
         runs = _rounds(sides, args)
     finally:
         for proc in reversed(processes):
             stop_process(proc)
-    _report(runs, engine_args, args)
+    _report(runs, paired, engine_args, args)
 
 
 def _rounds(sides: dict[str, str], args) -> dict[str, list[dict]]:
@@ -193,7 +222,7 @@ def _rounds(sides: dict[str, str], args) -> dict[str, list[dict]]:
     return runs
 
 
-def _report(runs: dict[str, list[dict]], engine_args: dict, args) -> None:
+def _report(runs: dict[str, list[dict]], paired: dict, engine_args: dict, args) -> None:
     table = {name: medians(rounds) for name, rounds in runs.items()}
     base = table["direct"]
     print(f"\n| side | TTFT p50, 1 at a time (ms) | TTFT p50, {args.streams} streams (ms) | output tok/s | "
@@ -202,15 +231,16 @@ def _report(runs: dict[str, list[dict]], engine_args: dict, args) -> None:
     for name, row in table.items():
         print(f"| {name} | {row['ttft_p50_ms']:.1f} | {row['burst_ttft_p50_ms']:.1f} | {row['tokens_per_s']:.1f} | "
               f"{row['tokens_per_s'] / base['tokens_per_s']:.3f}x |")
-    added = table["router->A"]["ttft_p50_ms"] - base["ttft_p50_ms"]
-    print(f"\nrouter overhead (one replica): TTFT p50 {added:+.2f} ms, throughput "
-          f"{table['router->A']['tokens_per_s'] / base['tokens_per_s']:.3f}x")
+    added = paired["added_ttft_p50_ms"]
+    print(f"\nrouter overhead (one replica): TTFT p50 {added:+.2f} ms (median of {paired['pairs']} alternating pairs), "
+          f"throughput {table['router->A']['tokens_per_s'] / base['tokens_per_s']:.3f}x")
     out_dir = ROOT / "bench" / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / f"router-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps({"engine_args": engine_args, "streams": args.streams, "tokens": args.tokens,
                                "latency_requests": args.latency_requests, "rounds": args.rounds,
-                               "medians": table, "runs": runs, "router_ttft_added_ms": added}, indent=2))
+                               "medians": table, "runs": runs, "paired": paired, "router_ttft_added_ms": added},
+                              indent=2))
     print(f"wrote {out}")
 
 

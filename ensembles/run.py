@@ -241,6 +241,7 @@ class EnsembleRun:
             outputs=[RequestedOutput(name) for name in step.outputs], parameters=parameters,
             priority=parent.priority, timeout_us=parent.timeout_us)
         request.streaming = parent.streaming
+        request.trace_context = parent.trace  # a traced ensemble request traces its steps under it
         self.active += 1
         limiter = self.scheduler.limiters.get(step.index)
         if limiter is None:

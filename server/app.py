@@ -25,6 +25,7 @@ from .openai.llm import OutputParsers
 from .repository import ControlMode, ModelRepository
 from .schedulers.rate_limiter import RateLimiter, ResourceLimit
 from .stats import Metrics
+from .tracing import TraceConfig, Tracer
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,8 @@ class ServerOptions:
     response_cache_size: int | None = None  # bytes of the local response cache; None: no cache
     rate_limit: bool = False                # --rate-limit execution_count
     rate_limit_resources: list[ResourceLimit] = field(default_factory=list)
+    # -- tracing (Triton's --trace-config): None or level OFF: nothing is traced until /v2/trace/setting asks --
+    trace_config: TraceConfig | None = None
 
 
 class _EmbeddedUvicorn(uvicorn.Server):
@@ -172,6 +175,7 @@ class Server:
         self.dataplane = DataPlane(self.repository, self.metrics, strict_readiness=options.strict_readiness,
                                    cache_size=options.response_cache_size)
         self.dataplane.lora_runtime_updates = options.enable_lora_runtime_updates
+        self.dataplane.tracer = Tracer(options.trace_config)
         # backends reach other models through these handles, never through the DataPlane itself
         self.repository.handles = self.dataplane.server_handles()
         self.access = AccessPolicy(options.http_restricted_apis, options.grpc_restricted_protocols,
@@ -230,6 +234,7 @@ class Server:
             task.cancel()
         await self.frontends.stop()
         await asyncio.gather(*self._background, return_exceptions=True)
+        await asyncio.get_running_loop().run_in_executor(None, self.dataplane.tracer.shutdown)
 
     async def run(self) -> None:
         """Start, serve until SIGINT / SIGTERM, then stop gracefully."""

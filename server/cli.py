@@ -20,6 +20,7 @@ from .tool_parsers import TOOL_PARSERS
 from .repository import ControlMode
 from .response_cache import parse_cache_config
 from .schedulers.rate_limiter import parse_resource
+from .tracing import parse_trace_config
 
 
 def _bool(text: str) -> bool:
@@ -153,6 +154,12 @@ def _add_scheduling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate-limit", choices=["off", "execution_count"], default="off",
                    help="'execution_count': instances run only while they hold the resources their "
                         "instance_group's rate_limiter asks for, by priority and execution count (default off)")
+    p.add_argument("--trace-config", action="append", default=[], metavar="[<mode>,]<setting>=<value>",
+                   help="request tracing as Triton's flag: level=OFF|TIMESTAMPS|TENSORS, rate=N, count=N, "
+                        "mode=triton|opentelemetry; triton,file=PATH, triton,log-frequency=N; "
+                        "opentelemetry,url=HOST:PORT/v1/traces, opentelemetry,resource=KEY=VALUE, "
+                        "opentelemetry,bsp_max_queue_size|bsp_schedule_delay|bsp_max_export_batch_size=N; "
+                        "repeatable (default: off)")
     p.add_argument("--rate-limit-resource", action="append", default=[], metavar="<name>:<count>[:<device>]",
                    help="copies of a rate limiter resource (on one device, or on every device when none is "
                         "named); repeatable. Default: the largest count any loaded instance asks for")
@@ -171,7 +178,7 @@ def _scheduling_options(args: argparse.Namespace) -> dict:
         except ValueError as exc:
             raise ValueError(f"--rate-limit-resource {exc}") from None
     return {"response_cache_size": parse_cache_config(values), "rate_limit": args.rate_limit == "execution_count",
-            "rate_limit_resources": resources}
+            "rate_limit_resources": resources, "trace_config": parse_trace_config(args.trace_config)}
 
 
 def _openai_limits(args: argparse.Namespace) -> OpenAILimits:

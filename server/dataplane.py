@@ -22,12 +22,13 @@ from .responses import ResponseSender, ResponseStream
 from .runtime import ModelRuntime, ModelState
 from .shared_memory import REGION, SharedMemoryRegistry, cuda_unsupported
 from .stats import Metrics
+from .tracing import Tracer
 from .types import InferenceRequest, InferenceResponse
 
 # Triton protocol extensions this server implements (listed in the server metadata).
 EXTENSIONS = ["classification", "model_repository", "model_repository(unload_dependents)", "schedule_policy",
               "model_configuration",
-              "binary_tensor_data", "parameters", "statistics", "generate", "system_shared_memory"]
+              "binary_tensor_data", "parameters", "statistics", "generate", "system_shared_memory", "trace"]
 
 _FAILURE_REASON = {Status.CANCELLED: "CANCELED", Status.UNAVAILABLE: "REJECTED"}
 
@@ -87,8 +88,12 @@ class InferenceStream:
         if self._first:
             self._first = False
             stats.record_first_response(elapsed)
+            if self.request.trace is not None:
+                self.request.trace.first_response(time.monotonic_ns())
         if response.final:
             self._done = True
+            if self.request.trace is not None:
+                self._dataplane.tracer.finish(self.request.trace, self.request, time.monotonic_ns(), response.outputs)
             self._dataplane.active.discard(self)
             self.runtime.request_finished()
             if response.error is None:
@@ -120,6 +125,8 @@ class InferenceStream:
         self.request.cancellation.cancel()
         self.runtime.request_finished()
         self.runtime.stats.record_failure(time.monotonic_ns() - self.request.arrival_ns, "CANCELED")
+        if self.request.trace is not None:
+            self._dataplane.tracer.finish(self.request.trace, self.request, time.monotonic_ns())
 
     async def aclose(self) -> None:
         self.cancel()
@@ -174,6 +181,7 @@ class DataPlane:
         # the response cache (--cache-config local,size=N), for models whose config enables it
         self.cache = ResponseCache(cache_size) if cache_size else None
         self.shared_memory = SharedMemoryRegistry()  # system shared memory regions clients registered
+        self.tracer = Tracer()  # --trace-config; the server replaces it with one of its flags
 
     def server_handles(self) -> ServerHandles:
         """What the repository hands the models it builds: calls into this DataPlane (``infer``, model
@@ -275,6 +283,16 @@ class DataPlane:
             raise NotFound(f"Unable to find cuda shared memory region: '{name}'")
         return []
 
+    # -- trace settings (Triton's trace extension: /v2/trace/setting, gRPC TraceSetting) ---------------
+    async def trace_setting(self, model_name: str = "", updates: dict | None = None) -> dict[str, Any]:
+        """The trace settings, global or of ``model_name`` (a ready model), after applying ``updates``
+        (``{setting: value or None}``; None clears it)."""
+        if model_name and not self.model_ready(model_name):
+            raise InvalidArgument(f"Request for unknown model : {model_name}")
+        if updates:
+            return self.tracer.update(model_name, updates)
+        return self.tracer.settings(model_name)
+
     # -- LoRA adapters (vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter) -------------
     # --enable-lora-runtime-updates: adapters may be loaded from disk (inside the allowed roots) at run time
     lora_runtime_updates: bool = False
@@ -366,6 +384,8 @@ class DataPlane:
             raise
         stream = ResponseStream(asyncio.get_running_loop())
         request.response_sender = ResponseSender(request, stream.put)
+        if self.tracer.active:
+            request.trace = self.tracer.begin(request, runtime)
         cache_key, lookup_ns, cached = None, 0, None
         if self.cache is not None and runtime.config.response_cache.enable and not runtime.decoupled:
             start = time.monotonic_ns()

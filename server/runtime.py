@@ -210,9 +210,12 @@ class ModelRuntime:
         batch's padding row) records no queue time."""
         start = time.monotonic_ns()
         stats = self.stats
+        traced = False
         for request in requests:
             if request.queue_start_ns:
                 stats.record_queue(start - request.queue_start_ns)
+            if request.trace is not None:
+                traced = True
         try:
             if slot.is_async:
                 result = await slot.instance.execute(requests)
@@ -224,6 +227,10 @@ class ModelRuntime:
             log.debug("model '%s' execute raised", self.name, exc_info=True)
             result, error = None, as_server_error(exc)
         end = time.monotonic_ns()
+        if traced:
+            for request in requests:
+                if request.trace is not None:
+                    request.trace.compute_done(start, end)
         if record:
             stats.record_execution(sum(r.batch_size for r in requests), len(requests), 0, end - start, 0)
         if error is not None:

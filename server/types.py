@@ -83,7 +83,7 @@ class InferenceRequest:
 
     __slots__ = ("model_name", "model_version", "id", "inputs", "outputs", "parameters",
                  "priority", "timeout_us", "cancellation", "arrival_ns", "response_sender",
-                 "internal_id", "batch_size", "queue_start_ns", "streaming")
+                 "internal_id", "batch_size", "queue_start_ns", "streaming", "trace_context", "trace")
 
     def __init__(self, model_name: str, inputs: dict[str, Tensor], *, model_version: str = "",
                  id: str = "", outputs: list[RequestedOutput] | None = None,
@@ -106,6 +106,10 @@ class InferenceRequest:
         # False when the client's protocol takes one response (HTTP infer, gRPC ModelInfer,
         # generate): backends that stream (LLMs) then send one response with the whole result.
         self.streaming = True
+        # where this request's trace comes from: a client's W3C traceparent (str), or the traced request
+        # of an ensemble step (its RequestTrace); None: none
+        self.trace_context = None
+        self.trace = None  # the request's own RequestTrace when it is traced (set by the DataPlane)
 
     def is_cancelled(self) -> bool:
         return self.cancellation.is_cancelled()

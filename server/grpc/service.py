@@ -130,9 +130,10 @@ class _Stream:
     write must never be in flight when the call is aborted).
     """
 
-    __slots__ = ("outbox", "streams", "tasks", "grpc_errors", "reading")
+    __slots__ = ("outbox", "streams", "tasks", "grpc_errors", "reading", "traceparent")
 
-    def __init__(self, grpc_errors: bool) -> None:
+    def __init__(self, grpc_errors: bool, traceparent: str | None = None) -> None:
+        self.traceparent = traceparent  # the call's W3C traceparent metadata: every request's trace parent
         self.outbox: asyncio.Queue = asyncio.Queue()
         self.streams: set[InferenceStream] = set()
         self.tasks: set[asyncio.Task] = set()
@@ -264,6 +265,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     @abort_on_error
     async def ModelInfer(self, request, context):
         infer_request = decode_request(request, limits=self.tensor_limits)
+        infer_request.trace_context = _header(context, "traceparent")
         counts = requested_classifications(infer_request) if infer_request.outputs else None
         response = await self.dataplane.infer_unary(infer_request)
         if counts:
@@ -272,7 +274,8 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     @abort_on_error
     async def ModelStreamInfer(self, request_iterator, context):
-        state = _Stream((_header(context, "triton_grpc_error") or "").lower() == "true")
+        state = _Stream((_header(context, "triton_grpc_error") or "").lower() == "true",
+                        _header(context, "traceparent"))
         reader = asyncio.get_running_loop().create_task(self._read_stream(request_iterator, state))
         failure = None
         try:
@@ -307,6 +310,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         options = StreamOptions()
         try:
             request = decode_request(message, options, self.tensor_limits)
+            request.trace_context = state.traceparent
             counts = requested_classifications(request) if request.outputs else None
             stream = self.dataplane.infer(request)
         except Exception as exc:
@@ -402,16 +406,14 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     @abort_on_error
     async def TraceSetting(self, request, context):
-        current = {"trace_level": ["OFF"], "trace_rate": ["1000"], "trace_count": ["-1"],
-                   "log_frequency": ["0"], "trace_file": [""], "trace_mode": ["triton"]}
-        for key, value in request.settings.items():
-            values = list(value.value)
-            if values and values != current.get(key, values) and not (key == "trace_level" and values == ["OFF"]):
-                await context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                                    f"tracing is not supported by this server; cannot set '{key}'")
+        # an empty value clears the setting; trace_level is a list, every other setting one string
+        updates = {key: (list(value.value) if key == "trace_level" or len(value.value) > 1 else value.value[0])
+                   if value.value else None
+                   for key, value in request.settings.items()}
+        current = await self.dataplane.trace_setting(request.model_name, updates)
         response = pb.TraceSettingResponse()
-        for key, values in current.items():
-            response.settings[key].value.extend(values)
+        for key, value in current.items():
+            response.settings[key].value.extend(value if isinstance(value, list) else [value])
         return response
 
     @abort_on_error

@@ -362,6 +362,9 @@ async def handle_generate(dataplane, reader: BodyReader, scope, receive, send, m
         body = await reader.read_request(scope, receive)
         request = decode_generate_request(model_name, model_version, body, config, reader.max_input_size,
                                           reader.max_json_depth)
+        for key, value in scope["headers"]:
+            if key == b"traceparent":
+                request.trace_context = value.decode("latin-1")
         if not streaming:
             with cancel_on_disconnect(receive):  # the model's one response (request.streaming is False)
                 response = await dataplane.infer_unary(request)

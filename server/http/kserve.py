@@ -99,7 +99,7 @@ class HttpFrontend:
 
     # -- inference -----------------------------------------------------------------------
     async def infer(self, scope, receive, send, model_name: str, model_version: str) -> None:
-        content_length = header_length = encoding = accept = None
+        content_length = header_length = encoding = accept = traceparent = None
         for key, value in scope["headers"]:
             if key == b"content-length":
                 content_length = value
@@ -109,6 +109,8 @@ class HttpFrontend:
                 encoding = value
             elif key == b"accept-encoding":
                 accept = value
+            elif key == b"traceparent":
+                traceparent = value
         try:
             if content_length is not None:
                 content_length = parse_length(content_length, "Content-Length")
@@ -121,6 +123,8 @@ class HttpFrontend:
             else:
                 decoded = codec.decode_request(model_name, model_version, body, header_length, self.tensor_limits,
                                                self.body.max_json_depth)
+            if traceparent is not None:
+                decoded.request.trace_context = traceparent.decode("latin-1")
             response, runtime = await self._run(decoded.request, receive)
             classifier = self._classifier(runtime) if decoded.classify else None
             payload, json_length = codec.encode_response(response, decoded, classifier)
@@ -304,6 +308,22 @@ def mount(app, frontend: HttpFrontend) -> None:
         return Response(status_code=200)
 
     _mount_shared_memory(app, frontend)
+    _mount_trace(app, frontend)
+
+
+def _mount_trace(app, frontend: HttpFrontend) -> None:
+    """Triton's trace extension: ``GET`` / ``POST`` ``/v2[/models/<name>]/trace/setting``."""
+    dp = frontend.dataplane
+
+    async def trace_setting(request: Request):
+        model = request.path_params.get("model_name", "")
+        updates = None
+        if request.method == "POST":
+            updates = await frontend.read_json(request, "trace setting request") or {}
+        return json_response(await dp.trace_setting(model, updates))
+
+    for path in ("/v2/trace/setting", "/v2/models/{model_name}/trace/setting"):
+        app.add_api_route(path, trace_setting, methods=["GET", "POST"])
 
 
 def _mount_shared_memory(app, frontend: HttpFrontend) -> None:

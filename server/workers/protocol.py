@@ -77,6 +77,7 @@ class Infer(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
     priority: int = 0
     timeout_us: int = 0
     streaming: bool = True
+    trace_context: str = ""  # a client's W3C traceparent (tracing)
 
 
 class Cancel(msgspec.Struct, tag=True, array_like=True):
@@ -281,7 +282,7 @@ def infer_message(rid: int, request: InferenceRequest, unary: bool) -> Infer:
                  [tensor_data(t) for t in request.inputs.values()],
                  [OutputSpec(o.name, o.parameters or {}) for o in request.outputs],
                  request.parameters or {}, request.arrival_ns, request.priority, request.timeout_us,
-                 request.streaming)
+                 request.streaming, request.trace_context if type(request.trace_context) is str else "")
 
 
 def request_of(message: Infer) -> InferenceRequest:
@@ -292,6 +293,8 @@ def request_of(message: Infer) -> InferenceRequest:
                                timeout_us=message.timeout_us)
     request.arrival_ns = message.arrival_ns  # CLOCK_MONOTONIC: the same clock in every process
     request.streaming = message.streaming
+    if message.trace_context:
+        request.trace_context = message.trace_context
     return request
 
 

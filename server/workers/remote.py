@@ -123,6 +123,9 @@ class CoreLink(asyncio.Protocol):
         self.first_snapshot: asyncio.Future = asyncio.get_running_loop().create_future()
         self.stopped: asyncio.Future = asyncio.get_running_loop().create_future()
         self._ids = itertools.count(1)
+        self.loop = asyncio.get_running_loop()
+        self.outbox: list[bytes] = []
+        self.flush_scheduled = False
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -132,10 +135,21 @@ class CoreLink(asyncio.Protocol):
             self.stopped.set_result("lost")
 
     def send(self, message) -> None:
+        """Queue ``message``; what one turn of the event loop sends leaves in one write."""
         transport = self.transport
         if transport is None or transport.is_closing():
             raise Unavailable("the server's core process is gone")
-        transport.write(p.frame(message))
+        self.outbox.append(p.frame(message))
+        if not self.flush_scheduled:
+            self.flush_scheduled = True
+            self.loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        self.flush_scheduled = False
+        outbox, transport = self.outbox, self.transport
+        if outbox and transport is not None and not transport.is_closing():
+            transport.write(outbox[0] if len(outbox) == 1 else b"".join(outbox))
+        outbox.clear()
 
     def data_received(self, data: bytes) -> None:
         for message in self.splitter.feed(data):

@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from llm_fixtures import VLLM_INSTALLED
 from support import start_server
 
 from tideserve.cli import build_parser
@@ -110,12 +111,44 @@ def test_a_runaway_call_is_read_once_past_the_limit():
     assert json.loads(sent_while_streaming + rest) == {"text": value}
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not VLLM_INSTALLED, reason="the vllm package is not installed")
+def test_whole_outputs_read_as_vllms_parsers_read_them():
+    """vLLM's own parser classes (the reference) on the same outputs, with a real tokenizer holding the markers."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.reasoning.deepseek_r1_reasoning_parser import DeepSeekR1ReasoningParser
+    from vllm.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
+    from vllm.tool_parsers.llama_tool_parser import Llama3JsonToolParser
+    from vllm.tool_parsers.pythonic_tool_parser import PythonicToolParser
+
+    vocab = {t: i for i, t in enumerate(["<unk>", "<tool_call>", "</tool_call>", "<|python_tag|>", "<think>",
+                                         "</think>"])}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")))
+    request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}])
+    others = ["Just text, <tool_ca no call.", "<tool_call>{not json</tool_call>", '{"no_name": 1}', "[1, 2, 3]",
+              "[f(1)]", "The answer is {42}."]
+    for name, reference in (("hermes", Hermes2ProToolParser), ("llama3_json", Llama3JsonToolParser),
+                            ("pythonic", PythonicToolParser)):
+        for text in [SCRIPTS[name][0], *others]:
+            theirs = reference(tokenizer).extract_tool_calls(text, request)
+            content, calls = tool_parser(name).extract(text)
+            assert (content, [(c.name, c.arguments) for c in calls]) == (
+                theirs.content, [(c.function.name, c.function.arguments) for c in theirs.tool_calls]), (name, text)
+    for text in ("<think>Greet them.</think>Hello!", "Greet them.</think>Hello!", "<think>Still thinking",
+                 "<think>Done.</think>"):
+        assert reasoning_parser("deepseek_r1").split(text) == \
+            DeepSeekR1ReasoningParser(tokenizer).extract_reasoning(text, request)
+
+
 @pytest.mark.parametrize("name, kwargs, text, expected", [
     ("deepseek_r1", None, "<think>Greet them.</think>Hello!", ("Greet them.", "Hello!")),
     ("deepseek_r1", None, "Greet them.</think>Hello!", ("Greet them.", "Hello!")),
     ("deepseek_r1", None, "<think>Still thinking", ("Still thinking", None)),
     ("deepseek_r1", None, "<think>Done.</think>", ("Done.", None)),
-    ("qwen3", None, "<think>Use a tool.</think><tool_call>{}</tool_call>", ("Use a tool.", "<tool_call>{}</tool_call>")),
+    ("qwen3", None, "<think>Use a tool.</think><tool_call>{}</tool_call>",
+     ("Use a tool.", "<tool_call>{}</tool_call>")),
     ("qwen3", None, "Use a tool.<tool_call>{}</tool_call>", ("Use a tool.", "<tool_call>{}</tool_call>")),
     ("qwen3", {"enable_thinking": False}, "<think>a</think>b", (None, "<think>a</think>b")),
 ])
