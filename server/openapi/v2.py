@@ -190,6 +190,13 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "type": "object", "required": ["raw_handle", "device_id", "byte_size"],
         "properties": {"raw_handle": {"type": "object", "properties": {"b64": {"type": "string"}}},
                        "device_id": {"type": "integer", "minimum": 0}, "byte_size": {"type": "integer", "minimum": 1}}},
+    "TraceSettings": {
+        "type": "object", "additionalProperties": {"anyOf": [
+            {"type": "string"}, {"type": "array", "items": {"type": "string"}}, {"type": "null"}]},
+        "description": "trace_level (array: OFF, TIMESTAMPS, TENSORS), trace_rate, trace_count, log_frequency, "
+                       "and (read only) trace_file, trace_mode and the opentelemetry settings; in a request, null "
+                       "clears a setting",
+        "example": {"trace_level": ["TIMESTAMPS"], "trace_rate": "100"}},
     "CudaSharedMemoryRegion": {
         "type": "object", "required": ["name", "device_id", "byte_size"],
         "properties": {"name": {"type": "string"}, "device_id": {"type": "integer"}, "byte_size": {"type": "integer"}}},
@@ -282,6 +289,16 @@ def paths() -> dict[str, dict]:
     out.update(_shared_memory_routes("system", "System", "SystemSharedMemoryRegisterRequest",
                                      "SystemSharedMemoryRegion"))
     out.update(_shared_memory_routes("cuda", "CUDA", "CudaSharedMemoryRegisterRequest", "CudaSharedMemoryRegion"))
+    for path, whose, params in (("/v2/trace/setting", "global", []),
+                                ("/v2/models/{model_name}/trace/setting", "a model's", [MODEL_NAME])):
+        settings = json_body(ref("TraceSettings"))
+        out[path] = {
+            "get": {"summary": f"Trace settings ({whose})", "tags": ["trace"], "parameters": params,
+                    "responses": {"200": settings, **errors("400")}},
+            "post": {"summary": f"Update trace settings ({whose})", "tags": ["trace"],
+                     "parameters": [*params, CONTENT_ENCODING],
+                     "requestBody": {"required": False, "content": {"application/json": {"schema": ref("TraceSettings")}}},
+                     "responses": {"200": settings, **errors("400", "415")}}}
     return out
 
 

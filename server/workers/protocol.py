@@ -39,10 +39,11 @@ class TensorData(msgspec.Struct, array_like=True, omit_defaults=True):
     parameters: dict[str, Any] = {}
 
 
-class Error(msgspec.Struct, array_like=True):
+class Error(msgspec.Struct, array_like=True, omit_defaults=True):
     status: str  # a tideserve.errors.Status value
     message: str
     retry_after_s: int | None = None  # ServerError.retry_after_s (a queue at its bound: Retry-After)
+    http_code: int = 0  # where the error's class answers another HTTP status than its status's (e.g. 415)
 
 
 class OutputSpec(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -226,13 +227,21 @@ _ERRORS = {
 
 def error_data(error: BaseException) -> Error:
     error = as_server_error(error)
-    return Error(error.status.value, error.message, error.retry_after_s)
+    code = error.http_code
+    return Error(error.status.value, error.message, error.retry_after_s,
+                 0 if code == error.status.http_code else code)
+
+
+_KINDS: dict[tuple[type, int], type] = {}
 
 
 def server_error(error: Error) -> ServerError:
     status = Status(error.status)
-    kind = _ERRORS.get(status)
-    found = kind(error.message) if kind is not None else ServerError(error.message, status)
+    kind = _ERRORS.get(status, ServerError)
+    if error.http_code:  # a class of its own that answers that HTTP status, as the core's error did
+        kind = _KINDS.get((kind, error.http_code)) or _KINDS.setdefault(
+            (kind, error.http_code), type(kind.__name__, (kind,), {"http_code": error.http_code}))
+    found = ServerError(error.message, status) if kind is ServerError else kind(error.message)
     found.retry_after_s = error.retry_after_s
     return found
 

@@ -311,6 +311,9 @@ def test_errors(client, server):
     with pytest.raises(openai.BadRequestError) as info:
         _chat(client, "hermes", "hi", tool_choice="auto")
     assert info.value.body["param"] == "tool_choice"  # tool_choice without tools
+    with pytest.raises(openai.BadRequestError) as info:  # auto with a response_format: this model has none
+        _chat(client, "hermes", "hi", tools=TOOLS, response_format={"type": "json_object"})
+    assert info.value.body["param"] == "response_format"
 
     answer = httpx.post(f"{server.base_url}/v2/repository/models/bad_parser/load", timeout=30)
     assert answer.status_code == 400

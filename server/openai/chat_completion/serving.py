@@ -41,11 +41,11 @@ async def create_chat_completion(server, doc, _scope) -> bytes | EventStream:
     limits = server.limits
     request.check_chat(limits, auto_tools=llm.tool_call_parser is not None)
     mode = request.tool_mode
+    constrained_by = "tool_choice" if mode in ("named", "required") else "response_format"
     constraint = request.constraint()
     if constraint is not None and not llm.structured_outputs:
         raise BadRequest(f"model '{llm.name}' has no structured output, which "
-                         f"{'tool_choice' if mode != 'none' else 'response_format'} needs (a vLLM model has it)",
-                         "tool_choice" if mode != "none" else "response_format")
+                         f"{constrained_by} needs (a vLLM model has it)", constrained_by)
     prompt = await server.run_blocking(_render, request, llm, limits)
     await limits.check_prompts_fit(llm, [prompt], "messages", server.run_blocking)
     max_tokens, max_field = request.max_output
@@ -53,7 +53,7 @@ async def create_chat_completion(server, doc, _scope) -> bytes | EventStream:
     if mode == "auto" and llm.sampling_json and tool_parser(llm.tool_call_parser).keeps_special_tokens:
         sampling["skip_special_tokens"] = False  # the parser's markers are special tokens of such models
     fields = {"max_tokens": max_field, "logprobs": "top_logprobs",
-              "structured_outputs": "tool_choice" if mode != "none" else "response_format"}
+              "structured_outputs": constrained_by}
     stream = bool(request.stream)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     run = None
