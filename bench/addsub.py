@@ -133,7 +133,7 @@ def stop_server(proc: subprocess.Popen) -> None:
 def perf_analyzer(protocol: str, port: int, concurrency: int, http_format: str, log: Path, server_pid: int) -> dict:
     cmd = [str(PEERS_HOME / "bin" / "perf_analyzer"), "-m", "add_sub", "-u", f"127.0.0.1:{port}",
            "-i", protocol, "--concurrency-range", str(concurrency), "--measurement-mode", "time_windows",
-           "-p", "3000", "-s", "25", "-r", "5", "-v"]
+           "-p", "2000", "-s", "25", "-r", "4", "-v"]
     if protocol == "http" and http_format == "json":
         cmd += ["--input-tensor-format", "json", "--output-tensor-format", "json"]
     cpu_before, started = tree_cpu_seconds(server_pid), time.monotonic()
@@ -165,28 +165,39 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--http-format", choices=["json", "binary"], default="json")
     parser.add_argument("--servers", nargs="+", default=["triton", "tideserve:w1", "tideserve:w2"])
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="every server is up all along; each round measures each point on each server in turn "
+                             "(the others idle), so that a shared machine's load falls on all alike; medians")
     args = parser.parse_args()
     ensure_peers()
     work = Path(tempfile.mkdtemp(prefix="bench-addsub-"))
     results: dict = {"load_before": open("/proc/loadavg").read().split()[:3], "cpus": os.cpu_count(),
-                     "http_format": args.http_format, "runs": {}}
-    for kind in args.servers:
-        repo = work / f"{kind.replace(':', '-')}-repo"
-        shutil.copytree(SHARED / "peers" / "repos" / "triton", repo)
-        proc, http, grpc = start_server(kind, repo, work / f"{kind.replace(':', '-')}.log")
-        try:
-            for protocol, port in (("http", http), ("grpc", grpc)):
+                     "http_format": args.http_format, "rounds": args.rounds, "runs": {}, "all": {}}
+    servers = {}
+    try:
+        for kind in args.servers:
+            label = kind.replace(":", "-")
+            repo = work / f"{label}-repo"
+            shutil.copytree(SHARED / "peers" / "repos" / "triton", repo)
+            servers[kind] = start_server(kind, repo, work / f"{label}.log")
+        for round_ in range(args.rounds):
+            for protocol in ("http", "grpc"):
                 for c in args.concurrency:
-                    r = perf_analyzer(protocol, port, c, args.http_format,
-                                      work / f"pa-{kind.replace(':', '-')}-{protocol}-{c}.txt", proc.pid)
-                    results["runs"][f"{kind}/{protocol}/{c}"] = r
-                    print(f"{kind:13s} {protocol:5s} c={c:<3d} {r['infer_per_s']:9.0f} infer/s "
-                          f"p50 {r.get('p50_ms', float('nan')):.2f} ms p99 {r.get('p99_ms', float('nan')):.2f} ms "
-                          f"CPU {r.get('cpu_us_per_request', float('nan')):.0f} us/req "
-                          f"{r.get('cpu_us_per_request_by_role', {})}"
-                          + ("" if r["stable"] else "  (unstable)"), flush=True)
-        finally:
+                    for kind, (proc, http, grpc) in servers.items():
+                        port = http if protocol == "http" else grpc
+                        r = perf_analyzer(protocol, port, c, args.http_format,
+                                          work / f"pa-{kind.replace(':', '-')}-{protocol}-{c}-{round_}.txt", proc.pid)
+                        results["all"].setdefault(f"{kind}/{protocol}/{c}", []).append(r)
+                        print(f"round {round_ + 1} {kind:13s} {protocol:5s} c={c:<3d} {r['infer_per_s']:9.0f} infer/s "
+                              f"p50 {r.get('p50_ms', float('nan')):.2f} ms p99 {r.get('p99_ms', float('nan')):.2f} ms "
+                              f"CPU {r.get('cpu_us_per_request', float('nan')):.0f} us/req "
+                              f"{r.get('cpu_us_per_request_by_role', {})}"
+                              + ("" if r["stable"] else "  (unstable)"), flush=True)
+    finally:
+        for proc, _, _ in servers.values():
             stop_server(proc)
+    for key, rounds in results["all"].items():  # the round with the median throughput stands for the point
+        results["runs"][key] = sorted(rounds, key=lambda r: r["infer_per_s"])[len(rounds) // 2]
     results["load_after"] = open("/proc/loadavg").read().split()[:3]
     out_dir = ROOT / "bench" / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -208,7 +219,7 @@ def main() -> None:
                       f"{t.get('p50_ms', 0):.2f} / {t.get('p99_ms', 0):.2f} | {q.get('p50_ms', 0):.2f} / "
                       f"{q.get('p99_ms', 0):.2f} | {t.get('cpu_us_per_request', 0):.0f} / "
                       f"{q.get('cpu_us_per_request', 0):.0f} |")
-    print(f"\nresults: {out}; logs: {work}")
+    print(f"\nload {results['load_before']} -> {results['load_after']}; results: {out}; logs: {work}")
 
 
 if __name__ == "__main__":
