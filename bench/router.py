@@ -131,6 +131,22 @@ def paired_ttft(direct: str, routed: str, pairs: int) -> dict:
             "added_ttft_p50_ms": statistics.median(differences), "ttft_ms": ttft}
 
 
+def paired_round_trip(direct: str, routed: str, pairs: int) -> dict:
+    """The router's hop alone: ``GET /v1/models`` (no engine work) alternating between the two sides; the
+    median of the pairs' differences in milliseconds."""
+    times: dict[str, list[float]] = {"direct": [], "routed": []}
+    for index in range(pairs):
+        order = [("direct", direct), ("routed", routed)]
+        for name, url in (order if index % 2 == 0 else order[::-1]):
+            started = time.perf_counter()
+            with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as response:
+                response.read()
+            times[name].append((time.perf_counter() - started) * 1000)
+    differences = [r - d for d, r in zip(times["direct"], times["routed"])]
+    return {"pairs": pairs, "direct_p50_ms": statistics.median(times["direct"]),
+            "routed_p50_ms": statistics.median(times["routed"]), "added_p50_ms": statistics.median(differences)}
+
+
 def medians(runs: list[dict]) -> dict:
     return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
 
@@ -197,7 +213,11 @@ def main() -> None:
             sides["router->A+B"] = f"http://127.0.0.1:{port_two}"
         if "C" in url:
             sides["direct 2-thread"] = url["C"]
+        hop = paired_round_trip(sides["direct"], sides["router->A"], 10 * args.pairs)
+        print(f"paired GET /v1/models: direct {hop['direct_p50_ms']:.2f} ms, router->A {hop['routed_p50_ms']:.2f} ms, "
+              f"added (median of pairs) {hop['added_p50_ms']:+.2f} ms", flush=True)
         paired = paired_ttft(sides["direct"], sides["router->A"], args.pairs)
+        paired["round_trip"] = hop
         print(f"paired: TTFT p50 direct {paired['direct_ttft_p50_ms']:.1f} ms, router->A "
               f"{paired['routed_ttft_p50_ms']:.1f} ms, added (median of pairs) {paired['added_ttft_p50_ms']:+.2f} ms",
               flush=True)

@@ -16,6 +16,7 @@ class Status(enum.Enum):
     CANCELLED = "CANCELLED"
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
     INTERNAL = "INTERNAL"
+    UNKNOWN = "UNKNOWN"  # a model's TritonError(code=UNKNOWN)
 
     @property
     def http_code(self) -> int:
@@ -36,6 +37,7 @@ _HTTP_CODES = {
     Status.CANCELLED: 499,
     Status.DEADLINE_EXCEEDED: 504,
     Status.INTERNAL: 500,
+    Status.UNKNOWN: 400,  # as Triton's HTTP endpoint answers an error of no matching code
 }
 
 _GRPC_NAMES = {
@@ -47,6 +49,7 @@ _GRPC_NAMES = {
     Status.CANCELLED: "CANCELLED",
     Status.DEADLINE_EXCEEDED: "DEADLINE_EXCEEDED",
     Status.INTERNAL: "INTERNAL",
+    Status.UNKNOWN: "UNKNOWN",
 }
 
 

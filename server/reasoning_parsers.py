@@ -13,7 +13,7 @@ start of a marker, so it costs linear time.
 
 from __future__ import annotations
 
-from .tool_parsers import _partial_overlap
+from .tool_parsers import marker_overlap
 
 THINK_START, THINK_END = "<think>", "</think>"
 
@@ -32,12 +32,12 @@ class ReasoningParser:
         head, marker, rest = text.partition(THINK_START)
         if marker and not head.strip():
             text = rest
-        end, drop = self._first_end(text, 0)
+        end, drop = self.first_end(text, 0)
         if end < 0:
             return text, None
         return text[:end], text[end + (len(drop) if drop else 0):] or None
 
-    def _first_end(self, text: str, start: int) -> tuple[int, str]:
+    def first_end(self, text: str, start: int) -> tuple[int, str]:
         """The first end marker in ``text`` from ``start``: (index, the marker if dropped else ''), (-1, '')."""
         best, dropped = -1, ""
         for marker, drop in self.ends:
@@ -95,11 +95,11 @@ class ReasoningStream:
             if stripped.startswith(THINK_START):
                 text = stripped[len(THINK_START):]
             self._state = "reasoning"
-        end, dropped = self.parser._first_end(text, 0)
+        end, dropped = self.parser.first_end(text, 0)
         if end >= 0:
             self._state = "answer"
             return text[:end], text[end + len(dropped):]
-        hold = max(_partial_overlap(text, marker) for marker, _ in self.parser.ends)
+        hold = max(marker_overlap(text, marker) for marker, _ in self.parser.ends)
         self._tail = text[len(text) - hold:] if hold else ""
         return text[:len(text) - hold], ""
 

@@ -215,6 +215,7 @@ class ModelRuntime:
             if request.queue_start_ns:
                 stats.record_queue(start - request.queue_start_ns)
             if request.trace is not None:
+                request.trace.compute = (start, 0)
                 traced = True
         try:
             if slot.is_async:
@@ -230,7 +231,7 @@ class ModelRuntime:
         if traced:
             for request in requests:
                 if request.trace is not None:
-                    request.trace.compute_done(start, end)
+                    request.trace.compute_done(end)
         if record:
             stats.record_execution(sum(r.batch_size for r in requests), len(requests), 0, end - start, 0)
         if error is not None:

@@ -411,7 +411,7 @@ def tool_parser(name: str) -> ToolParser:
 
 
 # -- streaming ---------------------------------------------------------------------------------------
-def _partial_overlap(text: str, marker: str) -> int:
+def marker_overlap(text: str, marker: str) -> int:
     """The length of the longest end of ``text`` that begins ``marker``."""
     for size in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-size:]):
@@ -474,7 +474,7 @@ class ToolCallStream:
             if start >= 0:
                 self._region = text[start:]
                 return text[:start]
-            hold = _partial_overlap(text, parser.marker)
+            hold = marker_overlap(text, parser.marker)
             self._tail = text[len(text) - hold:] if hold else ""
             return text[:len(text) - hold]
         if self._content_only:
@@ -484,7 +484,7 @@ class ToolCallStream:
             self._tail = text
             return ""
         if any(stripped.startswith(o) for o in parser.openers):
-            self._region = stripped
+            self._region = text  # the parsers skip the leading whitespace; it stays for output that is content
             return ""
         if any(o.startswith(stripped) for o in parser.openers):
             self._tail = text

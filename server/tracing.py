@@ -175,7 +175,8 @@ class RequestTrace:
         self.arrival_ns = request.arrival_ns
         self.start_ns = time.monotonic_ns()
         self.queue_ns = 0  # QUEUE_START: set when the request ends (the runtime's queue_start_ns)
-        self.compute: tuple[int, int] | None = None  # COMPUTE_START, COMPUTE_END
+        # COMPUTE_START, COMPUTE_END (0 until execute returns: a decoupled model may answer before)
+        self.compute: tuple[int, int] | None = None
         self.first_ns = 0
         self.decoupled = runtime.decoupled
         self.ensemble = runtime.config.platform == "ensemble"
@@ -188,8 +189,9 @@ class RequestTrace:
             self.trace_id, self.root_span = tracer.new_trace_id(), _span_id()
         self.model_span = _span_id()
 
-    def compute_done(self, start_ns: int, end_ns: int) -> None:
-        self.compute = (start_ns, end_ns)
+    def compute_done(self, end_ns: int) -> None:
+        if self.compute is not None and not self.compute[1]:
+            self.compute = (self.compute[0], end_ns)
 
     def first_response(self, now_ns: int) -> None:
         self.first_ns = now_ns
@@ -341,6 +343,8 @@ class Tracer:
     def finish(self, trace: RequestTrace, request, end_ns: int, outputs=None) -> None:
         """The request of ``trace`` has ended (its last response handed out, or cancelled)."""
         trace.queue_ns = request.queue_start_ns
+        if trace.compute is not None and not trace.compute[1]:  # answered before execute returned
+            trace.compute = (trace.compute[0], end_ns)
         try:
             if self.config.mode == "opentelemetry":
                 self._export_spans(trace, end_ns)

@@ -88,8 +88,9 @@ class ResponseIterator:
     """The responses of a BLS request to a decoupled model, iterated with ``for`` or ``async for``.
 
     Every response is yielded, the last one included (it may carry no outputs: only the end of
-    the stream). ``cancel()`` asks the called model to stop; iteration then ends. Iterating again
-    after the end replays the responses, as Triton does.
+    the stream). ``cancel()`` cancels the called model's request, as Triton does: iteration goes on
+    until the model's final response (a model that honours it answers with a CANCELLED error; one that
+    ignores it keeps streaming). Iterating again after the end replays the responses, as Triton does.
     """
 
     def __init__(self, link: ServerLink, stream: InferStream | None, deadline: float | None,
@@ -118,8 +119,14 @@ class ResponseIterator:
         return InferenceResponse._from_core(core), core.final or core.error is not None
 
     def _cancel_on_loop(self) -> None:
-        if self._stream is not None:
-            self._stream.cancel()
+        stream = self._stream
+        if stream is None:
+            return
+        cancel_request = getattr(stream, "cancel_request", None)  # a call from a model process
+        if cancel_request is not None:
+            cancel_request()
+        else:  # a DataPlane stream: flag its request, keep its responses coming
+            stream.request.cancellation.cancel()
 
     # -- the model's side ----------------------------------------------------------------------
     def _take(self, fetched: tuple[InferenceResponse | None, bool]) -> InferenceResponse:

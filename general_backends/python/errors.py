@@ -84,6 +84,7 @@ _CODE_OF_STATUS = {
     Status.CANCELLED: ErrorCode.CANCELLED,
     Status.DEADLINE_EXCEEDED: ErrorCode.UNAVAILABLE,
     Status.INTERNAL: ErrorCode.INTERNAL,
+    Status.UNKNOWN: ErrorCode.UNKNOWN,
 }
 
 
@@ -91,6 +92,8 @@ def to_server_error(error: TritonError) -> ServerError:
     code = error.code()
     if code == ErrorCode.ALREADY_EXISTS:
         return ServerError(error.message(), Status.ALREADY_EXISTS)
+    if code == ErrorCode.UNKNOWN:
+        return ServerError(error.message(), Status.UNKNOWN)
     return _SERVER_ERROR_OF_CODE[code](error.message())
 
 

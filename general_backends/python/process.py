@@ -439,6 +439,10 @@ class ModelProcess:
             case wire.Call(call=call, request=request, payload=payload, unary=unary):
                 core = _core_request(request, self._block(payload))
                 self._serve(call, self._run_call(call, core, unary))
+            case wire.CancelCall(call=call, request_only=True):
+                stream = self._streams.get(call)
+                if stream is not None:
+                    stream.request.cancellation.cancel()
             case wire.CancelCall(call=call):
                 stream = self._streams.pop(call, None)
                 if stream is not None:

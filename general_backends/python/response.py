@@ -21,13 +21,13 @@ def check_parameters(parameters: Any) -> dict[str, Any]:
     if isinstance(parameters, str):
         parameters = json.loads(parameters)
     if not isinstance(parameters, dict):
-        raise TritonModelException(f"parameters must be a dict, got {type(parameters).__name__}")
-    for key, value in parameters.items():
+        raise TritonModelException(f"Expect parameters to be a dict, got {type(parameters)}")
+    for key, value in parameters.items():  # Triton's parameter types: bool, int64, string (no float)
         if not isinstance(key, str):
-            raise TritonModelException(f"parameter keys must be str, got {type(key).__name__}")
-        if not isinstance(value, (bool, int, str, float)):
+            raise TritonModelException(f"Expect parameters keys to have type str, found type {type(key)}")
+        if not isinstance(value, (bool, int, str)):
             raise TritonModelException(
-                f"Expect parameters values to have type bool/int/str, found type {type(value).__name__}")
+                f"Expect parameters values to have type bool/int/str, found type {type(value)}")
     return dict(parameters)
 
 

@@ -419,6 +419,11 @@ class RemoteCall:
     async def aclose(self) -> None:
         self.cancel()
 
+    def cancel_request(self) -> None:
+        """Flag the called model's request as cancelled; its responses keep coming until its final one."""
+        if not self._done and self._call in self._stub.calls:
+            self._stub.send(wire.CancelCall(self._call, True))
+
 
 class RemoteInfer:
     """The server's ``infer`` handle as the model process sees it (what BLS uses)."""

@@ -212,6 +212,9 @@ class Call(msgspec.Struct, tag=True, array_like=True):
 
 class CancelCall(msgspec.Struct, tag=True, array_like=True):
     call: int
+    # True: only flag the called model's request as cancelled (a BLS iterator's cancel()); its responses
+    # keep coming until its final one. False: drop the call (a timeout, the model's end)
+    request_only: bool = False
 
 
 class LoadModel(msgspec.Struct, tag=True, array_like=True):

@@ -145,6 +145,7 @@ class Adapters:
             if previous is not None and not load_inplace:
                 raise InvalidArgument(f"The lora adapter '{name}' has already been loaded. If you want to load the "
                                       "adapter in place, set 'load_inplace' to True.")
+            await asyncio.to_thread(check_adapter, engine, name, path)
             lora_id = previous.lora_int_id if previous is not None else self._next_id
             request = LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=path,
                                   load_inplace=previous is not None)
@@ -164,6 +165,19 @@ class Adapters:
             if self._requests.pop(name, None) is None:
                 raise NotFound(f"The lora adapter '{name}' cannot be found.")
             log.info("model '%s': LoRA adapter '%s' unloaded", self.model_name, name)
+
+
+def check_adapter(engine, name: str, path: str) -> None:
+    """vLLM's own checks of an adapter's config against the engine (rank, bias, unsupported features), made
+    before the engine loads it: a refused adapter is the client's error, and no engine worker logs a traceback."""
+    from vllm.lora.peft_helper import PEFTHelper
+
+    text_config = engine.model_config.hf_config.get_text_config()
+    try:
+        helper = PEFTHelper.from_local_dir(path, getattr(text_config, "max_position_embeddings", None))
+        helper.validate_legal(engine.vllm_config.lora_config)
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise InvalidArgument(f"Loading lora {name} failed: {type(exc).__name__}: {exc}") from None
 
 
 def _load_error(name: str, path: str, exc: BaseException):

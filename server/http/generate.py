@@ -26,6 +26,7 @@ A client that disconnects cancels the request (the model sees ``request.is_cance
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -243,6 +244,9 @@ def decode_generate_request(model_name: str, model_version: str, body: bytes, co
     doc = codec.parse_json(body, "generate request", max_json_depth) if body.strip() else {}
     if type(doc) is not dict:
         raise InvalidArgument(f"the generate request must be a JSON object, got {codec._json_name(doc)}")
+    duplicate = _duplicate_key(body, doc)
+    if duplicate is not None:
+        raise InvalidArgument(f"input '{duplicate}' already exists in request")
     builder = _RequestBuilder(model_name, config, max_input_size)
     request_id = ""
     for key, value in doc.items():
@@ -266,6 +270,27 @@ def decode_generate_request(model_name: str, model_version: str, body: bytes, co
                                parameters=builder.parameters, priority=builder.priority,
                                timeout_us=builder.timeout_us)
     return request
+
+
+def _duplicate_key(body: bytes, doc: dict) -> str | None:
+    """The first field the request's top-level object names twice (JSON parsers keep the last), or None.
+    Each key found once in the raw body cannot repeat: only otherwise is the body parsed again, keeping pairs."""
+    raw = body if type(body) is bytes else bytes(body)
+    if all(raw.count(b'"%s"' % key.encode()) == 1 for key in doc):
+        return None
+    objects: list[list] = []
+
+    def keep_pairs(pairs):
+        objects.append(pairs)  # inner objects first: the last one is the top level
+        return dict(pairs)
+
+    json.loads(raw, object_pairs_hook=keep_pairs)
+    seen = set()
+    for key, _ in objects[-1]:
+        if key in seen:
+            return key
+        seen.add(key)
+    return None
 
 
 # -- response --------------------------------------------------------------------------------

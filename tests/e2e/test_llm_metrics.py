@@ -29,6 +29,7 @@ MODEL = "llm_q"
 MAX_NUM_SEQS = 2
 MAX_QUEUE_SIZE = 2
 LONG = {"max_tokens": 200, "ignore_eos": True, "temperature": 0}  # a generation that keeps the engine busy
+LONGER = {**LONG, "max_tokens": 400}
 CONFIG = f'''backend: "vllm"
 parameters {{ key: "max_queue_size" value {{ string_value: "{MAX_QUEUE_SIZE}" }} }}
 '''
@@ -69,7 +70,7 @@ def llm_server(tmp_path_factory):
         server.stop()
 
 
-def _generate(server, prompt: str, parameters: dict, timeout: float = 120) -> httpx.Response:
+def _generate(server, prompt: str, parameters: dict, timeout: float = 300) -> httpx.Response:
     return httpx.post(f"{server.base_url}/v2/models/{MODEL}/generate",
                       json={"text_input": prompt, "parameters": parameters}, timeout=timeout)
 
@@ -190,12 +191,12 @@ class TestAdmission:
         from tritonclient.utils import InferenceServerException
 
         # fill the engine and the queue with long generations, then ask once more on each protocol
-        fillers = [threading.Thread(target=_generate, args=(llm_server, f"Filler {i}", LONG))
+        fillers = [threading.Thread(target=_generate, args=(llm_server, f"Filler {i}", LONGER))
                    for i in range(MAX_NUM_SEQS + MAX_QUEUE_SIZE)]
         for thread in fillers:
             thread.start()
         try:
-            _wait_for(lambda: _in_flight(llm_server) >= MAX_NUM_SEQS + MAX_QUEUE_SIZE)
+            assert _wait_for(lambda: _in_flight(llm_server) >= MAX_NUM_SEQS + MAX_QUEUE_SIZE, timeout=60)
             client = grpcclient.InferenceServerClient(llm_server.grpc_url)
             with pytest.raises(InferenceServerException) as caught:
                 client.infer(MODEL, llm_inputs(grpcclient, "Hello", sampling={"max_tokens": 4}))
@@ -217,7 +218,7 @@ class TestAdmission:
     def test_priority_decides_which_waiting_request_runs_first(self, llm_server):
         """Two long generations fill the engine; a request of priority 5 (OpenAI) then one of priority 1
         (generate) wait. vLLM runs the lower value first: the later request starts first."""
-        fillers = [threading.Thread(target=_generate, args=(llm_server, f"Filler {i}", LONG))
+        fillers = [threading.Thread(target=_generate, args=(llm_server, f"Filler {i}", LONGER))
                    for i in range(MAX_NUM_SEQS)]
         for thread in fillers:
             thread.start()
@@ -239,10 +240,10 @@ class TestAdmission:
                     first_token.setdefault("high", time.monotonic())
 
         try:
-            _wait_for(lambda: _in_flight(llm_server) >= MAX_NUM_SEQS)
+            assert _wait_for(lambda: _in_flight(llm_server) >= MAX_NUM_SEQS, timeout=60)
             waiting = [threading.Thread(target=low)]
             waiting[0].start()
-            _wait_for(lambda: _in_flight(llm_server) >= MAX_NUM_SEQS + 1)
+            assert _wait_for(lambda: _in_flight(llm_server) >= MAX_NUM_SEQS + 1, timeout=60)
             waiting.append(threading.Thread(target=high))
             waiting[1].start()
             for thread in waiting:

@@ -291,7 +291,7 @@ def test_tokenize_and_detokenize(llm_server, tokenizer):
                                       ("/tokenize", {"prompt": 5}, "prompt", 400),
                                       ("/tokenize", {"model": "nope", "prompt": "x"}, "model", 404)):
         response = httpx.post(f"{base}{path}", json=body, timeout=30)
-        assert response.status_code == status and response.json()["error"]["param"] == param, response.text
+        assert response.status_code == status and response.json()["error"]["param"].startswith(param), response.text
 
 # -- chat ---------------------------------------------------------------------------------------
 def test_chat_renders_the_template_and_counts_tokens(client, tokenizer):
