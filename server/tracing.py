@@ -17,6 +17,7 @@ ends, so no span object lives while a request runs. Spans, as Triton's OpenTelem
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
 import logging
@@ -138,6 +139,9 @@ def parse_trace_config(values: list[str]) -> TraceConfig:
         if config.mode == "opentelemetry" and "TENSORS" in levels:
             raise ValueError("--trace-config level=TENSORS is not supported in opentelemetry mode")
         config.level = list(dict.fromkeys(levels))
+    if config.mode == "opentelemetry" and importlib.util.find_spec("opentelemetry.exporter.otlp.proto.http") is None:
+        raise ValueError("--trace-config mode=opentelemetry needs the OpenTelemetry SDK and OTLP exporter: "
+                         "pip install 'tideserve[tracing]'")
     if int(config.otel["bsp_max_export_batch_size"]) > int(config.otel["bsp_max_queue_size"]):
         raise ValueError("--trace-config opentelemetry,bsp_max_export_batch_size must not exceed bsp_max_queue_size")
     return config

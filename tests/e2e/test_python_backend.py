@@ -612,15 +612,16 @@ async def test_cancelling_a_decoupled_bls_call_stops_the_called_model(tmp_path, 
                                 pb_utils.Tensor("DELAY", np.array([20], np.uint32))])
                     iterator = bls.exec(decoupled=True)
                     first = next(iterator)
-                    iterator.cancel()
-                    rest = list(iterator)
+                    iterator.cancel()  # as Triton: the stream goes on to the called model's final response
+                    rest = [r for r in iterator if r.output_tensors()]
                     responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array(
                         [first.output_tensors()[0].as_numpy()[0], len(rest)], np.float32))]))
                 return responses
     """, FP32_IO)
     core = await make_core([TEST_MODELS, tmp_path], load=["repeat", "cancel_caller"])
     response = await core.infer("cancel_caller", IN=np.ones(1, np.float32))
-    assert response.output("OUT").data.tolist() == [0.0, 0.0]
+    first, more = response.output("OUT").data.tolist()
+    assert first == 0.0 and more <= 1  # at most the response in flight when the cancel came
     repeat = core.instance("repeat")
     deadline = time.monotonic() + 2
     while repeat.requests_in_flight and time.monotonic() < deadline:

@@ -62,6 +62,8 @@ def lora_setup(tmp_path_factory):
     make_adapter(base, adapters / "chat", seed=2)
     make_adapter(base, adapters / "late", seed=3)             # loaded at run time
     make_adapter(base, adapters / "wide", seed=4, rank=2 * RANK)  # beyond max_lora_rank
+    (adapters / "broken").mkdir()
+    (adapters / "broken" / "adapter_config.json").write_text("{not json")
     (version / "multi_lora.json").write_text(json.dumps({"sql": "./adapters/sql"}))
     outside = make_adapter(base, tmp / "outside", seed=5)      # outside the repository and the allowed roots
     server = start_server([repository], "--model-control-mode", "explicit", "--load-model", MODEL,
@@ -242,6 +244,7 @@ class TestRuntimeAdapters:
         ({"lora_name": "x", "lora_path": "/etc"}, 400, ("outside the model repository",)),
         ({"lora_name": "x", "lora_path": "../../../outside"}, 400, ("outside the model repository",)),
         ({"lora_name": "x", "lora_path": "./adapters/wide"}, 400, ("Loading lora x failed", "max_lora_rank")),
+        ({"lora_name": "x", "lora_path": "./adapters/broken"}, 400, ("Loading lora x failed", "JSONDecodeError")),
         ({"lora_name": MODEL, "lora_path": "./adapters/sql"}, 400, ("conflicts with a served base model",)),
         ({"lora_name": "x"}, 400, ("Both 'lora_name' and 'lora_path' must be provided",)),
         ({"lora_name": "x", "lora_path": 3}, 400, ("'lora_path' must be a string",)),

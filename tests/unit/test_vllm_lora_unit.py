@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from types import SimpleNamespace
 
 import pytest
-from llm_fixtures import VLLM_INSTALLED
 from tritonclient.grpc import model_config_pb2 as mc
 
 from tideserve.backend import ModelContext
@@ -81,23 +79,3 @@ def test_unloading_an_unknown_adapter_is_not_found():
     with pytest.raises(NotFound, match="cannot be found"):
         asyncio.run(Adapters("llm", enabled=True).unload("a"))
 
-
-@pytest.mark.skipif(not VLLM_INSTALLED, reason="vLLM is not installed")
-@pytest.mark.parametrize(("config", "words"), [
-    ({"r": 16, "lora_alpha": 32, "target_modules": ["q_proj"]}, "LoRA rank 16 is greater than max_lora_rank 8"),
-    ({"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"], "bias": "all"}, "Adapter bias is not supported"),
-    ("{not json", "JSONDecodeError"),
-])
-def test_vllm_refuses_an_adapter_before_the_engine_sees_it(tmp_path, config, words):
-    """vLLM's own adapter checks run in the server's process: a 400 naming the adapter, no engine traceback."""
-    from vllm.config.lora import LoRAConfig
-
-    from tideserve.llm_backends.vllm.lora import check_adapter
-
-    text_config = SimpleNamespace(max_position_embeddings=256)
-    engine = SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(get_text_config=lambda: text_config)),
-                             vllm_config=SimpleNamespace(lora_config=LoRAConfig(max_lora_rank=8)))
-    (tmp_path / "adapter_config.json").write_text(config if isinstance(config, str) else json.dumps(config))
-    with pytest.raises(InvalidArgument, match="Loading lora wide failed") as info:
-        check_adapter(engine, "wide", str(tmp_path))
-    assert words in info.value.message
