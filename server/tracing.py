@@ -237,6 +237,7 @@ class Tracer:
         self._entries: list[dict] = []  # triton mode: the trace file's entries not yet written
         self._collected = 0
         self._file_index = 0
+        self._flush_when_done = False  # triton mode: the count ran out, write the file at the next trace's end
         self._processor = None
         self._otel = None
         self._update_active()
@@ -338,8 +339,6 @@ class Tracer:
             if owner.count == 0 and self.config.mode == "triton":
                 self._flush_when_done = True
         return True
-
-    _flush_when_done = False
 
     def new_trace_id(self) -> int:
         return random.getrandbits(128) or 1
