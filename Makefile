@@ -28,7 +28,9 @@ serve: $(VENV)/.installed
 # The protocol suites run twice: with the frontends in the core process (the default on 2 cores), then with
 # two frontend worker processes (--frontend-workers 2; tests/support.py and tests/in_process.py read the variable).
 PROTOCOL_TESTS := tests/e2e/test_http.py tests/e2e/test_grpc.py tests/e2e/test_generate.py \
-	tests/e2e/test_openai_frontend.py tests/e2e/test_access_control.py tests/e2e/test_limits.py
+	tests/e2e/test_openai_frontend.py tests/e2e/test_access_control.py tests/e2e/test_limits.py \
+	tests/e2e/test_openai_tools.py tests/e2e/test_shared_memory.py \
+	tests/e2e/test_robustness.py::test_disconnect_storm_leaves_nothing_in_flight
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q

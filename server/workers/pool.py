@@ -78,7 +78,7 @@ class _Link(asyncio.Protocol):
         self.index = index
         self.transport: asyncio.Transport | None = None
         self.splitter = p.FrameSplitter(p.ToCore)
-        self.tasks: dict[int, asyncio.Task] = {}
+        self.tasks: dict[int, tuple[asyncio.Task, InferenceStream]] = {}
         self.known: set[int] = set()  # runtime uids this worker has been described
         self.ready = asyncio.get_running_loop().create_future()
         self.closed = asyncio.get_running_loop().create_future()
@@ -91,8 +91,9 @@ class _Link(asyncio.Protocol):
         self.transport = transport
 
     def connection_lost(self, exc) -> None:
-        for task in list(self.tasks.values()):
+        for task, stream in list(self.tasks.values()):
             task.cancel()
+            stream.cancel()
         self.tasks.clear()
         if not self.closed.done():
             self.closed.set_result(None)
@@ -122,9 +123,10 @@ class _Link(asyncio.Protocol):
             if kind is p.Infer:
                 self._infer(message)
             elif kind is p.Cancel:
-                task = self.tasks.pop(message.rid, None)
-                if task is not None:
-                    task.cancel()
+                entry = self.tasks.pop(message.rid, None)
+                if entry is not None:  # the stream too: a task cancelled before it ran never reaches its finally
+                    entry[0].cancel()
+                    entry[1].cancel()
             elif kind is p.Call:
                 self._call(message)
             elif kind is p.Ready:
@@ -143,7 +145,7 @@ class _Link(asyncio.Protocol):
             self.send(p.Respond(rid, p.ResponseData(error=p.error_data(exc)), rejected=True))
             return
         task = asyncio.get_running_loop().create_task(self._relay(rid, stream, message.unary))
-        self.tasks[rid] = task
+        self.tasks[rid] = (task, stream)
 
     async def _relay(self, rid: int, stream: "InferenceStream", unary: bool) -> None:
         send = self.send
