@@ -20,7 +20,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ServerError
+from ..errors import InternalError, ServerError
 from . import protocol as p
 
 if TYPE_CHECKING:
@@ -83,6 +83,7 @@ class _Link(asyncio.Protocol):
         self.ready = asyncio.get_running_loop().create_future()
         self.closed = asyncio.get_running_loop().create_future()
         self.process: subprocess.Popen | None = None
+        self.served = False  # it said Ready once
         self.loop = asyncio.get_running_loop()
         self.outbox: list[bytes] = []
         self.flush_scheduled = False
@@ -130,6 +131,7 @@ class _Link(asyncio.Protocol):
             elif kind is p.Call:
                 self._call(message)
             elif kind is p.Ready:
+                self.served = True
                 if not self.ready.done():
                     self.ready.set_result(message.pid)
 
@@ -225,7 +227,11 @@ class FrontendWorkers:
         self.dataplane.repository.listeners.append(self.changed)
         starting = [self._spawn(i) for i in range(self.count)]
         links = await asyncio.gather(*starting)
-        await asyncio.gather(*(link.ready for link in links))
+        try:
+            await asyncio.gather(*(link.ready for link in links))
+        except RuntimeError as exc:
+            await self.stop(grace=2.0)
+            raise InternalError(f"{exc} (its error is in the log above)") from None
         self._ticker = self._loop.create_task(self._tick())
 
     async def _spawn(self, index: int) -> _Link:
@@ -250,8 +256,8 @@ class FrontendWorkers:
 
     def lost(self, link: _Link) -> None:
         """A worker's connection closed: expected while stopping, else the worker died: start another."""
-        if self._stopping or self.links[link.index] is not link:
-            return
+        if self._stopping or self.links[link.index] is not link or not link.served:
+            return  # one that never served failed at start-up: start() reports it
         code = link.process.poll() if link.process is not None else None
         log.error("frontend worker %d (pid %s) exited%s; starting another", link.index,
                   link.process.pid if link.process else "?", f" with code {code}" if code is not None else "")
