@@ -4,6 +4,10 @@ A model version owns one engine (built from ``<version>/model.json`` on a worker
 server keeps answering while it starts). The pass-through scheduler runs every request at once as a
 task of its own, in which the instance's ``execute`` awaits the whole generation: the engine does
 the continuous batching.
+
+A watchdog asks the engine (vLLM's ``check_health``) once a second; with ``ENABLE_VLLM_HEALTH_CHECK``
+"true" every batch asks it first too, as Triton's vLLM backend does. Either way an unhealthy engine takes
+the model version out of service (``ModelContext.report_failure``).
 """
 
 from __future__ import annotations
@@ -41,6 +45,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# what a request gets when the health check finds the engine unhealthy (Triton's vLLM backend's words)
+UNHEALTHY = "Model is unavailable due to unhealthy vLLM engine"
+
 
 class VllmInstance(ModelInstance):
     """The model's single instance (KIND_MODEL): the engine places itself on its devices."""
@@ -49,8 +56,13 @@ class VllmInstance(ModelInstance):
 
     async def execute(self, requests: list[InferenceRequest]) -> None:
         """Generate for the request (the pass-through scheduler sends one per call), start to FINAL."""
+        model = self.model
+        if model.options.health_check and not await model.check_health():
+            for request in requests:
+                request.response_sender.send_error(Unavailable(UNHEALTHY))
+            return
         for request in requests:
-            await self.model.generator.run(request)
+            await model.generator.run(request)
 
 
 class VllmModel(Model):
@@ -70,9 +82,12 @@ class VllmModel(Model):
         self._labels = (ctx.name, str(ctx.version))
         self.adapters = vllm_lora.Adapters(ctx.name, enabled=False)  # set from the engine arguments
         self._declared: dict[str, str] = {}  # adapters declared with the model: name -> path
+        self.options = vllm_config.BackendOptions()  # ENABLE_VLLM_HEALTH_CHECK, REPORT_CUSTOM_METRICS
+        self.failure: str | None = None  # why the engine is unhealthy, once it is
 
     def auto_complete_config(self) -> None:
         vllm_config.auto_complete(self.config)
+        self.options = vllm_config.backend_options(self.config)  # a bad value fails the load before the engine
 
     def create_scheduler(self, runtime: ModelRuntime) -> Scheduler:
         return PassThroughScheduler(runtime)
@@ -103,10 +118,28 @@ class VllmModel(Model):
     async def _watch_engine(self, every_s: float = 1.0) -> None:
         """An engine whose core process died (killed, out of memory) takes the model out of readiness."""
         engine = self.engine
-        while engine is self.engine and not engine.engine_core.resources.engine_dead:
+        while engine is self.engine and await self.check_health():
             await asyncio.sleep(every_s)
-        if engine is self.engine:
-            self.ctx.report_failure("the vLLM engine core process died (its cause is in the server log)")
+
+    async def check_health(self) -> bool:
+        """Ask the engine (vLLM's ``check_health``); the first failure takes the model version out of service
+        for good (a new engine comes with a new load). False once the engine is unhealthy."""
+        engine = self.engine
+        if self.failure is None and engine is not None:
+            try:
+                await engine.check_health()
+            except Exception as exc:
+                if engine is self.engine:
+                    self._unhealthy(exc)
+        return self.failure is None
+
+    def _unhealthy(self, exc: Exception) -> None:
+        from .engine import unhealthy_cause
+
+        cause = unhealthy_cause(exc)
+        self.failure = f"{UNHEALTHY} ({cause})" if self.options.health_check else cause
+        log.error("model '%s' version %s: the vLLM engine is unhealthy: %s", self.ctx.name, self.ctx.version, cause)
+        self.ctx.report_failure(self.failure)
 
     def _start_engine(self):
         """On a worker thread: import vLLM, read the engine arguments, build the engine."""
@@ -117,8 +150,10 @@ class VllmModel(Model):
         self.adapters = vllm_lora.Adapters(self.ctx.name, vllm_lora.lora_enabled(kwargs))
         kwargs.setdefault("served_model_name", self.ctx.name)  # the model_name label of the vllm:* metrics
         log.info("model '%s' version %s: starting the vLLM engine with %s", self.ctx.name, self.ctx.version, kwargs)
-        families = self.engine_families
-        registry = families.add(*self._labels) if families is not None else None
+        # vLLM's own stat logger always runs (tideserve:* reads the same statistics); REPORT_CUSTOM_METRICS
+        # "false" (or a server without metrics) gives it a registry no scrape reads
+        families = self.engine_families if self.options.report_metrics else None
+        registry = families.add(*self._labels) if families is not None else CollectorRegistry(auto_describe=False)
         try:
             return engine.start_engine(kwargs, self._on_engine_state, registry)
         except BaseException:

@@ -4,7 +4,9 @@ Tensors follow Triton's vLLM backend (``text_input`` in, ``text_output`` out, op
 ``sampling_parameters``, ``exclude_input_in_output`` and ``return_*`` flags) plus a token interface
 (``input_ids`` in, ``output_ids`` out) for tokenizer ensembles. Engine arguments come from
 ``<version>/model.json`` (the keys of vLLM's ``AsyncEngineArgs``, as in Triton's backend), and a config
-``parameters`` entry named like an engine argument overrides it.
+``parameters`` entry named like an engine argument overrides it. Two parameters of Triton's backend,
+``ENABLE_VLLM_HEALTH_CHECK`` and ``REPORT_CUSTOM_METRICS``, are the backend's own switches
+(:class:`BackendOptions`).
 
 Nothing here imports vLLM at module level: the base install stays light.
 """
@@ -51,6 +53,41 @@ OUTPUTS = [
 ]
 # Engine arguments whose relative paths resolve against the version directory.
 PATH_ARGS = ("model", "tokenizer")
+# The config parameters of Triton's vLLM backend that this backend reads (see BackendOptions).
+HEALTH_CHECK = "ENABLE_VLLM_HEALTH_CHECK"
+REPORT_METRICS = "REPORT_CUSTOM_METRICS"
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendOptions:
+    """The backend's switches, from ``config.pbtxt`` ``parameters`` (string values ``"true"`` / ``"false"``)."""
+
+    health_check: bool = False
+    """``ENABLE_VLLM_HEALTH_CHECK``: ask the engine (vLLM's ``check_health``) before each batch; an unhealthy
+    engine answers the batch UNAVAILABLE and takes the model version out of service. Off by default, as in
+    Triton."""
+
+    report_metrics: bool = True
+    """``REPORT_CUSTOM_METRICS``: export vLLM's own ``vllm:*`` families. On by default (routers and
+    autoscalers read them); Triton's default is off. An explicit ``"false"`` turns them off."""
+
+
+def backend_options(config: mc.ModelConfig) -> BackendOptions:
+    """The switches the config sets; a value other than true / false (any case) or 1 / 0 is refused."""
+    defaults = BackendOptions()
+    return BackendOptions(health_check=_flag(config, HEALTH_CHECK, defaults.health_check),
+                          report_metrics=_flag(config, REPORT_METRICS, defaults.report_metrics))
+
+
+def _flag(config: mc.ModelConfig, key: str, default: bool) -> bool:
+    if key not in config.parameters:
+        return default
+    text = config.parameters[key].string_value
+    lowered = text.strip().lower()
+    if lowered not in ("true", "false", "1", "0"):
+        raise InvalidArgument(f"model '{config.name}': config parameter '{key}' must be \"true\" or \"false\", "
+                              f"got '{text}'")
+    return lowered in ("true", "1")
 
 
 def auto_complete(config: mc.ModelConfig) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 from tideserve.backend_api import InvalidArgument, ServerError, Unavailable
@@ -63,7 +64,7 @@ def start_engine(kwargs: dict[str, Any], on_state: Callable[[EngineState], None]
     """Build the engine (blocking); any failure is Unavailable with the engine's message.
 
     ``registry``: where vLLM's own Prometheus logger writes the model's ``vllm:*`` families (None: the
-    engine's default, prometheus_client's process-wide registry)."""
+    engine's default, prometheus_client's process-wide registry; the backend always passes one)."""
     loggers: list = [lambda _config, _index=0: _StateLogger(on_state)]
     if registry is not None:
         loggers.append(prometheus_logger(registry))
@@ -87,6 +88,13 @@ def _failure(exc: BaseException, kwargs: dict[str, Any]) -> str:
     if isinstance(model, str) and model.startswith("/") and not Path(model).exists():
         message += f" (the model path '{model}' does not exist)"
     return message
+
+
+def unhealthy_cause(exc: BaseException) -> str:
+    """Why the engine's ``check_health`` failed, in words for the model's reason."""
+    if isinstance(exc, EngineDeadError):
+        return "the vLLM engine core process died (its cause is in the server log)"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def stop_engine(engine: AsyncLLM) -> None:

@@ -113,6 +113,28 @@ def test_engine_kwargs_errors(tmp_path):
         vllm_config.engine_kwargs(ctx, DEFAULTS)
 
 
+@pytest.mark.parametrize("parameters, health_check, report_metrics", [
+    ({}, False, True),  # Triton's health-check default; vllm:* on by default (Triton: off)
+    ({"ENABLE_VLLM_HEALTH_CHECK": "true", "REPORT_CUSTOM_METRICS": "false"}, True, False),
+    ({"ENABLE_VLLM_HEALTH_CHECK": "True", "REPORT_CUSTOM_METRICS": "TRUE"}, True, True),  # any case, as Triton
+    ({"ENABLE_VLLM_HEALTH_CHECK": "0", "REPORT_CUSTOM_METRICS": " 0 "}, False, False),
+])
+def test_backend_options_from_config_parameters(parameters, health_check, report_metrics):
+    config = _config()
+    for key, value in parameters.items():
+        config.parameters[key].string_value = value
+    options = vllm_config.backend_options(config)
+    assert (options.health_check, options.report_metrics) == (health_check, report_metrics)
+
+
+@pytest.mark.parametrize("key", ["ENABLE_VLLM_HEALTH_CHECK", "REPORT_CUSTOM_METRICS"])
+def test_backend_options_refuse_values_that_are_not_booleans(key):
+    config = _config()
+    config.parameters[key].string_value = "yes"
+    with pytest.raises(InvalidArgument, match=f"'{key}' must be \"true\" or \"false\", got 'yes'"):
+        vllm_config.backend_options(config)
+
+
 # -- request reading ----------------------------------------------------------------------------
 def _request(parameters=None, outputs=None, **inputs) -> InferenceRequest:
     tensors = {}
