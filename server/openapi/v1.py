@@ -13,6 +13,9 @@ from pydantic import BaseModel
 
 from ..openai.chat_completion.protocol import ChatCompletionRequest
 from ..openai.completion.protocol import CompletionRequest
+from ..openai.embedding.protocol import EmbeddingRequest
+from ..openai.score.protocol import RerankRequest, ScoreRequest
+from ..openai.tokenization.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 from .v2 import json_body, ref
 
 _STATUSES = {
@@ -132,10 +135,24 @@ def _lora(summary: str, properties: dict) -> dict:
             **_errors("503")}}}
 
 
+def _post(summary: str, request: dict, answer: str) -> dict:
+    """A JSON request answered by one JSON object (the embedding, score and tokenizer routes)."""
+    return {"post": {
+        "summary": summary, "tags": ["openai"], "security": AUTH,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
+        "responses": {"200": json_body({"type": "object"}, answer), **_errors("400", "401", "404", "500", "503")}}}
+
+
 def schemas() -> dict[str, dict]:
     out = dict(RESPONSE_SCHEMAS)
     out["CompletionRequest"] = _request_schema(CompletionRequest, out)
     out["ChatCompletionRequest"] = _request_schema(ChatCompletionRequest, out)
+    out["EmbeddingRequest"] = _request_schema(EmbeddingRequest, out)
+    out["ScoreRequest"] = _request_schema(ScoreRequest, out)
+    out["RerankRequest"] = _request_schema(RerankRequest, out)
+    out["TokenizeCompletionRequest"] = _request_schema(TokenizeCompletionRequest, out)
+    out["TokenizeChatRequest"] = _request_schema(TokenizeChatRequest, out)
+    out["DetokenizeRequest"] = _request_schema(DetokenizeRequest, out)
     return out
 
 
@@ -158,6 +175,28 @@ def paths() -> dict[str, dict]:
             "base_model_name": {"type": "string"}, "is_3d_lora_weight": {"type": "boolean"}}),
         "/v1/unload_lora_adapter": _lora("Unload a LoRA adapter (--enable-lora-runtime-updates)",
                                          {"lora_name": {"type": "string"}}),
+        "/v1/embeddings": _post("Embeddings of texts or token ids (a model with openai_task 'embed')",
+                                ref("EmbeddingRequest"), "{object: list, data: [{object: embedding, index, "
+                                                         "embedding}], model, usage}"),
+        "/v1/score": _post("Similarity scores of text pairs (an embedding model)", ref("ScoreRequest"),
+                           "{object: list, data: [{object: score, index, score}], model, usage}"),
+        "/score": _post("Similarity scores of text pairs (an embedding model)", ref("ScoreRequest"),
+                        "{object: list, data: [{object: score, index, score}], model, usage}"),
+        "/v1/rerank": _post("Documents ranked by relevance to a query (an embedding model)", ref("RerankRequest"),
+                            "{id, model, usage, results: [{index, document, relevance_score}]}"),
+        "/rerank": _post("Documents ranked by relevance to a query (an embedding model)", ref("RerankRequest"),
+                         "{id, model, usage, results: [{index, document, relevance_score}]}"),
+        "/tokenize": _post("Token ids of a prompt or of chat messages rendered by the chat template",
+                           {"anyOf": [ref("TokenizeCompletionRequest"), ref("TokenizeChatRequest")]},
+                           "{count, max_model_len, tokens, token_strs}"),
+        "/detokenize": _post("The text of token ids", ref("DetokenizeRequest"), "{prompt}"),
+        "/tokenizer_info": {"get": {
+            "summary": "The model's tokenizer configuration (?model=, else the only text-generation model)",
+            "tags": ["openai"], "security": AUTH,
+            "parameters": [{"name": "model", "in": "query", "required": False, "schema": {"type": "string"}}],
+            "responses": {"200": json_body({"type": "object"}, "tokenizer_config.json's entries, "
+                                                               "tokenizer_class, chat_template"),
+                          **_errors("400", "401", "404", "503")}}},
         "/health": {"get": {"summary": "Liveness, as vLLM's server: 200 (empty body) while healthy, 503 (empty) "
                                        "once it shuts down or a model's engine died", "tags": ["health"],
                             "responses": {"200": {"description": "Healthy"}, "503": {"description": "Not healthy"}}}},
