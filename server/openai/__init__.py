@@ -21,7 +21,6 @@ from starlette.routing import Route
 from .chat_completion import create_chat_completion
 from .completion import create_completion
 from .embedding import EmbedderCatalog, create_embedding
-from .errors import OpenAIError
 from .http import OpenAIRoute, OpenAIServer
 from .limits import OpenAILimits
 from .llm import Catalog, OutputParsers

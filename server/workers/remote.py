@@ -15,7 +15,7 @@ from typing import Any
 from tritonclient.grpc import model_config_pb2 as mc
 
 from ..backend import ModelContext
-from ..dataplane import EXTENSIONS, model_metadata, server_metadata
+from ..dataplane import model_metadata, server_metadata
 from ..errors import InvalidArgument, NotFound, ServerError, Unavailable
 from ..types import InferenceRequest, InferenceResponse
 from . import protocol as p
@@ -325,4 +325,4 @@ class RemoteDataPlane:
         return call
 
 
-__all__ = ["CoreLink", "RemoteDataPlane", "RemoteInferenceStream", "RemoteRuntime", "EXTENSIONS"]
+__all__ = ["CoreLink", "RemoteDataPlane", "RemoteInferenceStream", "RemoteRuntime"]
