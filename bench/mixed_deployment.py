@@ -204,7 +204,8 @@ def run_setup(args, name: str, work: Path, env: dict, data: Path, flags: list[st
             result = measure_round(args, llm_port, cls_ports, data, [p.pid for p in procs],
                                    work / f"pa-{name}-{cycle}-{r}.txt")
             rounds.append(result)
-            print(f"{name} server(s), cycle {cycle + 1} round {r + 1}: classifier {result['infer_per_s']:.1f} infer/s"
+            label = "one server" if name == "one" else "two servers"
+            print(f"{label}, cycle {cycle + 1} round {r + 1}: classifier {result['infer_per_s']:.1f} infer/s"
                   f"{'' if result['classifier']['stable'] else ' (unstable)'}, LLM {result['tokens_per_s']:.1f} tok/s "
                   f"(TTFT p50 {result['ttft_p50_s']:.3f}s, {result['llm_batches']} batches), server CPU "
                   f"{result['server_cpu_s']:.1f}s in {result['wall_s']:.1f}s (load average "

@@ -6,9 +6,10 @@ other) and stay up; then ``--rounds`` load rounds alternate between them (ABBA..
 a few seconds' rest (an engine that has just finished a round keeps a core busy for a moment): a warm-up
 request, then ``--streams`` concurrent streaming chat completions of ``--tokens`` tokens each
 (``ignore_eos``, greedy, ``stream_options.include_usage``), for each ``--streams`` value in turn, sent and
-measured by tideserve-bench (``bench.tideserve_bench.api``; the definitions of ``vllm bench serve``). Per round: output tokens/s (the usage chunks' completion tokens over the batch's duration),
-TTFT p50 (request sent to its first chunk) and ITL p50 (between consecutive chunks, all streams pooled);
-each side reports the median of each measure over its rounds.
+measured by tideserve-bench (``bench.tideserve_bench.api``; the definitions of ``vllm bench serve``).
+Per round: output tokens/s (the usage chunks' completion tokens over the batch's duration), TTFT p50
+(request sent to its first chunk) and ITL p50 (between consecutive chunks, all streams pooled); each side
+reports the median of each measure over its rounds.
 
     python bench/openai_vs_vllm.py [--streams 32 [64 ...]] [--tokens 128] [--size 100m|tiny] [--dtype bfloat16]
         [--eager] [--rounds 4] [--tideserve-args "--frontend-workers 2" [--tideserve-args ...]]
@@ -197,8 +198,8 @@ def main() -> None:
             server.stop()
     rows = [medians(s.name, n, ready[s.name], runs[s.name, n]) for n in args.streams for s in servers]
 
-    print("\n| streams | server | output tok/s | TTFT p50 (s) | ITL p50 (ms) | wall (s) | output tokens | tok/s per round |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| streams | server | output tok/s | TTFT p50 (s) | ITL p50 (ms) | wall (s) | output tokens "
+          "| tok/s per round |\n|---|---|---|---|---|---|---|---|")
     for row in rows:
         per_round = " / ".join(f"{r['tokens_per_s']:.0f}" for r in row["rounds"])
         print(f"| {row['streams']} | {row['side']} | {row['tokens_per_s']:.1f} | {row['ttft_p50_s']:.3f} "

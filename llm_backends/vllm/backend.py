@@ -57,7 +57,7 @@ class VllmInstance(ModelInstance):
     async def execute(self, requests: list[InferenceRequest]) -> None:
         """Generate for the request (the pass-through scheduler sends one per call), start to FINAL."""
         model = self.model
-        if model.options.health_check and not await model.check_health():
+        if model.options.health_check and not await model.check_health("before a batch"):
             for request in requests:
                 request.response_sender.send_error(Unavailable(UNHEALTHY))
             return
@@ -118,27 +118,29 @@ class VllmModel(Model):
     async def _watch_engine(self, every_s: float = 1.0) -> None:
         """An engine whose core process died (killed, out of memory) takes the model out of readiness."""
         engine = self.engine
-        while engine is self.engine and await self.check_health():
+        while engine is self.engine and await self.check_health("by the watchdog"):
             await asyncio.sleep(every_s)
 
-    async def check_health(self) -> bool:
+    async def check_health(self, asker: str) -> bool:
         """Ask the engine (vLLM's ``check_health``); the first failure takes the model version out of service
-        for good (a new engine comes with a new load). False once the engine is unhealthy."""
+        for good (a new engine comes with a new load). False once the engine is unhealthy. ``asker`` (who
+        asks) goes to the log."""
         engine = self.engine
         if self.failure is None and engine is not None:
             try:
                 await engine.check_health()
             except Exception as exc:
                 if engine is self.engine:
-                    self._unhealthy(exc)
+                    self._unhealthy(exc, asker)
         return self.failure is None
 
-    def _unhealthy(self, exc: Exception) -> None:
+    def _unhealthy(self, exc: Exception, asker: str) -> None:
         from .engine import unhealthy_cause
 
         cause = unhealthy_cause(exc)
-        self.failure = f"{UNHEALTHY} ({cause})" if self.options.health_check else cause
-        log.error("model '%s' version %s: the vLLM engine is unhealthy: %s", self.ctx.name, self.ctx.version, cause)
+        self.failure = f"{UNHEALTHY}: {cause}" if self.options.health_check else cause
+        log.error("model '%s' version %s: the vLLM engine is unhealthy (found %s): %s", self.ctx.name,
+                  self.ctx.version, asker, cause)
         self.ctx.report_failure(self.failure)
 
     def _start_engine(self):

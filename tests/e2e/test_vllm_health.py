@@ -118,23 +118,28 @@ def test_report_custom_metrics_false_exports_no_vllm_families(server):
 
 def test_an_unhealthy_engine_answers_unavailable_and_leaves_readiness(server, grpc_client):
     """Runs last: it kills the engine (Triton's test makes check_health fail; a dead core process does)."""
+    import tritonclient.grpc as grpcclient
+
     cores = [pid for pid, name in _children(server.process.pid) if name.startswith("VLLM::EngineCor")]
     assert len(cores) == 1, _children(server.process.pid)
     os.kill(cores[0], signal.SIGKILL)
     time.sleep(0.2)  # vLLM's monitor thread marks the engine dead as the process goes
 
-    text, error = _stream_infer(server)  # the batch's health check (or the watchdog, a second at most) finds it
-    assert error is not None and error.status() == "StatusCode.UNAVAILABLE", (text, error)
-    assert UNHEALTHY in error.message()
+    # the batch's health check (or the watchdog, within a second) finds it
+    response = httpx.post(f"{server.base_url}/v2/models/{MODEL}/generate",
+                          json={"text_input": "Hi", "parameters": SAMPLING}, timeout=30)
+    assert response.status_code == 503 and UNHEALTHY in response.json()["error"], response.text
     ready, state, reason = _state(grpc_client, MODEL)
     assert (ready, state) == (False, "UNAVAILABLE")
     assert reason.startswith(UNHEALTHY) and "engine core process died" in reason
 
-    text, error = _stream_infer(server)  # refused before it reaches the model, naming the reason
-    assert error is not None and error.status() == "StatusCode.UNAVAILABLE" and UNHEALTHY in error.message()
-    response = httpx.post(f"{server.base_url}/v2/models/{MODEL}/generate",
-                          json={"text_input": "Hi", "parameters": SAMPLING}, timeout=30)
-    assert response.status_code == 503 and UNHEALTHY in response.json()["error"]
+    # refused before they reach the model, naming the reason: a stream's error (Triton's stream carries no
+    # status code) and gRPC UNAVAILABLE
+    text, error = _stream_infer(server)
+    assert error is not None and UNHEALTHY in error.message(), (text, error)
+    with pytest.raises(grpcclient.InferenceServerException) as info:
+        grpc_client.infer(MODEL, llm_inputs(grpcclient, "Hi", sampling=SAMPLING))
+    assert info.value.status() == "StatusCode.UNAVAILABLE" and UNHEALTHY in info.value.message()
     assert httpx.get(f"{server.base_url}/v2/health/live", timeout=10).status_code == 200
 
 
