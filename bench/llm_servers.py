@@ -36,10 +36,14 @@ def story_prompts(count: int) -> list[str]:
 
 
 def start_tideserve(repo: Path, log: Path, env: dict, ready_model: str | None, timeout: float = 900,
-                    weights: Path | None = None, args: tuple[str, ...] = ()) -> tuple[subprocess.Popen, int, int]:
+                    weights: Path | None = None, args: tuple[str, ...] = (),
+                    new_session: bool = True) -> tuple[subprocess.Popen, int, int]:
     """A tideserve process over ``repo`` (in its own session), once ``ready_model`` (None: the server) is ready:
     (process, http, grpc).
-    ``weights``: a model directory outside ``repo`` that the repository's configs name; ``args``: more flags."""
+    ``weights``: a model directory outside ``repo`` that the repository's configs name; ``args``: more flags;
+    ``new_session`` False: a process group of its own in the caller's session (with the kernel's autogroup
+    scheduling each session gets an equal share of a busy machine's CPU; servers compared against each
+    other should share one)."""
     http, grpc, metrics = free_port(), free_port(), free_port()
     cmd = [sys.executable, "-m", "tideserve.cli", "--model-repository", str(repo), "--http-port", str(http),
            "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
@@ -48,7 +52,7 @@ def start_tideserve(repo: Path, log: Path, env: dict, ready_model: str | None, t
     cmd += args
     with open(log, "wb") as log_file:  # the child keeps its own descriptor
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
-                                start_new_session=True)
+                                start_new_session=new_session, process_group=None if new_session else 0)
     started = time.monotonic()
     while True:
         if proc.poll() is not None:

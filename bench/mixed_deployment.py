@@ -23,7 +23,10 @@ at once:
   their tokens over their summed durations, TTFT p50 the median of theirs.
 
 Also recorded per round: the load average and the CPU seconds of the servers' process trees (core,
-frontend workers, model processes, the engine). Prints a table with each set-up's medians and the ratios
+frontend workers, model processes, the engine). The servers run in this script's session, each in a
+process group of its own: with the kernel's autogroup scheduling, a busy machine gives each session an
+equal share of the CPU, so servers in sessions of their own would give the two-server set-up twice the
+one-server set-up's share. Prints a table with each set-up's medians and the ratios
 one / two, and writes bench/results/mixed-<time>.json.
 
     python bench/mixed_deployment.py [--streams 8] [--tokens 128] [--concurrency 4] [--protocol http|grpc]
@@ -189,7 +192,8 @@ def run_setup(args, name: str, work: Path, env: dict, data: Path, flags: list[st
     try:
         for index, models in enumerate(SETUPS[name]):
             repo = write_repository(work / f"{name}-{cycle}-{index}", models)
-            proc, http, grpc = start_tideserve(repo, work / f"{name}-{cycle}-{index}.log", env, None, args=tuple(flags))
+            proc, http, grpc = start_tideserve(repo, work / f"{name}-{cycle}-{index}.log", env, None, args=tuple(flags),
+                                               new_session=False)
             procs.append(proc)
             for model in models:
                 ports[model] = (http, grpc)
@@ -269,7 +273,7 @@ def main() -> None:
         label = "one server" if name == "one" else "two servers"
         print(f"| {label} | {row['tokens_per_s']:.1f} | {row['ttft_p50_s']:.3f} | {row['itl_p50_s'] * 1000:.1f} "
               f"| {row['infer_per_s']:.1f} | {per_round} | {min(loads):.1f}-{max(loads):.1f} |")
-    ratios = {k: rows["one"][k] / rows["two"][k] for k in keys}
+    ratios = {k: rows["one"][k] / rows["two"][k] if rows["two"][k] else float("nan") for k in keys}
     print(f"\none server / two servers: LLM tok/s {ratios['tokens_per_s']:.3f}x, classifier infer/s "
           f"{ratios['infer_per_s']:.3f}x, LLM TTFT p50 {ratios['ttft_p50_s']:.3f}x, server CPU per round "
           f"{ratios['server_cpu_s']:.3f}x")
