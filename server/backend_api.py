@@ -83,6 +83,7 @@ from .errors import (
     Unavailable,
     Unsupported,
     as_server_error,
+    error_of_status,
 )
 from .responses import ResponseSender
 from .runtime import InstanceSlot, ModelRuntime
@@ -94,7 +95,7 @@ __all__ = [
     # types and errors
     "Tensor", "InferenceRequest", "InferenceResponse", "RequestedOutput", "CancellationToken",
     "ServerError", "Status", "InvalidArgument", "NotFound", "Unavailable", "QueueFull", "Unsupported", "Cancelled",
-    "DeadlineExceeded", "InternalError", "as_server_error",
+    "DeadlineExceeded", "InternalError", "as_server_error", "error_of_status",
     # backends
     "Backend", "Model", "ModelInstance", "ModelContext", "InstanceContext", "TensorModelInstance",
     "ResponseSender",

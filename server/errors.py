@@ -116,6 +116,15 @@ class InternalError(ServerError):
     status = Status.INTERNAL
 
 
+def error_of_status(status: Status, message: str) -> ServerError:
+    """A ServerError of the class ``status`` has (the base class for statuses without one), e.g. rebuilt from
+    what another process sent."""
+    kind = {Status.INVALID_ARG: InvalidArgument, Status.NOT_FOUND: NotFound, Status.UNAVAILABLE: Unavailable,
+            Status.UNSUPPORTED: Unsupported, Status.CANCELLED: Cancelled, Status.DEADLINE_EXCEEDED: DeadlineExceeded,
+            Status.INTERNAL: InternalError}.get(status)
+    return kind(message) if kind is not None else ServerError(message, status)
+
+
 def as_server_error(exc: BaseException) -> ServerError:
     """Wrap any exception raised by a backend as a ServerError with a readable message."""
     if isinstance(exc, ServerError):

@@ -17,18 +17,7 @@ from typing import Any
 
 import msgspec
 
-from tideserve.backend_api import (
-    Cancelled,
-    DeadlineExceeded,
-    InternalError,
-    InvalidArgument,
-    NotFound,
-    ServerError,
-    Status,
-    Unavailable,
-    Unsupported,
-    as_server_error,
-)
+from tideserve.backend_api import ServerError, Status, as_server_error, error_of_status
 
 MAX_FDS = 8  # descriptors one frame may carry
 
@@ -56,11 +45,6 @@ class Error(msgspec.Struct, array_like=True):
     message: str
 
 
-_ERROR_OF_STATUS = {
-    Status.INVALID_ARG: InvalidArgument, Status.NOT_FOUND: NotFound, Status.UNAVAILABLE: Unavailable,
-    Status.UNSUPPORTED: Unsupported, Status.CANCELLED: Cancelled, Status.DEADLINE_EXCEEDED: DeadlineExceeded,
-    Status.INTERNAL: InternalError,
-}
 
 
 def error_of(error: BaseException | None) -> Error | None:
@@ -73,8 +57,7 @@ def error_of(error: BaseException | None) -> Error | None:
 def server_error(error: Error) -> ServerError:
     """The server error an ``Error`` describes, of the class its status has (ALREADY_EXISTS: the base class)."""
     status = Status(error.status)
-    kind = _ERROR_OF_STATUS.get(status)
-    return kind(error.message) if kind is not None else ServerError(error.message, status)
+    return error_of_status(status, error.message)
 
 
 class OutputRef(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -70,26 +70,19 @@ def reserved_port(host: str, port: int) -> socket.socket:
     return sock
 
 
-class _Link(asyncio.Protocol):
+class _Link(p.FramedLink):
     """One worker's connection: its requests in flight, its calls, the runtimes it knows."""
 
     def __init__(self, pool: "FrontendWorkers", index: int) -> None:
         self.pool = pool
         self.index = index
-        self.transport: asyncio.Transport | None = None
-        self.splitter = p.FrameSplitter(p.ToCore)
+        super().__init__(p.ToCore)
         self.tasks: dict[int, tuple[asyncio.Task, InferenceStream]] = {}
         self.known: set[int] = set()  # runtime uids this worker has been described
         self.ready = asyncio.get_running_loop().create_future()
         self.closed = asyncio.get_running_loop().create_future()
         self.process: subprocess.Popen | None = None
         self.served = False  # it said Ready once
-        self.loop = asyncio.get_running_loop()
-        self.outbox: list[bytes] = []
-        self.flush_scheduled = False
-
-    def connection_made(self, transport) -> None:
-        self.transport = transport
 
     def connection_lost(self, exc) -> None:
         for task, stream in list(self.tasks.values()):
@@ -102,21 +95,6 @@ class _Link(asyncio.Protocol):
             self.ready.set_exception(RuntimeError(f"frontend worker {self.index} exited during start-up"))
             self.ready.exception()  # retrieved here: the pool reports it
         self.pool.lost(self)
-
-    def send(self, message) -> None:
-        """Queue ``message``; what one turn of the event loop sends leaves in one write (fewer system calls
-        and wake-ups of the worker when many requests are in flight)."""
-        self.outbox.append(p.frame(message))
-        if not self.flush_scheduled:
-            self.flush_scheduled = True
-            self.loop.call_soon(self.flush)
-
-    def flush(self) -> None:
-        self.flush_scheduled = False
-        outbox, transport = self.outbox, self.transport
-        if outbox and transport is not None and not transport.is_closing():
-            transport.write(outbox[0] if len(outbox) == 1 else b"".join(outbox))
-        outbox.clear()
 
     def data_received(self, data: bytes) -> None:
         for message in self.splitter.feed(data):

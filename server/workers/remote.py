@@ -109,12 +109,11 @@ class RemoteInferenceStream:
         self.cancel()
 
 
-class CoreLink(asyncio.Protocol):
+class CoreLink(p.FramedLink):
     """The worker's connection to the core."""
 
     def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
-        self.splitter = p.FrameSplitter(p.ToWorker)
+        super().__init__(p.ToWorker)
         self.streams: dict[int, RemoteInferenceStream] = {}
         self.calls: dict[int, asyncio.Future] = {}
         self.runtimes: dict[int, RemoteRuntime] = {}
@@ -123,33 +122,16 @@ class CoreLink(asyncio.Protocol):
         self.first_snapshot: asyncio.Future = asyncio.get_running_loop().create_future()
         self.stopped: asyncio.Future = asyncio.get_running_loop().create_future()
         self._ids = itertools.count(1)
-        self.loop = asyncio.get_running_loop()
-        self.outbox: list[bytes] = []
-        self.flush_scheduled = False
-
-    def connection_made(self, transport) -> None:
-        self.transport = transport
 
     def connection_lost(self, exc) -> None:
         if not self.stopped.done():
             self.stopped.set_result("lost")
 
     def send(self, message) -> None:
-        """Queue ``message``; what one turn of the event loop sends leaves in one write."""
         transport = self.transport
         if transport is None or transport.is_closing():
             raise Unavailable("the server's core process is gone")
-        self.outbox.append(p.frame(message))
-        if not self.flush_scheduled:
-            self.flush_scheduled = True
-            self.loop.call_soon(self.flush)
-
-    def flush(self) -> None:
-        self.flush_scheduled = False
-        outbox, transport = self.outbox, self.transport
-        if outbox and transport is not None and not transport.is_closing():
-            transport.write(outbox[0] if len(outbox) == 1 else b"".join(outbox))
-        outbox.clear()
+        super().send(message)
 
     def data_received(self, data: bytes) -> None:
         for message in self.splitter.feed(data):
