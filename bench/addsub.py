@@ -90,15 +90,18 @@ def tree_cpu_seconds(root: int) -> dict[str, float]:
     return totals
 
 
-def start_server(kind: str, repo: Path, log: Path) -> tuple[subprocess.Popen, int, int]:
+def start_server(kind: str, repo: Path, log: Path, model: str = "add_sub",
+                 args: tuple[str, ...] = ()) -> tuple[subprocess.Popen, int, int]:
+    """(process, http port, grpc port) of a server over ``repo`` once ``model`` is ready: ``kind`` is
+    ``triton``, ``tideserve`` or ``tideserve:wN`` (``--frontend-workers N``); ``args``: more flags."""
     http, grpc, metrics = free_ports(3)
     ports = ["--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
     if kind.startswith("tideserve"):
         _, _, workers = kind.partition(":w")
         cmd = [sys.executable, "-m", "tideserve.cli", "--model-repository", str(repo), *ports,
-               "--frontend-workers", workers or "1"]
+               "--frontend-workers", workers or "1", *args]
     else:
-        cmd = [str(PEERS_HOME / "bin" / "tritonserver-cpu"), "--model-repository", str(repo), *ports]
+        cmd = [str(PEERS_HOME / "bin" / "tritonserver-cpu"), "--model-repository", str(repo), *ports, *args]
     # Triton runs from the log's folder: started in this repository, its Python stub would import
     # tideserve's own triton_python_backend_utils module from the working directory.
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
@@ -108,7 +111,7 @@ def start_server(kind: str, repo: Path, log: Path) -> tuple[subprocess.Popen, in
         if proc.poll() is not None:
             raise RuntimeError(f"{kind} exited early, see {log}")
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/models/add_sub/ready", timeout=2) as r:
+            with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/models/{model}/ready", timeout=2) as r:
                 if r.status == 200:
                     return proc, http, grpc
         except OSError:

@@ -21,14 +21,13 @@ import json
 import os
 import re
 import subprocess
-import sys
 import tempfile
 import textwrap
 import time
-import urllib.request
 from pathlib import Path
 
-from .addsub import PEERS_HOME, ROOT, ensure_peers, free_ports, stop_server
+from . import addsub
+from .addsub import PEERS_HOME, ROOT, ensure_peers, stop_server
 
 MODEL = "accumulator"
 
@@ -99,28 +98,7 @@ def write_repo(path: Path, strategy: str, state: str) -> Path:
 
 
 def start_server(kind: str, repo: Path, log: Path) -> tuple[subprocess.Popen, int, int]:
-    http, grpc, metrics = free_ports(3)
-    ports = ["--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
-    if kind == "tideserve":
-        cmd = [sys.executable, "-m", "tideserve.cli", "--model-repository", str(repo), *ports]
-    else:
-        cmd = [str(PEERS_HOME / "bin" / "tritonserver-cpu"), "--model-repository", str(repo), *ports]
-    # Triton runs from the log's folder, outside this checkout (see bench/addsub.py)
-    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
-                            cwd=ROOT if kind == "tideserve" else log.parent)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{kind} exited early, see {log}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/models/{MODEL}/ready", timeout=2) as r:
-                if r.status == 200:
-                    return proc, http, grpc
-        except OSError:
-            pass
-        time.sleep(0.5)
-    stop_server(proc)
-    raise RuntimeError(f"{kind} did not become ready, see {log}")
+    return addsub.start_server(kind, repo, log, MODEL)
 
 
 def perf_analyzer(protocol: str, port: int, concurrency: int, length: int, log: Path) -> dict:

@@ -19,13 +19,12 @@ import json
 import os
 import re
 import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
-from tideserve.bench.llm_servers import free_port, stop_process
+from tideserve.bench.addsub import start_server
+from tideserve.bench.llm_servers import stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS_HOME = Path(os.environ.get("PEERS_HOME", "/tmp/peers"))
@@ -61,28 +60,7 @@ def write_model(repo: Path, name: str, config: str, model: str) -> None:
 
 def start(kind: str, repo: Path, log: Path, model: str, args: tuple[str, ...] = ()):
     """(process, http port, grpc port) of a tideserve or Triton server over ``repo`` once ``model`` is ready."""
-    http, grpc, metrics = free_port(), free_port(), free_port()
-    ports = ["--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
-    if kind == "tideserve":
-        cmd = [sys.executable, "-m", "tideserve.cli", "--model-repository", str(repo), *ports, *args]
-    else:
-        cmd = [str(PEERS_HOME / "bin" / "tritonserver-cpu"), "--model-repository", str(repo), *ports, *args]
-    # Triton runs from the log's folder: from this checkout its Python stub would import our pb_utils module
-    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
-                            cwd=ROOT if kind == "tideserve" else log.parent)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{kind} exited early, see {log}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/models/{model}/ready", timeout=2) as r:
-                if r.status == 200:
-                    return proc, http, grpc
-        except OSError:
-            pass
-        time.sleep(0.5)
-    stop_process(proc)
-    raise RuntimeError(f"{kind} did not become ready, see {log}")
+    return start_server(kind, repo, log, model, args)
 
 
 def perf_analyzer(model: str, protocol: str, port: int, concurrency: int, log: Path, *extra: str) -> dict:
