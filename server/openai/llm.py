@@ -329,16 +329,12 @@ class Catalog:
 
     def get(self, name: str) -> LLMModel:
         try:
-            runtime = self.dataplane.model(name)
+            runtime = served_runtime(self.dataplane, name)
         except NotFound:
             adapter = self.adapter(name)
             if adapter is None:
                 raise ModelNotFound(name) from None
             return self._adapter_model(self.get(adapter["model"]), name)
-        except Unavailable as exc:
-            raise OpenAIError(f"The model `{name}` is not ready: {exc.message}", 503, "model") from None
-        except InvalidArgument as exc:
-            raise BadRequest(exc.message, "model") from None
         llm = self._describe(runtime)
         if llm is None:
             raise ModelNotFound(name, "It is not a text-generation model (text_input -> text_output).")
@@ -356,18 +352,7 @@ class Catalog:
         return next((a for a in self.dataplane.lora_adapters() if a["name"] == name), None)
 
     def ready(self) -> list[LLMModel]:
-        found = []
-        for row in self.dataplane.repository_index(ready_only=True):
-            name = row["name"]
-            if any(m.name == name for m in found):
-                continue
-            try:
-                llm = self._describe(self.dataplane.model(name))
-            except ServerError:
-                continue
-            if llm is not None:
-                found.append(llm)
-        return found
+        return ready_models(self.dataplane, self._describe, LLMModel)
 
     def default(self) -> LLMModel:
         """The model a request without ``model`` goes to: the only LLM model served."""
@@ -376,6 +361,33 @@ class Catalog:
             raise BadRequest("the request names no 'model' and the server serves "
                              f"{'no' if not ready else len(ready)} text-generation models", "model")
         return ready[0]
+
+
+def served_runtime(dataplane, name: str):
+    """The runtime serving model ``name`` for a /v1 request: NotFound as it is (callers answer it), the other
+    lookup errors in OpenAI's shape."""
+    try:
+        return dataplane.model(name)
+    except Unavailable as exc:
+        raise OpenAIError(f"The model `{name}` is not ready: {exc.message}", 503, "model") from None
+    except InvalidArgument as exc:
+        raise BadRequest(exc.message, "model") from None
+
+
+def ready_models(dataplane, describe, kind: type) -> list:
+    """The ready models (one per name) that ``describe`` makes a ``kind`` of (a catalog's view)."""
+    found = []
+    for row in dataplane.repository_index(ready_only=True):
+        name = row["name"]
+        if any(m.name == name for m in found):
+            continue
+        try:
+            model = describe(dataplane.model(name))
+        except ServerError:
+            continue
+        if isinstance(model, kind):
+            found.append(model)
+    return found
 
 
 # -- responses ---------------------------------------------------------------------------------

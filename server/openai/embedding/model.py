@@ -33,10 +33,11 @@ import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
 from ...datatypes import config_to_datatype, numpy_dtype
-from ...errors import InvalidArgument, NotFound, ServerError, Unavailable
+from ...errors import NotFound, ServerError
 from ...types import InferenceRequest, RequestedOutput, Tensor
 from .. import chat_template
 from ..errors import BadRequest, ModelNotFound, OpenAIError
+from ..llm import ready_models, served_runtime
 
 log = logging.getLogger(__name__)
 
@@ -229,13 +230,9 @@ class EmbedderCatalog:
 
     def get(self, name: str) -> EmbeddingModel:
         try:
-            runtime = self.dataplane.model(name)
+            runtime = served_runtime(self.dataplane, name)
         except NotFound:
             raise ModelNotFound(name) from None
-        except Unavailable as exc:
-            raise OpenAIError(f"The model `{name}` is not ready: {exc.message}", 503, "model") from None
-        except InvalidArgument as exc:
-            raise BadRequest(exc.message, "model") from None
         found = self._describe(runtime)
         if found is None:
             raise ModelNotFound(name, f"It is not an embedding model (config parameter {TASK_PARAMETER}: "
@@ -245,18 +242,7 @@ class EmbedderCatalog:
         return found
 
     def ready(self) -> list[EmbeddingModel]:
-        found: list[EmbeddingModel] = []
-        for row in self.dataplane.repository_index(ready_only=True):
-            name = row["name"]
-            if any(m.name == name for m in found):
-                continue
-            try:
-                model = self._describe(self.dataplane.model(name))
-            except ServerError:
-                continue
-            if isinstance(model, EmbeddingModel):
-                found.append(model)
-        return found
+        return ready_models(self.dataplane, self._describe, EmbeddingModel)
 
     def default(self) -> EmbeddingModel:
         """The model a request without ``model`` goes to: the only embedding model served."""
