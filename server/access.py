@@ -194,14 +194,18 @@ def parse_restrictions(specs: Iterable[str], flag: str, header_prefix: str = "")
     """``<api>[,<api>...]:<header>=<value>`` values of ``flag`` -> group -> Restriction.
 
     The API list ends at the first ':' and the header name at the first '=' after it, so the value may
-    hold both. Raises ValueError for malformed syntax, an unknown group or a group given twice.
+    hold both. Raises ValueError for malformed syntax, an unknown group or a group given twice, in
+    tritonserver's words ("unknown restricted api 'x'", "restricted protocol 'x' can not be specified in
+    multiple config groups"; ``flag`` says whether the groups are "api"s or "protocol"s). The value is a
+    secret: no message echoes it.
     """
-    usage = f"{flag} takes '<api>[,<api>...]:<header>=<value>'"
+    kind = "protocol" if flag.endswith("protocol") else "api"
+    usage = f"{flag} option format is '<{kind}>[,<{kind}>...]:<header>=<value>'"
     restrictions: dict[str, Restriction] = {}
     for spec in specs:
         apis, colon, setting = spec.partition(":")
         header, equals, value = setting.partition("=")
-        if not colon or not equals:  # the value is a secret: never echoed
+        if not colon or not equals:
             raise ValueError(f"{usage}; the ':' after the API list is missing" if not colon else
                              f"{usage}; the '=' after the header name is missing")
         if not apis or not header or not value:
@@ -213,10 +217,10 @@ def parse_restrictions(specs: Iterable[str], flag: str, header_prefix: str = "")
                              "leading or trailing spaces")
         for group in apis.split(","):
             if group not in GROUPS:
-                raise ValueError(f"{flag}: unknown API group '{group}'; the groups are {', '.join(GROUPS)}")
+                raise ValueError(f"{flag}: unknown restricted {kind} '{group}'; the groups are {', '.join(GROUPS)}")
             if group in restrictions:
-                raise ValueError(f"{flag}: API group '{group}' is given more than once; a group may be in "
-                                 "one restriction only")
+                raise ValueError(f"{flag}: restricted {kind} '{group}' can not be specified in multiple config "
+                                 "groups")
             restrictions[group] = Restriction(group, header_prefix + header.lower(), value.encode())
     return restrictions
 

@@ -19,6 +19,7 @@ from . import heap
 from .access import AccessPolicy, ApiKeyScope, Restriction, guard_metrics
 from .backend import BackendRegistry
 from .dataplane import DataPlane
+from .errors import ServerError
 from .limits import TensorLimits
 from .openai.limits import OpenAILimits
 from .openai.llm import OutputParsers
@@ -49,6 +50,8 @@ class ServerOptions:
     allowed_model_roots: list[Path] = field(default_factory=list)
     model_max_instances: int = 64  # instances one model version may ask for (0: no limit)
     load_models: list[str] = field(default_factory=list)
+    # a model load_models names that is missing or fails to load stops the start (tritonserver's --exit-on-error)
+    exit_on_error: bool = True
     repository_poll_secs: float = 15.0
     exit_timeout_secs: float = 30.0
     strict_readiness: bool = True
@@ -169,7 +172,8 @@ class Server:
         self.repository = ModelRepository(options.model_repositories, self.backends, self.metrics,
                                           options.model_control_mode, options.load_models,
                                           allowed_roots=options.allowed_model_roots,
-                                          max_instances=options.model_max_instances)
+                                          max_instances=options.model_max_instances,
+                                          exit_on_error=options.exit_on_error)
         if options.rate_limit:
             self.repository.rate_limiter = RateLimiter(options.rate_limit_resources)
         self.dataplane = DataPlane(self.repository, self.metrics, strict_readiness=options.strict_readiness,
@@ -187,7 +191,11 @@ class Server:
 
     async def start(self) -> None:
         opts = self.options
-        await self.repository.start()
+        try:
+            await self.repository.start()
+        except ServerError:  # a model --load-model names did not load: unload the others, then say why
+            await self.repository.shutdown(drain_timeout=0)
+            raise
         if opts.freeze_heap:
             heap.freeze()
             self.repository.after_change = heap.freeze

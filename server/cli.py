@@ -17,7 +17,7 @@ from .openai.limits import OpenAILimits
 from .openai.llm import OutputParsers
 from .reasoning_parsers import REASONING_PARSERS
 from .tool_parsers import TOOL_PARSERS
-from .repository import ControlMode
+from .repository import ControlMode, check_startup_models
 from .response_cache import parse_cache_config
 from .schedulers.rate_limiter import parse_resource
 from .tracing import parse_trace_config
@@ -210,7 +210,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most instances (threads or processes) one model version may ask for in its instance_group, "
                         "on disk or in a load request's override (default 64; 0: no limit)")
     p.add_argument("--load-model", action="append", default=[],
-                   help="model to load at start-up in explicit mode; '*' loads all; repeatable")
+                   help="model to load at start-up; needs --model-control-mode explicit; '*' (as the only "
+                        "--load-model) loads all; repeatable")
+    p.add_argument("--exit-on-error", type=_bool, default=True,
+                   help="exit when a model --load-model names is missing or fails to load (default true; false: "
+                        "log it and serve the others)")
     p.add_argument("--repository-poll-secs", type=float, default=15.0,
                    help="seconds between repository polls in poll mode")
     p.add_argument("--exit-timeout-secs", type=float, default=30.0,
@@ -252,6 +256,10 @@ def build_parser() -> argparse.ArgumentParser:
 def options_from_args(args: argparse.Namespace) -> ServerOptions:
     """The server's options; ValueError for flag values argparse alone cannot check."""
     scope = ApiKeyScope(args.api_key_scope)
+    try:
+        check_startup_models(ControlMode(args.model_control_mode), args.load_model)
+    except ServerError as exc:
+        raise ValueError(exc.message) from None
     if scope is ApiKeyScope.ALL and not args.api_key:
         raise ValueError("--api-key-scope all needs an API key (--api-key or $TIDESERVE_API_KEY)")
     return ServerOptions(
@@ -259,6 +267,7 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
         grpc_port=args.grpc_port, metrics_port=args.metrics_port, allow_http=args.allow_http,
         allow_grpc=args.allow_grpc, allow_metrics=args.allow_metrics,
         model_control_mode=ControlMode(args.model_control_mode), load_models=args.load_model,
+        exit_on_error=args.exit_on_error,
         allowed_model_roots=args.allowed_model_roots, model_max_instances=args.model_max_instances,
         repository_poll_secs=args.repository_poll_secs, exit_timeout_secs=args.exit_timeout_secs,
         strict_readiness=args.strict_readiness, http_max_input_size=args.http_max_input_size,

@@ -18,7 +18,8 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from . import config as config_module
 from .backend import BackendRegistry, ModelContext, ServerHandles
-from .errors import InvalidArgument, NotFound, ServerError, Unavailable, Unsupported, as_server_error
+from .errors import (InternalError, InvalidArgument, NotFound, ServerError, Unavailable, Unsupported,
+                     as_server_error)
 from .runtime import ModelRuntime, ModelState
 from .stats import Metrics
 
@@ -47,6 +48,15 @@ class ModelEntry:
 
 
 MAX_MODEL_NAME_BYTES = 255  # a directory name (NAME_MAX on Linux and macOS)
+
+
+def check_startup_models(mode: ControlMode, names: list[str]) -> None:
+    """``--load-model`` as tritonserver checks it, in its words: only with ``--model-control-mode=explicit``,
+    and ``*`` (every model) only as the one ``--load-model``."""
+    if names and mode is not ControlMode.EXPLICIT:
+        raise InvalidArgument("Use of '--load-model' requires setting '--model-control-mode=explicit' as well.")
+    if "*" in names and len(set(names)) > 1:
+        raise InvalidArgument("Wildcard model name '*' must be the ONLY startup model if specified at all.")
 
 
 def check_model_name(name: str) -> None:
@@ -135,7 +145,9 @@ def _signature(model_dir: Path) -> tuple:
 class ModelRepository:
     def __init__(self, paths: list[Path], backends: BackendRegistry, metrics: Metrics,
                  control_mode: ControlMode = ControlMode.NONE, startup_models: list[str] | None = None,
-                 allowed_roots: list[Path] | None = None, max_instances: int = DEFAULT_MAX_INSTANCES) -> None:
+                 allowed_roots: list[Path] | None = None, max_instances: int = DEFAULT_MAX_INSTANCES,
+                 exit_on_error: bool = True) -> None:
+        check_startup_models(control_mode, startup_models or [])
         self.paths = [Path(p).resolve() for p in paths]
         self.allowed_roots = tuple(Path(p).resolve() for p in allowed_roots or ())
         self.max_instances = max_instances
@@ -146,6 +158,8 @@ class ModelRepository:
         self.metrics = metrics
         self.control_mode = control_mode
         self.startup_models = startup_models or []
+        # explicit mode: a model --load-model names that is missing or fails to load fails the start (else logged)
+        self.exit_on_error = exit_on_error
         # what every model built from here is handed; the server adds infer and control (server/app.py)
         self.handles = ServerHandles(models=self.model_config)
         self.entries: dict[str, ModelEntry] = {}
@@ -180,15 +194,37 @@ class ModelRepository:
 
     # -- start-up and polling ------------------------------------------------------------
     async def start(self) -> None:
-        if self.control_mode is ControlMode.EXPLICIT:
-            names = self.model_names() if "*" in self.startup_models else self.startup_models
-        else:
-            names = self.model_names()
-        for wave in self.load_order(names):
+        """Load the models of the control mode: every model (``none``, ``poll``, explicit ``--load-model '*'``;
+        one that fails is UNAVAILABLE and the rest serve), or the models ``--load-model`` names. A named model
+        that is missing or fails to load raises InternalError ("failed to load all models", as tritonserver)
+        unless ``exit_on_error`` is off; the models loaded before stay loaded for the caller to shut down."""
+        named = self.control_mode is ControlMode.EXPLICIT and "*" not in self.startup_models
+        names = list(dict.fromkeys(self.startup_models)) if named else self.model_names()
+        unknown = [name for name in names if named and not self._found(name)]
+        present = [name for name in names if name not in unknown]
+        for wave in self.load_order(present):
             await asyncio.gather(*(self._load_quietly(name) for name in wave))
-        for name in names:
+        for name in present:
             if name in self.entries:
                 self.entries[name].explicit = True
+        failed = unknown + [name for name in present if name not in self.entries or not self.entries[name].versions]
+        if named and failed:
+            message = f"failed to load all models: {', '.join(repr(name) for name in failed)} did not load"
+            if self.exit_on_error:
+                raise InternalError(message)
+            log.error("%s (--exit-on-error is off: starting without them)", message)
+
+    def _found(self, name: str) -> bool:
+        """Whether a model ``--load-model`` names is in the repositories; when not, say so as tritonserver does."""
+        try:
+            self.model_dir(name)
+        except NotFound:
+            log.error("failed to poll model '%s': model not found in any model repository", name)
+            return False
+        except ServerError as exc:  # a name no directory can have, or one in two repositories
+            log.error("failed to poll model '%s': %s", name, exc.message)
+            return False
+        return True
 
     async def _load_quietly(self, name: str) -> None:
         try:

@@ -90,10 +90,10 @@ def test_restrictions_parse_as_triton_spells_them():
     ([":key=value"], "must not be empty"),
     (["inference:=value"], "must not be empty"),
     (["inference:key="], "must not be empty"),
-    (["infer:key=value"], "unknown API group 'infer'; the groups are health, metadata"),
-    (["inference, health:key=value"], "unknown API group ' health'"),
-    (["inference,inference:key=value"], "API group 'inference' is given more than once"),
-    (["inference:a=1", "health,inference:b=2"], "API group 'inference' is given more than once"),
+    (["infer:key=value"], "unknown restricted api 'infer'; the groups are health, metadata"),
+    (["inference, health:key=value"], "unknown restricted api ' health'"),
+    (["inference,inference:key=value"], "restricted api 'inference' can not be specified in multiple config groups"),
+    (["inference:a=1", "health,inference:b=2"], "restricted api 'inference' can not be specified in multiple"),
     (["inference:bad key=value"], "'bad key' is not a valid header name"),
     (["inference:key= value"], "printable ASCII without leading or trailing spaces"),
 ])
@@ -118,8 +118,9 @@ def test_bad_flags_stop_the_command_at_start_up(capsys, monkeypatch):
             main(["--model-repository", "unused", *argv])
         assert info.value.code == 2
     err = capsys.readouterr().err
-    assert "API group 'inference' is given more than once" in err
-    assert "unknown API group 'everything'" in err
+    # tritonserver's words (Triton qa L0_http / L0_grpc grep the server log for them)
+    assert "restricted api 'inference' can not be specified in multiple config groups" in err
+    assert "unknown restricted protocol 'everything'" in err
     assert "--api-key-scope all needs an API key" in err
 
 

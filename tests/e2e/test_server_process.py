@@ -164,3 +164,61 @@ def test_help_lists_triton_flags():
                  "--load-model", "--repository-poll-secs", "--exit-timeout-secs", "--log-verbose",
                  "--http-max-input-size", "--host"):
         assert flag in result.stdout
+
+
+# -- --load-model as tritonserver checks it (Triton qa L0_lifecycle, python/openai test_model_management) -------
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tideserve.cli", "--http-port", "0", "--grpc-port", "0",
+                           "--metrics-port", "0", "--frontend-workers", "1", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_load_model_needs_explicit_mode(tmp_path):
+    write_slow_model(tmp_path)
+    for mode in ([], ["--model-control-mode", "none"], ["--model-control-mode", "poll"]):
+        result = run_cli("--model-repository", str(tmp_path), *mode, "--load-model", "slow")
+        assert result.returncode == 2
+        assert "Use of '--load-model' requires setting '--model-control-mode=explicit' as well." in result.stderr
+
+
+def test_load_model_star_must_be_the_only_one(tmp_path):
+    write_slow_model(tmp_path)
+    result = run_cli("--model-repository", str(tmp_path), "--model-control-mode", "explicit",
+                     "--load-model", "*", "--load-model", "slow")
+    assert result.returncode == 2
+    assert "Wildcard model name '*' must be the ONLY startup model if specified at all." in result.stderr
+
+
+def test_a_missing_startup_model_fails_the_start(tmp_path):
+    write_slow_model(tmp_path)
+    result = run_cli("--model-repository", str(tmp_path), "--model-control-mode", "explicit",
+                     "--load-model", "slow", "--load-model", "does-not-exist")
+    assert result.returncode == 1
+    assert "failed to poll model 'does-not-exist': model not found in any model repository" in result.stderr
+    assert "failed to load all models: 'does-not-exist' did not load" in result.stderr
+    assert "tideserve ready" not in result.stderr
+
+
+def test_an_invalid_startup_model_fails_the_start_unless_exit_on_error_is_off(tmp_path):
+    write_slow_model(tmp_path)
+    (tmp_path / "broken" / "1").mkdir(parents=True)
+    (tmp_path / "broken" / "config.pbtxt").write_text('backend: "python"\nmax_batch_size: 0\n'
+                                                     'input [ { name: "X" data_type: TYPE_NOPE dims: [ 1 ] } ]\n')
+    for name in ("broken", "../slow"):
+        result = run_cli("--model-repository", str(tmp_path), "--model-control-mode", "explicit",
+                         "--load-model", "slow", "--load-model", name)
+        assert result.returncode == 1, result.stderr
+        assert f"failed to load all models: '{name}' did not load" in result.stderr
+    assert "invalid model name '../slow'" in result.stderr
+    # --exit-on-error false: the failure is logged, the other models serve
+    server = start_server([tmp_path], "--model-control-mode", "explicit", "--load-model", "slow",
+                          "--load-model", "broken", "--exit-on-error", "false", "--strict-readiness", "false",
+                          tmp_dir=tmp_path)
+    try:
+        assert post(f"{server.base_url}/v2/models/slow/infer", slow_request(0.0))[0] == 200
+        status, index = post(f"{server.base_url}/v2/repository/index", {})
+        states = {entry["name"]: entry.get("state") for entry in index}
+        assert states == {"slow": "READY", "broken": "UNAVAILABLE"}
+        assert "failed to load all models: 'broken' did not load" in server.log()
+    finally:
+        assert server.stop() == 0
