@@ -42,6 +42,8 @@ class Step:
     decoupled: bool = False  # the step's model is decoupled: each response feeds downstream on its own
     label: Label = None  # the stream this step runs once per response of (None: once per request)
     optional: frozenset[str] = frozenset()  # model inputs the step's model declares optional
+    batching: bool = False  # the step's model batches (max_batch_size > 0)
+    input_dims: dict[str, tuple[int, ...]] = field(default_factory=dict)  # model input -> its declared dims
 
     @property
     def version(self) -> str:
@@ -65,6 +67,8 @@ class EnsemblePlan:
     label_parent: dict[int, Label] = field(default_factory=dict)  # stream -> the stream it came from
     max_inflight: int = 0  # ``max_inflight_requests``: 0 = no limit per step
     decoupled: bool = False  # some step streams: the ensemble is decoupled
+    batching: bool = False  # the ensemble batches (max_batch_size > 0)
+    output_dims: dict[str, tuple[int, ...]] = field(default_factory=dict)  # ensemble output -> declared shape
 
     def label_of(self, tensors) -> Label:
         """The deepest stream among ``tensors`` (they lie on one chain, as :func:`build_plan` checked)."""
@@ -219,7 +223,8 @@ def build_plan(config: mc.ModelConfig, steps: list[Step], step_configs: dict[int
         _check_mapping(name, step, model, uses)
         planned.append(dataclasses.replace(
             step, decoupled=model.model_transaction_policy.decoupled,
-            optional=frozenset(t.name for t in model.input if t.optional)))
+            optional=frozenset(t.name for t in model.input if t.optional), batching=model.max_batch_size > 0,
+            input_dims={t.name: tuple(t.dims) for t in model.input}))
     return _plan_streams(config, planned)
 
 
@@ -315,4 +320,5 @@ def _plan_streams(config: mc.ModelConfig, ordered: list[Step]) -> EnsemblePlan:
         name=name, steps=all_steps, inputs=tuple(t.name for t in config.input), outputs=outputs,
         consumers={k: tuple(v) for k, v in consumers.items()}, labels=labels, label_parent=parents,
         max_inflight=config.ensemble_scheduling.max_inflight_requests,
-        decoupled=any(s.decoupled for s in all_steps))
+        decoupled=any(s.decoupled for s in all_steps), batching=config.max_batch_size > 0,
+        output_dims={t.name: tuple(t.reshape.shape if t.HasField("reshape") else t.dims) for t in config.output})

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -33,6 +34,7 @@ from tideserve.backend_api import (
     ServerError,
     Status,
     Tensor,
+    conform_shape,
 )
 
 from .plan import Label, Step
@@ -41,6 +43,9 @@ if TYPE_CHECKING:
     from tideserve.backend_api import InferStream
 
     from .scheduler import EnsembleScheduler
+
+
+log = logging.getLogger(__name__)
 
 
 class _Absent:
@@ -56,14 +61,15 @@ ABSENT: Any = _Absent()
 class Context:
     """Tensors of one stream position: the root (the request), or one response of a decoupled step."""
 
-    __slots__ = ("children", "emitted", "end_marker", "fired", "label", "parameters", "parent", "sequence",
-                 "tensors")
+    __slots__ = ("batches", "children", "emitted", "end_marker", "fired", "label", "parameters", "parent",
+                 "sequence", "tensors")
 
     def __init__(self, label: Label, parent: Context | None, sequence: dict | None = None,
                  end_marker: bool = False) -> None:
         self.label = label
         self.parent = parent
         self.tensors: dict[str, Tensor | _Absent] = {}
+        self.batches: dict[str, int] = {}  # tensor -> the batch it was made in (0: by no batch), as Triton keeps it
         self.parameters: dict[str, Any] = {}  # of the step responses whose tensors are here
         self.children: list[Context] = []
         self.fired: set[int] = set()  # steps already run (or skipped) here
@@ -79,6 +85,15 @@ class Context:
                 return value
             context = context.parent
         return None
+
+    def batch_of(self, tensor: str) -> int:
+        context = self
+        while context is not None:
+            batch = context.batches.get(tensor)
+            if batch is not None:
+                return batch
+            context = context.parent
+        return 0
 
     def within(self, label: Label):
         """This context and its descendants of stream ``label``."""
@@ -133,7 +148,7 @@ class EnsembleRun:
         if self.closed:  # it was cancelled already
             return
         tensors = {name: request.inputs.get(name, ABSENT) for name in self.plan.inputs}
-        self._add(self.root, tensors, {})
+        self._add(self.root, tensors, {}, request.batch_size if self.plan.batching else 0)
         self._flush()
 
     def abort(self, error: ServerError) -> None:
@@ -157,8 +172,9 @@ class EnsembleRun:
     def _fail(self, step: Step, error: ServerError) -> None:
         if self.closed:
             return
-        message = (f"in ensemble '{self.plan.name}', {step.describe()} failed: {error.message}")
-        self.abort(ServerError(message, error.status))
+        log.debug("ensemble '%s': %s failed: %s", self.plan.name, step.describe(), error.message)
+        # Triton's words: the ensemble's name, then the step's own message
+        self.abort(ServerError(f"in ensemble '{self.plan.name}', {error.message}", error.status))
 
     def _flush(self) -> None:
         """Send what the last event produced; finish when no step request is left."""
@@ -184,9 +200,11 @@ class EnsembleRun:
             self.scheduler.finished(self, ok=True)
 
     # -- data flow -------------------------------------------------------------------------------
-    def _add(self, context: Context, tensors: dict[str, Any], parameters: dict[str, Any]) -> None:
-        """Put ``tensors`` in ``context``, run the steps that became ready, collect the response."""
+    def _add(self, context: Context, tensors: dict[str, Any], parameters: dict[str, Any], batch: int = 0) -> None:
+        """Put ``tensors`` (made in a batch of ``batch``) in ``context``, run the steps that became ready,
+        collect the response."""
         context.tensors.update(tensors)
+        context.batches.update(dict.fromkeys(tensors, batch))
         context.parameters.update(parameters)
         ready = sorted({i for name in tensors for i in self.plan.consumers.get(name, ())})
         for index in ready:
@@ -211,7 +229,8 @@ class EnsembleRun:
                         self._add(context, dict.fromkeys(step.outputs.values(), ABSENT), {})
                     return
                 continue  # omitted: optional, or the model will say it is missing (as in Triton)
-            inputs[model_input] = Tensor(model_input, value.datatype, value.shape, value.data)
+            inputs[model_input] = _conformed(model_input, value, step.input_dims.get(model_input, ()), step.batching,
+                                             context.batch_of(tensor))
         context.fired.add(step.index)
         self._submit(step, context, inputs)
 
@@ -225,7 +244,9 @@ class EnsembleRun:
                 return
             values[name] = value
         context.emitted = True
-        outputs = [Tensor(name, t.datatype, t.shape, t.data, dict(t.parameters))
+        plan = self.plan
+        outputs = [_conformed(name, t, plan.output_dims.get(name, ()), plan.batching, context.batch_of(name),
+                              dict(t.parameters))
                    for name, t in values.items() if t is not ABSENT]
         if outputs:
             self.outbox.append(InferenceResponse(outputs=outputs, parameters=context.merged_parameters()))
@@ -315,13 +336,14 @@ class EnsembleRun:
             self._fail(step, response.error)
             return
         tensors = {tensor: ABSENT for tensor in step.outputs.values()}
+        batch = request.batch_size if step.batching else 0
         if not response.empty:
             for model_output, tensor in step.outputs.items():
                 found = response.output(model_output)
                 if found is not None:
                     tensors[tensor] = Tensor(tensor, found.datatype, found.shape, found.data, found.parameters)
         if not step.decoupled:
-            self._add(context, tensors, response.parameters)
+            self._add(context, tensors, response.parameters, batch)
             return
         if response.empty and sent == 0:
             return  # the stream ended without a response: no sequence was started downstream
@@ -329,4 +351,15 @@ class EnsembleRun:
                     "sequence_end": response.final}
         child = Context(step.index, context, sequence, end_marker=response.empty)
         context.children.append(child)
-        self._add(child, tensors, response.parameters)
+        self._add(child, tensors, response.parameters, batch)
+
+
+def _conformed(name: str, value: Tensor, dims: tuple[int, ...], batching: bool, batch: int,
+               parameters: dict | None = None) -> Tensor:
+    """``value`` as tensor ``name``, shaped for a model that declares it ``dims`` (Triton's rule: a tensor
+    made without a batch gains one for a batching model, a batch of 1 loses it for a model that does not batch)."""
+    shape = conform_shape(tuple(value.shape), dims, batching, batch)
+    data = value.data
+    if shape != tuple(value.shape) and data is not None:
+        data = data.reshape(shape)
+    return Tensor(name, value.datatype, shape, data, {} if parameters is None else parameters)

@@ -50,7 +50,8 @@ Schedulers
 Helpers
     Datatype conversion (:func:`numpy_dtype`, :func:`datatype_of`, :func:`config_to_datatype`,
     :func:`datatype_to_config`), the config as Triton's JSON (:func:`config_to_dict`,
-    :func:`config_to_json`) and :mod:`model_paths` (paths a model config names).
+    :func:`config_to_json`), :mod:`model_paths` (paths a model config names) and :func:`conform_shape`
+    (Triton's rule for the shape a tensor takes when it passes from one model to another).
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ from .runtime import InstanceSlot, ModelRuntime
 from .schedulers import DirectScheduler, DynamicBatcher, PassThroughScheduler, Scheduler
 from .schedulers.base import drop_cancelled
 from .types import CancellationToken, InferenceRequest, InferenceResponse, RequestedOutput, Tensor
+from .validation import conform_shape
 
 __all__ = [
     # types and errors
@@ -106,5 +108,5 @@ __all__ = [
     "drop_cancelled",
     # helpers
     "numpy_dtype", "datatype_of", "config_to_datatype", "datatype_to_config", "config_to_dict", "config_to_json",
-    "model_paths",
+    "model_paths", "conform_shape",
 ]

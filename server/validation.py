@@ -32,6 +32,25 @@ def _shape_matches(shape: tuple[int, ...], dims: tuple[int, ...]) -> bool:
     return len(shape) == len(dims) and all(d == -1 or d == s for s, d in zip(shape, dims))
 
 
+def conform_shape(shape: tuple[int, ...], dims: tuple[int, ...], batching: bool, batch_size: int) -> tuple[int, ...]:
+    """The shape a tensor takes when it is handed to an input (or output) declared ``dims`` of a model that
+    batches (``batching``) or not; ``batch_size`` is the batch the tensor was made in (0: by a model that does
+    not batch).
+
+    Triton's rule for tensors passed between models, used by the ensemble scheduler and by the OpenAI frontend
+    (which makes each prompt's tensors as a batch of one): a tensor made without a batch dimension that matches
+    ``dims`` gains a batch dimension of 1 for a batching model; a tensor of a batch of 1 that does not match
+    ``dims`` loses its batch dimension for a model that does not batch. Anything else keeps its shape, and the
+    request's validation judges it."""
+    shape = tuple(shape)
+    if batching and batch_size == 0:
+        if _shape_matches(shape, tuple(dims)):
+            return (1, *shape)
+    elif not batching and batch_size == 1 and shape and not _shape_matches(shape, tuple(dims)):
+        return shape[1:]
+    return shape
+
+
 class RequestValidator:
     """Validates requests for one model; built once per loaded model version."""
 

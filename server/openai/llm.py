@@ -42,6 +42,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from ..datatypes import config_to_datatype, numpy_dtype
 from ..errors import InvalidArgument, NotFound, ServerError, Unavailable
 from ..types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
+from ..validation import conform_shape
 from . import chat_template
 from .errors import BadRequest, ModelNotFound, OpenAIError
 
@@ -84,6 +85,7 @@ class LLMModel:
     reasoning_parser: str | None = None  # a name in tideserve.reasoning_parsers.REASONING_PARSERS
     base: str | None = None  # set when ``name`` is a LoRA adapter: the model that serves it (vLLM's parent)
     max_model_len: int | None = None  # the context length, where the config or the model files say it
+    input_dims: dict[str, tuple[int, ...]] = field(default_factory=dict)  # input name -> its declared dims
 
     @property
     def sampling_json(self) -> bool:
@@ -175,9 +177,7 @@ class LLMModel:
     def _bytes(self, name: str, *values: bytes) -> Tensor:
         data = np.empty(len(values), dtype=np.object_)
         data[:] = values
-        if self.batched:
-            data = data.reshape(1, -1)
-        return Tensor(name, "BYTES", data.shape, data)
+        return self._shaped(name, "BYTES", data)
 
     def _array(self, name: str, values) -> Tensor:
         datatype = self.input_types[name]
@@ -185,8 +185,16 @@ class LLMModel:
             data = np.asarray(values, dtype=numpy_dtype(datatype))
         except (OverflowError, ValueError, TypeError) as exc:
             raise BadRequest(f"a value does not fit input '{name}' ({datatype}) of model '{self.name}': {exc}")
-        if self.batched:
-            data = data.reshape(1, -1)
+        return self._shaped(name, datatype, data)
+
+    def _shaped(self, name: str, datatype: str, values: np.ndarray) -> Tensor:
+        """``values`` as a batch of one ([1, n]) shaped to the input's declared dims by the rule tensors follow
+        from model to model: [n] for a model that does not batch and declares [n] or [-1] (a vLLM model), [1, n]
+        for a batching model or one that declares [1, n] (TensorRT-LLM style, Triton's ``mock_llm``)."""
+        data = values.reshape(1, -1)
+        shape = conform_shape(data.shape, self.input_dims.get(name, ()), self.batched, 1)
+        if shape != data.shape:
+            data = data.reshape(shape)
         return Tensor(name, datatype, data.shape, data)
 
     # -- tokens ---------------------------------------------------------------------------
@@ -264,7 +272,7 @@ def describe(runtime, lookup, parsers: OutputParsers | None = None) -> LLMModel 
     return LLMModel(runtime.name, config.backend, config.max_batch_size > 0, _sampling_backend(runtime, lookup),
                     input_types, frozenset(outputs), template, directory,
                     max_model_len=_context_length(runtime, directory), tool_call_parser=tool_call_parser,
-                    reasoning_parser=reasoning_parser)
+                    reasoning_parser=reasoning_parser, input_dims={t.name: tuple(t.dims) for t in config.input})
 
 
 def _context_length(runtime, directory: Path | None) -> int | None:

@@ -105,6 +105,9 @@ class TritonPythonModel:
     def run_add_int(self, requests):
         return [reply(tensor("OUT", read(r, "IN0") + read(r, "IN1"), np.int32)) for r in requests]
 
+    def run_nop(self, requests):
+        return [reply(pb_utils.Tensor("OUT", read(r, "IN"))) for r in requests]
+
     def run_identity(self, requests):
         return [reply(tensor("OUT", read(r, "IN"), np.float32)) for r in requests]
 
@@ -202,10 +205,11 @@ def tensors(items) -> str:
     return "[ " + ", ".join(parts) + " ]"
 
 
-def write_model(repo: Path, name: str, kind: str, inputs, outputs, *, decoupled=False, count=1, **params) -> None:
+def write_model(repo: Path, name: str, kind: str, inputs, outputs, *, decoupled=False, count=1, max_batch_size=0,
+                **params) -> None:
     (repo / name / "1").mkdir(parents=True)
     (repo / name / "1" / "model.py").write_text(MODEL_PY)
-    text = f'backend: "python"\nmax_batch_size: 0\ninput {tensors(inputs)}\noutput {tensors(outputs)}\n'
+    text = f'backend: "python"\nmax_batch_size: {max_batch_size}\ninput {tensors(inputs)}\noutput {tensors(outputs)}\n'
     text += f"instance_group [ {{ kind: KIND_CPU count: {count} }} ]\n"
     if decoupled:
         text += "model_transaction_policy { decoupled: true }\n"
@@ -259,6 +263,8 @@ def build_repository(repo: Path, markers: Path) -> None:
     write_model(repo, "slow_bias", "double", [("IN", I32, "1")], [("OUT", I32, "1")], delay_s=0.3)
     for name in ("hold", "hold_b"):
         write_model(repo, name, "hold", [("IN", I32, "1")], [("OUT", I32, "1")], marker_dir=markers)
+    # Triton's nop_TYPE_INT32_-1: a batching model between steps that do not batch
+    write_model(repo, "nop_batch", "nop", [("IN", I32, "-1")], [("OUT", I32, "-1")], max_batch_size=1024)
 
     write_ensemble(repo, "chain", *VEC, [("scale", {"IN": "IN"}, {"OUT": "a"}),
                                          ("offset", {"IN": "a"}, {"OUT": "b"}),
@@ -294,6 +300,12 @@ def build_repository(repo: Path, markers: Path) -> None:
                    [("stream_final", {"IN": "IN"}, {"OUT": "x", "T": "T"}),
                     ("fan", {"IN": "x"}, {"OUT": "y"}),
                     ("accumulate", {"IN": "y"}, STATE_MAP)])
+    # [1] from a step (or request) without a batch into a batching model ([1, 1]), and its [1, 1] back into
+    # models and ensemble outputs declared [1]
+    write_ensemble(repo, "batch_bridge", [("IN", I32, "1")], [("OUT", I32, "1"), ("COPY", I32, "1")],
+                   [("nop_batch", {"IN": "IN"}, {"OUT": "x"}),
+                    ("add_int", {"IN0": "x", "IN1": "IN"}, {"OUT": "OUT"}),
+                    ("nop_batch", {"IN": "OUT"}, {"OUT": "COPY"})])
     write_ensemble(repo, "failing", *VEC, [("scale", {"IN": "IN"}, {"OUT": "a"}),
                                            ("fail", {"IN": "a"}, {"OUT": "OUT"})])
     write_ensemble(repo, "cancel_pipe", [("IN", I32, "1")], [("OUT", I32, "1"), ("OUT_B", I32, "1")],
@@ -619,16 +631,26 @@ def test_max_inflight_requests_bounds_requests_in_flight_at_a_step(server):
     assert peaks == {"limited": 2, "unlimited": 4}
 
 
-def test_a_failing_step_fails_the_request_naming_the_step(client, server):
+def test_a_step_that_does_not_batch_feeds_one_that_does(client, server):
+    """Triton's shape rule between steps: [1] gains a batch dimension for a batching model ([1, 1]), a batch of
+    one loses it for a model (or ensemble output) that does not batch; over HTTP and gRPC."""
+    result = infer(client, "batch_bridge", IN=np.array([21], np.int32))
+    assert result.as_numpy("OUT").tolist() == [42] and result.as_numpy("COPY").tolist() == [42]
+    with grpcclient.InferenceServerClient(server.grpc_url) as grpc:
+        result = grpc.infer("batch_bridge", _grpc_inputs(IN=np.array([5], np.int32)))
+    assert result.as_numpy("OUT").tolist() == [10] and result.as_numpy("COPY").tolist() == [10]
+
+
+def test_a_failing_step_fails_the_request_in_tritons_words(client, server):
     with pytest.raises(InferenceServerException) as info:
         infer(client, "failing", IN=np.ones(2, np.float32))
     message = str(info.value)
-    assert "in ensemble 'failing', step 1 (model 'fail') failed:" in message
-    assert "intentional step failure" in message
+    assert message.startswith("[500] in ensemble 'failing', ")  # Triton's words: the ensemble, then the error
+    assert "intentional step failure" in message and "step 1" not in message
     stream = StreamCollector(server.grpc_url)  # over a stream too, as an error response
     try:
         stream.send("failing", "f", IN=np.ones(2, np.float32))
-        with pytest.raises(InferenceServerException, match="step 1 \\(model 'fail'\\) failed"):
+        with pytest.raises(InferenceServerException, match="in ensemble 'failing', .*intentional step failure"):
             stream.collect()
     finally:
         stream.close()

@@ -251,10 +251,13 @@ def test_api_key_flag_and_environment(monkeypatch):
 def _repository(root: Path) -> Path:
     repository = root / "models"
     chat = f'parameters {{ key: "chat_template" value {{ string_value: {json.dumps(TEMPLATE)} }} }}\n'
-    for name, extra in (("words", ""), ("words_chat", chat)):
+    for name, extra in (("words", ""), ("words_chat", chat), ("words_2d", chat)):
         (repository / name / "1").mkdir(parents=True)
         shutil.copy(TOY / "words.py", repository / name / "1" / "model.py")
-        (repository / name / "config.pbtxt").write_text(f'name: "{name}"\n' + (TOY / "words.pbtxt").read_text() + extra)
+        config = (TOY / "words.pbtxt").read_text()
+        if name == "words_2d":  # max_batch_size 0 with [1, 1] inputs, as Triton's mock_llm and tool_stream_py
+            config = config.replace("dims: [ 1 ]", "dims: [ 1, 1 ]").replace("dims: [ -1 ]", "dims: [ 1, -1 ]")
+        (repository / name / "config.pbtxt").write_text(f'name: "{name}"\n' + config + extra)
     shutil.copytree(TEST_MODELS / "add_sub", repository / "add_sub")
     return repository
 
@@ -290,7 +293,7 @@ def _sse(server, path: str, body: dict) -> list[str]:
 
 
 def test_models_lists_only_text_models(client):
-    assert sorted(m.id for m in client.models.list().data) == ["words", "words_chat"]
+    assert sorted(m.id for m in client.models.list().data) == ["words", "words_2d", "words_chat"]
     model = client.models.retrieve("words")
     assert (model.id, model.object, model.owned_by) == ("words", "model", "tideserve")
     for name in ("nope", "add_sub"):
@@ -308,6 +311,32 @@ def test_completion_through_a_generic_text_model(client):
     assert result.object == "text_completion" and result.id.startswith("cmpl-") and result.model == "words"
     assert [(c.index, c.text, c.finish_reason) for c in result.choices] == [(0, "w0 w1 w2 w3", "stop")]
     assert result.usage.total_tokens == result.usage.prompt_tokens + result.usage.completion_tokens
+
+
+def test_inputs_take_the_shape_the_model_declares(client):
+    """A model that does not batch and declares [1, 1] inputs (Triton's mock_llm) gets [1, 1] tensors; one that
+    declares [1] gets [1] (the same rule as between an ensemble's steps)."""
+    for model in ("words_2d", "words_chat"):
+        result = client.completions.create(model=model, prompt="hi", max_tokens=3)
+        assert result.choices[0].text == "w0 w1 w2", model
+        chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=2)
+        assert chat.choices[0].message.content == "w0 w1", model
+        chunks = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=3, stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "w0 w1 w2", model
+
+
+def test_the_shape_rule_between_models():
+    from tideserve.validation import conform_shape
+
+    assert conform_shape((1, 1), (1, 1), False, 1) == (1, 1)      # mock_llm: as declared
+    assert conform_shape((1, 1), (1,), False, 1) == (1,)          # a vLLM model: the batch of one goes
+    assert conform_shape((1, 3), (-1,), False, 1) == (3,)
+    assert conform_shape((1, 3), (-1,), True, 1) == (1, 3)        # a batching model keeps it
+    assert conform_shape((1,), (-1,), True, 0) == (1, 1)          # made without a batch: gains one
+    assert conform_shape((2, 1), (1,), False, 2) == (2, 1)        # a batch of 2 stays (validation judges it)
+    assert conform_shape((4,), (2, 2), True, 0) == (4,)           # no match: left for validation
 
 
 def test_completion_stream_and_usage_chunk(client, toy_server):
@@ -670,3 +699,84 @@ def test_configured_limits_name_the_field(limits_server):
     ]:
         response = httpx.post(url + path, json=body, timeout=30)
         assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
+# -- model management: POST /v1/models/{model}/load and /unload (Triton's python/openai test_model_management) ---
+ADMIN = {"admin-key": "admin-secret"}
+
+
+@pytest.fixture(scope="module")
+def explicit_server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("openai_explicit")
+    server = start_server([_repository(tmp)], "--model-control-mode", "explicit",
+                          "--http-restricted-api", "model-repository:admin-key=admin-secret", tmp_dir=tmp)
+    yield server
+    server.stop()
+
+
+def _manage(server, name: str, action: str, headers=ADMIN) -> httpx.Response:
+    return httpx.post(f"{server.base_url}/v1/models/{name}/{action}", headers=headers, timeout=60)
+
+
+def _listed(server) -> list[str]:
+    return sorted(m["id"] for m in httpx.get(f"{server.base_url}/v1/models", headers=ADMIN).json()["data"])
+
+
+def test_load_and_unload_a_model(explicit_server):
+    server = explicit_server
+    assert _listed(server) == []
+    answer = _manage(server, "words", "load")
+    assert answer.status_code == 200
+    card = answer.json()
+    assert (card["id"], card["object"], card["owned_by"]) == ("words", "model", "tideserve") and card["created"] > 0
+    assert _listed(server) == ["words"]
+    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0) as client:
+        assert client.completions.create(model="words", prompt="hi", max_tokens=2).choices[0].text
+    again = _manage(server, "words", "load")
+    assert again.status_code == 400 and again.json()["error"]["message"] == "Model 'words' is already loaded"
+    answer = _manage(server, "words", "unload")
+    assert answer.status_code == 200 and answer.json() == {"status": "success", "model": "words"}
+    assert _listed(server) == []
+    assert httpx.get(f"{server.base_url}/v1/models/words", headers=ADMIN).status_code == 404
+    again = _manage(server, "words", "unload")
+    assert again.status_code == 400 and again.json()["error"]["message"] == "Unknown model: words"
+
+
+def test_model_management_is_in_the_model_repository_group(explicit_server):
+    for action in ("load", "unload"):
+        answer = _manage(explicit_server, "words", action, headers={})
+        assert answer.status_code == 403 and "model-repository" in answer.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path, status, says", [
+    ("nope/load", 404, "Failed to load model 'nope': failed to load 'nope', failed to poll from model repository"),
+    ("nope/unload", 400, "Unknown model: nope"),
+    ("../load", 400, "Failed to load model '..': invalid model name"),
+    ("%20%20/load", 400, "Invalid model name"),
+    ("%0A%09/unload", 400, "Invalid model name"),
+    ("words/subdir/load", 404, "does not exist"),
+    ("/etc/passwd/unload", 404, "does not exist"),
+    ("/load", 404, "does not exist"),
+])
+def test_model_management_refuses_bad_names(explicit_server, path, status, says):
+    answer = httpx.post(f"{explicit_server.base_url}/v1/models/{path}", headers=ADMIN, timeout=30)
+    assert answer.status_code == status
+    assert says in answer.json()["error"]["message"]
+
+
+def test_concurrent_loads_load_once(explicit_server):
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        codes = sorted(pool.map(lambda _: _manage(explicit_server, "words_chat", "load").status_code, range(5)))
+    assert codes == [200, 400, 400, 400, 400]
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        codes = sorted(pool.map(lambda _: _manage(explicit_server, "words_chat", "unload").status_code, range(5)))
+    assert codes == [200, 400, 400, 400, 400]
+
+
+def test_model_management_needs_explicit_mode(toy_server):
+    for action in ("load", "unload"):
+        answer = httpx.post(f"{toy_server.base_url}/v1/models/words/{action}", timeout=30)
+        assert answer.status_code == 400
+        assert answer.json()["error"]["message"] == "Model load/unload requires --model-control-mode=explicit"
