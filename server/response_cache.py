@@ -5,11 +5,12 @@ has ``response_cache { enable: true }``. A request's key hashes, as Triton's doe
 and each input (sorted by name) with its bytes; here it also takes each input's datatype and shape, the
 requested output names and the request parameters, so that two requests share an answer only when the model
 would see the same thing. The hash is BLAKE2b of 128 bits (Triton's is 64). Entries are the responses'
-outputs, evicted least recently used first; a response larger than the whole cache is not stored.
+outputs, evicted least recently used first; a response larger than the whole cache is not stored (an ERROR
+log line says so, in Triton's words: ``Failed to insert key [...] into response cache: ...``).
 
 The DataPlane looks a request up before it is scheduled and stores the final response of a request that
 succeeded. Decoupled models and models with a sequence batcher never use it (their config is refused, as
-Triton refuses it).
+Triton refuses it; an ensemble with a decoupled step is decoupled, so it is refused too).
 """
 
 from __future__ import annotations
@@ -140,9 +141,9 @@ class ResponseCache:
             outputs.append(Tensor(tensor.name, tensor.datatype, tuple(tensor.shape), data,
                                   dict(tensor.parameters) if tensor.parameters else {}))
         size = _size(outputs)
-        if size > self.size:
-            log.debug("response cache: failed to insert key: the response (%d bytes) exceeds the cache size %d",
-                      size, self.size)
+        if size > self.size:  # logged as Triton logs it (the local cache's own words after the key)
+            log.error("Failed to insert key [%s] into response cache: Requested byte_size: %d is greater than total "
+                      "cache size: %d", key.hex(), size, self.size)
             return False
         old = self._entries.pop(key, None)
         if old is not None:

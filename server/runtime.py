@@ -113,6 +113,7 @@ class ModelRuntime:
         response_cache.check_config(self.config)
         self.validator = RequestValidator(self.config)
         await call_hook(self.model.initialize)
+        response_cache.check_config(self.config)  # again: initialize may make it decoupled (an ensemble's step)
         contexts = self._instance_contexts()
         instances = await asyncio.gather(*(self._make_instance(c) for c in contexts), return_exceptions=True)
         self.slots = [i for i in instances if isinstance(i, InstanceSlot)]

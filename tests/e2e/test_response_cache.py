@@ -9,6 +9,7 @@ run. Checked: identical requests hit (inputs, datatypes, shapes and requested ou
 
 from __future__ import annotations
 
+import re
 import textwrap
 
 import numpy as np
@@ -57,6 +58,19 @@ response_cache { enable: true }
 """
 
 
+# Triton's ensemble_cache_composing_decoupled: the cache is enabled on an ensemble whose step is decoupled
+ENSEMBLE = """\
+name: "ensemble_cache_composing_decoupled"
+platform: "ensemble"
+max_batch_size: 0
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 1 ] } ]
+ensemble_scheduling { step [ { model_name: "decoupled_step" model_version: -1
+  input_map { key: "INPUT0" value: "INPUT0" } output_map { key: "OUTPUT0" value: "OUTPUT0" } } ] }
+response_cache { enable: true }
+"""
+
+
 def _write(repo, name, config):
     (repo / name / "1").mkdir(parents=True)
     (repo / name / "config.pbtxt").write_text(config)
@@ -70,6 +84,10 @@ def server(tmp_path_factory):
     _write(repo, "cached", COUNTER.format(name="cached", extra="response_cache { enable: true }"))
     _write(repo, "uncached", COUNTER.format(name="uncached", extra=""))
     _write(repo, "decoupled_cache", DECOUPLED)
+    _write(repo, "decoupled_step", DECOUPLED.replace("decoupled_cache", "decoupled_step").replace(
+        "response_cache { enable: true }", ""))
+    (repo / "ensemble_cache_composing_decoupled" / "1").mkdir(parents=True)
+    (repo / "ensemble_cache_composing_decoupled" / "config.pbtxt").write_text(ENSEMBLE)
     # 4 KiB: a 1000-float answer (4 KiB) does not fit, a few small ones do
     running = start_server([repo], "--cache-config", "local,size=4096", "--model-control-mode", "explicit",
                            "--load-model", "cached", "--load-model", "uncached", tmp_dir=tmp)
@@ -139,10 +157,13 @@ def test_models_without_enable_are_never_cached(client):
     assert (hits, misses) == (0, 0)
 
 
-def test_least_recently_used_entries_go_first(client):
+def test_least_recently_used_entries_go_first(client, server):
     tag = {"http": 100, "grpc": 200}[client.protocol]
     big = _infer(client, "cached", np.full(1000, tag, dtype=np.float32))  # larger than the whole cache
     assert _runs(_infer(client, "cached", np.full(1000, tag, dtype=np.float32))) == _runs(big) + 1
+    # logged as Triton logs it (qa/L0_response_cache greps "Failed to insert key")
+    assert re.search(r"Failed to insert key \[[0-9a-f]+\] into response cache: Requested byte_size: \d+ is greater "
+                     r"than total cache size: 4096", server.log())
     first = _runs(_infer(client, "cached", [tag, 1]))
     for i in range(40):  # ~150 bytes each: pushes [tag, 1] out of 4 KiB
         _infer(client, "cached", [tag, 2, i])
@@ -171,6 +192,16 @@ def test_decoupled_model_with_a_cache_is_refused_at_load(client):
     with pytest.raises(InferenceServerException, match=message) as info:
         client.load_model("decoupled_cache")
     assert info.value.status() in ("400", "StatusCode.INVALID_ARGUMENT")
+
+
+def test_ensemble_with_a_decoupled_step_and_a_cache_is_refused_at_load(client):
+    """The ensemble is decoupled because its step is; Triton refuses the cache on it with the same message."""
+    message = ("Response Cache does not currently support model ensemble_cache_composing_decoupled with "
+               "'decoupled' transaction policy. Please disable the response cache.")
+    with pytest.raises(InferenceServerException) as info:
+        client.load_model("ensemble_cache_composing_decoupled")
+    assert message in str(info.value)
+    assert not client.is_model_ready("ensemble_cache_composing_decoupled")
 
 
 def test_cache_config_flags_are_checked(tmp_path):
