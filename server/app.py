@@ -25,6 +25,7 @@ from .openai.limits import OpenAILimits
 from .openai.llm import OutputParsers
 from .repository import ControlMode, ModelRepository
 from .schedulers.rate_limiter import RateLimiter, ResourceLimit
+from .serving import ServingInterface
 from .stats import Metrics
 from .tracing import TraceConfig, Tracer
 
@@ -102,12 +103,13 @@ class _EmbeddedUvicorn(uvicorn.Server):
 
 
 class Frontends:
-    """The HTTP and gRPC ports over a DataPlane: the core's own, or a frontend worker's RemoteDataPlane.
+    """The HTTP and gRPC ports over the serving interface: the core's DataPlane, or a frontend worker's
+    RemoteDataPlane.
 
     ``http_socket``: a listening socket to serve instead of binding ``--http-port`` (frontend workers share
     the one the core made); ``grpc_shared``: bind the gRPC port with SO_REUSEPORT beside other workers."""
 
-    def __init__(self, dataplane, options: ServerOptions, access: AccessPolicy) -> None:
+    def __init__(self, dataplane: ServingInterface, options: ServerOptions, access: AccessPolicy) -> None:
         self.dataplane = dataplane
         self.options = options
         self.access = access
@@ -177,9 +179,8 @@ class Server:
         if options.rate_limit:
             self.repository.rate_limiter = RateLimiter(options.rate_limit_resources)
         self.dataplane = DataPlane(self.repository, self.metrics, strict_readiness=options.strict_readiness,
-                                   cache_size=options.response_cache_size)
-        self.dataplane.lora_runtime_updates = options.enable_lora_runtime_updates
-        self.dataplane.tracer = Tracer(options.trace_config)
+                                   cache_size=options.response_cache_size, tracer=Tracer(options.trace_config),
+                                   lora_runtime_updates=options.enable_lora_runtime_updates)
         # backends reach other models through these handles, never through the DataPlane itself
         self.repository.handles = self.dataplane.server_handles()
         self.access = AccessPolicy(options.http_restricted_apis, options.grpc_restricted_protocols,

@@ -20,6 +20,7 @@ from .repository import ModelRepository
 from .response_cache import ResponseCache, request_key
 from .responses import ResponseSender, ResponseStream
 from .runtime import ModelRuntime, ModelState
+from .serving import ServingInterface
 from .shared_memory import REGION, SharedMemoryRegistry, cuda_unsupported
 from .stats import Metrics
 from .tracing import Tracer
@@ -170,18 +171,24 @@ class _Control:
         return self._dataplane.model_ready(name, version)
 
 
-class DataPlane:
+class DataPlane(ServingInterface):
+    """The serving interface in the core process, over the repository's models; also what the server wires
+    (the handles models get, aborting every request at shutdown, the tracer)."""
+
     def __init__(self, repository: ModelRepository, metrics: Metrics, *, strict_readiness: bool = True,
-                 cache_size: int | None = None) -> None:
+                 cache_size: int | None = None, tracer: Tracer | None = None,
+                 lora_runtime_updates: bool = False) -> None:
         self.repository = repository
         self.metrics = metrics
         self.strict_readiness = strict_readiness
-        self.accepting = True  # false once shutdown begins
+        self._accepting = True  # false once shutdown begins
         self.active: set[InferenceStream] = set()
         # the response cache (--cache-config local,size=N), for models whose config enables it
         self.cache = ResponseCache(cache_size) if cache_size else None
         self.shared_memory = SharedMemoryRegistry()  # system shared memory regions clients registered
-        self.tracer = Tracer()  # --trace-config; the server replaces it with one of its flags
+        self.tracer = tracer or Tracer()  # --trace-config
+        # --enable-lora-runtime-updates: adapters may be loaded from disk (inside the allowed roots) at run time
+        self.lora_runtime_updates = lora_runtime_updates
 
     def server_handles(self) -> ServerHandles:
         """What the repository hands the models it builds: calls into this DataPlane (``infer``, model
@@ -189,6 +196,14 @@ class DataPlane:
         return ServerHandles(infer=_Infer(self), models=self.repository.model_config, control=_Control(self))
 
     # -- health and metadata -------------------------------------------------------------
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
+
+    @accepting.setter
+    def accepting(self, value: bool) -> None:
+        self._accepting = value
+
     def live(self) -> bool:
         return True
 
@@ -229,7 +244,7 @@ class DataPlane:
     def model_config(self, name: str, version: str = "") -> mc.ModelConfig:
         return self.repository.get(name, version).config
 
-    def model_statistics(self, name: str = "", version: str = "") -> list[dict]:
+    async def statistics(self, name: str = "", version: str = "") -> list[dict]:
         if not name:
             runtimes = [r for r in self.repository.runtimes()]
         elif version:
@@ -241,17 +256,11 @@ class DataPlane:
             runtimes = list(entry.versions.values())
         return [r.stats.as_dict() for r in runtimes]
 
-    async def statistics(self, name: str = "", version: str = "") -> list[dict]:
-        """:meth:`model_statistics` for frontends (in a frontend worker, a call to the core)."""
-        return self.model_statistics(name, version)
-
     # -- repository ----------------------------------------------------------------------
     def repository_index(self, ready_only: bool = False) -> list[dict]:
         return self.repository.index(ready_only)
 
     async def index(self, ready_only: bool = False) -> list[dict]:
-        """:meth:`repository_index` for the repository APIs (in a frontend worker, a call to the core: the
-        index as it is now, not as last pushed)."""
         return self.repository.index(ready_only)
 
     async def load_model(self, name: str, config_json: str | None = None) -> None:
@@ -294,9 +303,6 @@ class DataPlane:
         return self.tracer.settings(model_name)
 
     # -- LoRA adapters (vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter) -------------
-    # --enable-lora-runtime-updates: adapters may be loaded from disk (inside the allowed roots) at run time
-    lora_runtime_updates: bool = False
-
     def lora_adapters(self) -> list[dict[str, str]]:
         """The LoRA adapters of the ready models: ``{"name", "path", "model"}`` (``model``: the base model)."""
         return [{**adapter, "model": runtime.name}

@@ -1,6 +1,6 @@
 """The KServe v2 / Triton ``inference.GRPCInferenceService`` and the standard gRPC health service.
 
-Everything goes through the DataPlane; this module only translates messages and maps
+Everything goes through the serving interface (tideserve.serving); this module only translates messages and maps
 ServerError statuses onto gRPC status codes: every handler is wrapped in :func:`abort_on_error`, which
 ends a call that raised with the error's status (as MLServer's ``handle_mlserver_error``).
 """
@@ -22,7 +22,7 @@ from tritonclient.grpc import service_pb2_grpc
 
 from ..access import AccessPolicy
 from ..classification import read_labels
-from ..dataplane import DataPlane, InferenceStream
+from ..serving import ResponseStream, ServingInterface
 from ..errors import InvalidArgument, ServerError, Unsupported
 from ..limits import TensorLimits
 from ..types import InferenceRequest, InferenceResponse
@@ -91,7 +91,7 @@ def _header(context, key: str) -> str | None:
 class _Classifier:
     """Resolves what the classification extension needs from a model's config."""
 
-    def __init__(self, dataplane: DataPlane) -> None:
+    def __init__(self, dataplane: ServingInterface) -> None:
         self.dataplane = dataplane
         # loaded model version -> output name -> its labels (read once, forgotten on unload)
         self._labels: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -135,7 +135,7 @@ class _Stream:
     def __init__(self, grpc_errors: bool, traceparent: str | None = None) -> None:
         self.traceparent = traceparent  # the call's W3C traceparent metadata: every request's trace parent
         self.outbox: asyncio.Queue = asyncio.Queue()
-        self.streams: set[InferenceStream] = set()
+        self.streams: set[ResponseStream] = set()
         self.tasks: set[asyncio.Task] = set()
         self.grpc_errors = grpc_errors  # "triton_grpc_error: true": the first error ends the call
         self.reading = True
@@ -176,7 +176,7 @@ def _error_response(request_id: str, exc: BaseException, request: InferenceReque
 
 
 class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, dataplane: DataPlane, tensor_limits: TensorLimits | None = None) -> None:
+    def __init__(self, dataplane: ServingInterface, tensor_limits: TensorLimits | None = None) -> None:
         self.dataplane = dataplane
         self.tensor_limits = tensor_limits or TensorLimits()
         self.classifier = _Classifier(dataplane)
@@ -327,7 +327,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         task.add_done_callback(state.task_done)
         return True
 
-    async def _pump(self, stream: InferenceStream, options: StreamOptions, counts, state: _Stream) -> None:
+    async def _pump(self, stream: ResponseStream, options: StreamOptions, counts, state: _Stream) -> None:
         """Queue every response of one request of the stream as it comes."""
         request = stream.request
         put = state.put
@@ -470,7 +470,7 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
     SERVICES = ("", SERVICE_NAME)
     WATCH_INTERVAL_S = 0.5
 
-    def __init__(self, dataplane: DataPlane) -> None:
+    def __init__(self, dataplane: ServingInterface) -> None:
         self.dataplane = dataplane
 
     def _status(self, service: str):
@@ -494,7 +494,7 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
             await asyncio.sleep(self.WATCH_INTERVAL_S)
 
 
-async def start_grpc_server(dataplane: DataPlane, host: str, port: int, *,
+async def start_grpc_server(dataplane: ServingInterface, host: str, port: int, *,
                             options: list[tuple[str, Any]] | None = None,
                             access: AccessPolicy | None = None,
                             tensor_limits: TensorLimits | None = None) -> grpc.aio.Server:

@@ -36,6 +36,7 @@ from ..openai import mount as mount_openai
 from ..openai.errors import OpenAIError
 from ..openai.limits import OpenAILimits
 from ..openai.llm import OutputParsers
+from ..serving import ServingInterface
 from . import codec, generate, kserve
 from .body import DEFAULT_MAX_INPUT_SIZE, BodyReader
 from .kserve import INFER_PREFIX, INFER_SUFFIX, JSON, HttpFrontend, error_response, infer_target
@@ -62,7 +63,7 @@ class HttpApp(FastAPI):
         await super().__call__(scope, receive, send)
 
 
-def create_app(dataplane, *, max_input_size: int = DEFAULT_MAX_INPUT_SIZE, max_decompressed_size: int | None = None,
+def create_app(dataplane: ServingInterface, *, max_input_size: int = DEFAULT_MAX_INPUT_SIZE, max_decompressed_size: int | None = None,
                max_json_depth: int = codec.MAX_JSON_DEPTH, tensor_limits: TensorLimits | None = None,
                access: AccessPolicy | None = None, openapi: bool = True,
                openai_limits: OpenAILimits | None = None,

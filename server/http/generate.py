@@ -39,6 +39,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from ..asgi import JSON_HEADER, ClientGone, cancel_on_disconnect, error_body, send_error, send_response
 from ..datatypes import config_to_datatype, element_size, numpy_dtype
 from ..errors import InvalidArgument, ServerError, as_server_error
+from ..serving import ServingInterface
 from ..types import InferenceRequest, InferenceResponse, Tensor
 from . import codec
 from .body import BodyReader
@@ -361,7 +362,7 @@ class _EventStream(EventSourceResponse):
 class GenerateRoute:
     """``/generate`` or ``/generate_stream`` as a plain ASGI app for the router."""
 
-    def __init__(self, dataplane, body: BodyReader, streaming: bool) -> None:
+    def __init__(self, dataplane: ServingInterface, body: BodyReader, streaming: bool) -> None:
         self.dataplane = dataplane
         self.body = body
         self.streaming = streaming

@@ -26,6 +26,7 @@ from ..asgi import JSON_HEADER, ClientGone, cancel_on_disconnect, error_body, se
 from ..classification import classify, read_labels
 from ..errors import InvalidArgument, ServerError, Unsupported, as_server_error
 from ..limits import TensorLimits
+from ..serving import ServingInterface
 from . import codec
 from .body import BodyReader, parse_length
 
@@ -79,7 +80,7 @@ def _compress(payload: bytes, encoding: str) -> bytes:
 class HttpFrontend:
     """The request handling behind the KServe routes; holds the DataPlane and the limits."""
 
-    def __init__(self, dataplane, body: BodyReader | None = None, tensor_limits: TensorLimits | None = None) -> None:
+    def __init__(self, dataplane: ServingInterface, body: BodyReader | None = None, tensor_limits: TensorLimits | None = None) -> None:
         self.dataplane = dataplane
         self.body = body or BodyReader()  # every route reads its body through this
         self.max_input_size = self.body.max_input_size

@@ -23,6 +23,7 @@ from .errors import BadRequest, OpenAIError, from_server_error
 from .limits import OpenAILimits
 
 if TYPE_CHECKING:
+    from ..serving import ServingInterface
     from ..http.body import BodyReader
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ class OpenAIServer:
     """What the handlers share: the DataPlane, the model catalog, the HTTP port's body reader, the request
     limits and the threads that keep blocking work (chat templates, token counts) off the event loop."""
 
-    def __init__(self, dataplane, catalog, body: BodyReader, limits: OpenAILimits | None = None,
+    def __init__(self, dataplane: ServingInterface, catalog, body: BodyReader, limits: OpenAILimits | None = None,
                  embedders=None) -> None:
         self.dataplane = dataplane
         self.catalog = catalog

@@ -29,12 +29,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# DataPlane methods a worker may not call: inference has messages of its own, the rest hand out live objects
-NOT_CALLS = frozenset({"infer", "infer_unary", "collect_unary", "submit", "abort_all", "server_handles", "model"})
-# synchronous DataPlane questions whose answers every snapshot carries (answered in the worker from it)
-VIEWS = ("healthy", "lora_adapters")
-# calls after which the worker gets a snapshot before the answer (they change what snapshots hold)
-QUIET_CALLS = frozenset({"statistics", "model_statistics", "metrics_text", "index", "repository_index"})
 SNAPSHOT_INTERVAL_S = 1.0  # also push the repository's state this often (new model directories, ensembles)
 RESTART_DELAY_S = 0.5
 
@@ -106,12 +100,12 @@ class _Link(p.FramedLink):
                 if entry is not None:  # the stream too: a task cancelled before it ran never reaches its finally
                     entry[0].cancel()
                     entry[1].cancel()
-            elif kind is p.Call:
-                self._call(message)
             elif kind is p.Ready:
                 self.served = True
                 if not self.ready.done():
                     self.ready.set_result(message.pid)
+            else:  # one of the interface's calls (p.Call)
+                asyncio.get_running_loop().create_task(self._run_call(message))
 
     # -- inference ---------------------------------------------------------------------------------------
     def _infer(self, message: p.Infer) -> None:
@@ -151,30 +145,20 @@ class _Link(p.FramedLink):
             self.tasks.pop(rid, None)
             await stream.aclose()
 
-    # -- other calls ---------------------------------------------------------------------------------------
-    def _call(self, message: p.Call) -> None:
-        method = message.method
-        if method.startswith("_") or method in NOT_CALLS or not callable(getattr(self.pool.dataplane, method, None)):
-            self.send(p.Result(message.cid, error=p.Error("INTERNAL", f"unknown call '{message.method}'")))
-            return
-        asyncio.get_running_loop().create_task(self._run_call(message))
-
-    async def _run_call(self, message: p.Call) -> None:
+    # -- the interface's other methods -------------------------------------------------------------
+    async def _run_call(self, message: "p.Call") -> None:
         try:
-            value = getattr(self.pool.dataplane, message.method)(*message.args)
-            if asyncio.iscoroutine(value):
-                value = await value
-            result = p.Result(message.cid, value)
+            result = p.Result(message.cid, await message.run(self.pool.dataplane))
         except Exception as exc:
             if not isinstance(exc, ServerError):
-                log.exception("frontend call '%s' failed", message.method)
+                log.exception("frontend call %s failed", type(message).__name__)
             result = p.Result(message.cid, error=p.error_data(exc))
-        if message.method not in QUIET_CALLS and not message.method.endswith("_status"):
+        if message.changes_repository:
             self.pool.push_all()  # every worker sees the change before the answer
         try:
             self.send(result)
         except Exception as exc:  # a value msgpack cannot carry
-            log.exception("frontend call '%s': the result cannot be sent", message.method)
+            log.exception("frontend call %s: the result cannot be sent", type(message).__name__)
             self.send(p.Result(message.cid, error=p.error_data(exc)))
 
 
@@ -343,15 +327,13 @@ class FrontendWorkers:
         except Exception:  # e.g. the repository directory went away
             log.exception("reading the repository index")
             index = []
-        views = {}
-        for name in VIEWS:
-            method = getattr(dataplane, name, None)
-            if method is not None:
-                try:
-                    views[name] = method()
-                except Exception:
-                    log.exception("DataPlane.%s failed", name)
-        link.send(p.Snapshot(dataplane.accepting, dataplane.ready(), index, lookups, fresh, views))
+        try:
+            lora_adapters = dataplane.lora_adapters()
+        except Exception:
+            log.exception("listing the LoRA adapters")
+            lora_adapters = []
+        link.send(p.Snapshot(dataplane.accepting, dataplane.ready(), dataplane.healthy(), index, lookups, fresh,
+                             lora_adapters))
 
 
 def _names(repository) -> list[str]:

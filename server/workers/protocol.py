@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import struct
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgspec
 import numpy as np
 
 from ..errors import ServerError, Status, as_server_error, error_of_status
 from ..types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
+
+if TYPE_CHECKING:
+    from ..serving import ServingInterface
 
 
 # -- parts ----------------------------------------------------------------------------------------------------
@@ -75,12 +78,135 @@ class Cancel(msgspec.Struct, tag=True, array_like=True):
     rid: int
 
 
-class Call(msgspec.Struct, tag=True, array_like=True):
-    """A DataPlane method that is not inference (statistics, repository control...)."""
-
+# The serving interface's methods that the core answers (tideserve.serving.ServingInterface), one message
+# each; ``run`` makes the call on the core's side, a Result answers it. ``changes_repository``: the workers get
+# a fresh snapshot before the answer (what snapshots hold may have changed).
+class _Call(msgspec.Struct, array_like=True):
     cid: int
-    method: str
-    args: list[Any]
+    changes_repository: ClassVar[bool] = False
+
+    async def run(self, plane: "ServingInterface") -> Any:
+        raise NotImplementedError
+
+
+class Statistics(_Call, tag=True):
+    name: str
+    version: str
+
+    async def run(self, plane):
+        return await plane.statistics(self.name, self.version)
+
+
+class MetricsText(_Call, tag=True):
+    async def run(self, plane):
+        return await plane.metrics_text()
+
+
+class Index(_Call, tag=True):
+    ready_only: bool
+
+    async def run(self, plane):
+        return await plane.index(self.ready_only)
+
+
+class LoadModel(_Call, tag=True):
+    name: str
+    config_json: str | None
+    changes_repository: ClassVar[bool] = True
+
+    async def run(self, plane):
+        return await plane.load_model(self.name, self.config_json)
+
+
+class UnloadModel(_Call, tag=True):
+    name: str
+    unload_dependents: bool
+    changes_repository: ClassVar[bool] = True
+
+    async def run(self, plane):
+        return await plane.unload_model(self.name, self.unload_dependents)
+
+
+class RegisterSystemSharedMemory(_Call, tag=True):
+    name: str
+    key: str
+    offset: int
+    byte_size: int
+
+    async def run(self, plane):
+        return await plane.register_system_shared_memory(self.name, self.key, self.offset, self.byte_size)
+
+
+class UnregisterSystemSharedMemory(_Call, tag=True):
+    name: str
+
+    async def run(self, plane):
+        return await plane.unregister_system_shared_memory(self.name)
+
+
+class SystemSharedMemoryStatus(_Call, tag=True):
+    name: str
+
+    async def run(self, plane):
+        return await plane.system_shared_memory_status(self.name)
+
+
+class RegisterCudaSharedMemory(_Call, tag=True):
+    name: str
+    raw_handle: bytes
+    device_id: int
+    byte_size: int
+
+    async def run(self, plane):
+        return await plane.register_cuda_shared_memory(self.name, self.raw_handle, self.device_id, self.byte_size)
+
+
+class UnregisterCudaSharedMemory(_Call, tag=True):
+    name: str
+
+    async def run(self, plane):
+        return await plane.unregister_cuda_shared_memory(self.name)
+
+
+class CudaSharedMemoryStatus(_Call, tag=True):
+    name: str
+
+    async def run(self, plane):
+        return await plane.cuda_shared_memory_status(self.name)
+
+
+class TraceSetting(_Call, tag=True):
+    model_name: str
+    updates: dict[str, Any] | None
+
+    async def run(self, plane):
+        return await plane.trace_setting(self.model_name, self.updates)
+
+
+class LoadLoraAdapter(_Call, tag=True):
+    lora_name: str
+    lora_path: str
+    load_inplace: bool
+    base_model_name: str
+    changes_repository: ClassVar[bool] = True
+
+    async def run(self, plane):
+        return await plane.load_lora_adapter(self.lora_name, self.lora_path, self.load_inplace,
+                                             self.base_model_name)
+
+
+class UnloadLoraAdapter(_Call, tag=True):
+    lora_name: str
+    changes_repository: ClassVar[bool] = True
+
+    async def run(self, plane):
+        return await plane.unload_lora_adapter(self.lora_name)
+
+
+Call = (Statistics | MetricsText | Index | LoadModel | UnloadModel | RegisterSystemSharedMemory
+        | UnregisterSystemSharedMemory | SystemSharedMemoryStatus | RegisterCudaSharedMemory
+        | UnregisterCudaSharedMemory | CudaSharedMemoryStatus | TraceSetting | LoadLoraAdapter | UnloadLoraAdapter)
+CALLS: tuple[type[_Call], ...] = Call.__args__  # every call message, for the conformance test
 
 
 class Ready(msgspec.Struct, tag=True, array_like=True):
@@ -106,6 +232,8 @@ class Respond(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
 
 
 class Result(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
+    """The answer to a call message (its ``cid``): the value returned, or the error raised."""
+
     cid: int
     value: Any = None
     error: Error | None = None
@@ -131,17 +259,18 @@ class Snapshot(msgspec.Struct, tag=True, array_like=True):
 
     accepting: bool
     ready: bool
+    healthy: bool
     index: list[dict[str, Any]]
     lookups: dict[str, dict[str, int | Error]]
     runtimes: list[RuntimeInfo]  # those the worker has not been sent yet
-    views: dict[str, Any]  # the results of the DataPlane's other synchronous questions (pool.VIEWS)
+    lora_adapters: list[dict[str, str]]
 
 
 class Stop(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
-ToCore = Infer | Cancel | Call | Ready
+ToCore = Infer | Cancel | Ready | Call
 ToWorker = Start | Respond | Result | Snapshot | Stop
 
 # -- framing --------------------------------------------------------------------------------------------------

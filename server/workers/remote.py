@@ -17,6 +17,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from ..backend import ModelContext
 from ..dataplane import model_metadata, server_metadata
 from ..errors import InvalidArgument, NotFound, ServerError, Unavailable
+from ..serving import ServingInterface
 from ..types import InferenceRequest, InferenceResponse
 from . import protocol as p
 
@@ -169,19 +170,21 @@ class CoreLink(p.FramedLink):
     def next_id(self) -> int:
         return next(self._ids)
 
-    async def call(self, method: str, *args) -> Any:
-        cid = self.next_id()
+    async def call(self, message: "p.Call") -> Any:
+        """Send one of the interface's call messages; its Result's value (or its error, raised)."""
+        message.cid = cid = self.next_id()
         future = asyncio.get_running_loop().create_future()
         self.calls[cid] = future
         try:
-            self.send(p.Call(cid, method, list(args)))
+            self.send(message)
             return await future
         finally:
             self.calls.pop(cid, None)
 
 
-class RemoteDataPlane:
-    """What the frontends call in a worker process: the DataPlane's methods, served by the core."""
+class RemoteDataPlane(ServingInterface):
+    """The serving interface in a frontend worker process: synchronous questions are answered from the
+    snapshot the core pushes, the rest are messages to the core (one per method, workers/protocol.py)."""
 
     def __init__(self, link: CoreLink) -> None:
         self.link = link
@@ -198,13 +201,10 @@ class RemoteDataPlane:
         return self.accepting and self.link.snapshot.ready
 
     def healthy(self) -> bool:
-        return self.accepting and self.link.snapshot.views.get("healthy", True)
-
-    def lora_adapters(self) -> list[dict[str, str]]:
-        return self.link.snapshot.views.get("lora_adapters", [])
+        return self.accepting and self.link.snapshot.healthy
 
     async def metrics_text(self) -> bytes:
-        return await self.link.call("metrics_text")
+        return await self.link.call(p.MetricsText(0))
 
     def server_metadata(self) -> dict[str, Any]:
         return server_metadata()
@@ -245,7 +245,7 @@ class RemoteDataPlane:
         return self.model(name, version).config
 
     async def statistics(self, name: str = "", version: str = "") -> list[dict]:
-        return await self.link.call("statistics", name, version)
+        return await self.link.call(p.Statistics(0, name, version))
 
     # -- repository ------------------------------------------------------------------------------------------
     def repository_index(self, ready_only: bool = False) -> list[dict]:
@@ -253,13 +253,13 @@ class RemoteDataPlane:
         return [row for row in rows if row.get("state") == "READY"] if ready_only else list(rows)
 
     async def index(self, ready_only: bool = False) -> list[dict]:
-        return await self.link.call("index", ready_only)
+        return await self.link.call(p.Index(0, ready_only))
 
     async def load_model(self, name: str, config_json: str | None = None) -> None:
-        await self.link.call("load_model", name, config_json)
+        await self.link.call(p.LoadModel(0, name, config_json))
 
     async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
-        await self.link.call("unload_model", name, unload_dependents)
+        await self.link.call(p.UnloadModel(0, name, unload_dependents))
 
     # -- inference ---------------------------------------------------------------------------------------------
     def infer(self, request: InferenceRequest) -> RemoteInferenceStream:
@@ -280,9 +280,6 @@ class RemoteDataPlane:
             raise
         return stream
 
-    async def submit(self, request: InferenceRequest) -> RemoteInferenceStream:
-        return self.infer(request)
-
     async def infer_unary(self, request: InferenceRequest) -> InferenceResponse:
         if not self.accepting:
             raise Unavailable("the server is shutting down and accepts no new requests")
@@ -296,15 +293,40 @@ class RemoteDataPlane:
             raise response.error
         return response
 
-    def __getattr__(self, name: str):
-        """DataPlane methods this class does not know are calls to the core (async)."""
-        if name.startswith("_"):
-            raise AttributeError(name)
+    # -- shared memory -----------------------------------------------------------------------------------------
+    async def register_system_shared_memory(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        await self.link.call(p.RegisterSystemSharedMemory(0, name, key, offset, byte_size))
 
-        async def call(*args):
-            return await self.link.call(name, *args)
+    async def unregister_system_shared_memory(self, name: str = "") -> None:
+        await self.link.call(p.UnregisterSystemSharedMemory(0, name))
 
-        return call
+    async def system_shared_memory_status(self, name: str = "") -> list[dict]:
+        return await self.link.call(p.SystemSharedMemoryStatus(0, name))
+
+    async def register_cuda_shared_memory(self, name: str, raw_handle: bytes, device_id: int,
+                                          byte_size: int) -> None:
+        await self.link.call(p.RegisterCudaSharedMemory(0, name, raw_handle, device_id, byte_size))
+
+    async def unregister_cuda_shared_memory(self, name: str = "") -> None:
+        await self.link.call(p.UnregisterCudaSharedMemory(0, name))
+
+    async def cuda_shared_memory_status(self, name: str = "") -> list[dict]:
+        return await self.link.call(p.CudaSharedMemoryStatus(0, name))
+
+    # -- trace settings ------------------------------------------------------------------------------------------
+    async def trace_setting(self, model_name: str = "", updates: dict | None = None) -> dict[str, Any]:
+        return await self.link.call(p.TraceSetting(0, model_name, updates))
+
+    # -- LoRA adapters -------------------------------------------------------------------------------------------
+    def lora_adapters(self) -> list[dict[str, str]]:
+        return self.link.snapshot.lora_adapters
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, load_inplace: bool = False,
+                                base_model_name: str = "") -> str:
+        return await self.link.call(p.LoadLoraAdapter(0, lora_name, lora_path, load_inplace, base_model_name))
+
+    async def unload_lora_adapter(self, lora_name: str) -> str:
+        return await self.link.call(p.UnloadLoraAdapter(0, lora_name))
 
 
 __all__ = ["CoreLink", "RemoteDataPlane", "RemoteInferenceStream", "RemoteRuntime"]

@@ -46,7 +46,7 @@ async def test_batches_fill_up_and_outputs_split_back(tmp_path, start_core):
         out = response.output("OUTPUT0").data
         assert out.shape == (1, 4)
         np.testing.assert_array_equal(out, np.full((1, 4), float(i)) + np.arange(4))
-    stats = dataplane.model_statistics("m")[0]
+    stats = (await dataplane.statistics("m"))[0]
     assert stats["inference_count"] == 11 and stats["execution_count"] == 3
     assert {b["batch_size"] for b in stats["batch_stats"]} == {1, 8, 2}
 
@@ -213,7 +213,7 @@ async def test_cancelled_while_queued_is_never_executed(tmp_path, start_core):
     await first
     await asyncio.sleep(0.05)
     assert BATCHES["m"] == [[0]]
-    stats = dataplane.model_statistics("m")[0]
+    stats = (await dataplane.statistics("m"))[0]
     assert stats["inference_stats"]["fail"]["count"] == 1
 
 
@@ -226,4 +226,4 @@ async def test_failing_execute_answers_the_batch_and_keeps_serving(tmp_path, sta
         assert response.error is not None and "boom" in response.error.message
     (ok,) = await collect(dataplane, sum_request("good", 1))
     assert ok.error is None
-    assert dataplane.model_statistics("bad")[0]["inference_stats"]["fail"]["count"] == 5
+    assert (await dataplane.statistics("bad"))[0]["inference_stats"]["fail"]["count"] == 5
