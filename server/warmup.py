@@ -7,12 +7,15 @@ strings, read from ``<model>/warmup/``); its ``dims`` exclude the batch dimensio
 model and must all be fixed. An input that is not a model input (a sequence control, a state) is
 passed to the model as given (with the batch dimension of a batching model). Samples are checked
 against the config like client requests, and a sample that is malformed, fails validation or gets
-an error from the model fails the load, naming the sample.
+an error from the model fails the load, naming the sample. Logged as Triton logs it (at ``--log-verbose 1``):
+"model 'M' instance I is running warmup sample 'S' for iteration N" before each run, and a failure is
+"failed to run warmup sample 'S': <error>; ..." (each response's error followed by "; ").
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from pathlib import Path
 
@@ -23,6 +26,8 @@ from .datatypes import config_to_datatype, element_size, from_raw, numpy_dtype
 from .errors import InvalidArgument, ServerError
 from .responses import ResponseSender
 from .types import InferenceRequest, InferenceResponse, Tensor
+
+log = logging.getLogger(__name__)
 
 WARMUP_FOLDER = "warmup"  # <model>/warmup/<input_data_file>, as Triton reads it
 
@@ -105,8 +110,11 @@ async def run_warmup(runtime) -> None:
     samples = build_samples(config, ctx.model_path, ctx.check_file)
     originals = {t.name for t in config.input}
     for slot in runtime.slots:
+        instance = slot.instance.ctx.name
         for name, runs, inputs in samples:
-            for _ in range(runs):
+            for iteration in range(1, runs + 1):
+                log.debug("model '%s' instance %s is running warmup sample '%s' for iteration %d", runtime.name,
+                          instance, name, iteration)
                 await _run_sample(runtime, slot, name, inputs, originals)
 
 
@@ -127,9 +135,11 @@ async def _run_sample(runtime, slot, name: str, inputs: list[dict], originals: s
         requests.append(request)
         finals.append(done)
     await runtime.execute(slot, requests, record=False)
-    for response in await asyncio.gather(*finals):
-        if response.error is not None:
-            raise InvalidArgument(f"{where} failed: {response.error}")
+    errors = [response.error for response in await asyncio.gather(*finals) if response.error is not None]
+    if errors:
+        log.debug("model '%s' instance %s failed to run warmup sample '%s'", runtime.name, slot.instance.ctx.name,
+                  name)
+        raise InvalidArgument(f"failed to run warmup sample '{name}': " + "".join(f"{e}; " for e in errors).rstrip())
 
 
 class _Collector:

@@ -76,7 +76,7 @@ def server(tmp_path_factory):
     (model / "warmup" / "short").write_bytes(np.ones(2, dtype=np.int32).tobytes())
     (model / "warmup" / "sevens").write_bytes(np.full(3, 7, dtype=np.int32).tobytes())
     running = start_server([root], "--model-control-mode", "explicit", "--load-model", "counting",
-                           tmp_dir=tmp_path_factory.mktemp("warmup_logs"))
+                           "--log-verbose", "1", tmp_dir=tmp_path_factory.mktemp("warmup_logs"))
     yield running
     running.stop()
 
@@ -93,6 +93,17 @@ def test_samples_run_before_ready(server):
     assert seen(server.http_url) == [12, 6, 6]
     statistics = httpclient.InferenceServerClient(server.http_url).get_inference_statistics("counting")
     assert statistics["model_stats"][0]["inference_count"] == 1  # warmup is not counted
+
+
+def test_each_run_is_logged_as_triton_logs_it(server):
+    """qa/L0_warmup greps the server log for these lines (at --log-verbose 1)."""
+    log = server.log()
+    for iteration in (1, 2, 3):
+        assert f"model 'counting' instance counting_0_0 is running warmup sample 'zeros' for iteration {iteration}" \
+            in log
+    assert "is running warmup sample 'file' for iteration 1" in log
+    assert "warmup sample 'skipped'" not in log  # batch_size 0
+    assert "failed to run warmup" not in log
 
 
 def test_every_instance_is_warmed(server):
@@ -135,6 +146,10 @@ def test_bad_sample_fails_the_load(server, case):
         client.load_model("counting", config=to_json(parse_text(config(warmup))))
     assert reason in caught.value.message() and "warmup sample 'bad'" in caught.value.message()
     assert caught.value.status() == "StatusCode.INVALID_ARGUMENT"
+    if case == "model fails":  # Triton's words, in the answer and in the log
+        assert "failed to run warmup sample 'bad': " in caught.value.message()
+        assert caught.value.message().endswith("sevens are not allowed;")
+        assert "failed to run warmup sample 'bad': " in server.log()
     with pytest.raises(InferenceServerException) as caught:
         http.load_model("counting", config=to_json(parse_text(config(warmup))))
     assert reason in caught.value.message() and caught.value.status() == "400"
