@@ -27,11 +27,31 @@ def concat_inputs(requests: list[InferenceRequest], ragged: frozenset[str] = fro
         return {name: (t.data.reshape(-1) if name in ragged else t.data) for name, t in first.inputs.items()}
     merged = {}
     for name in first.inputs:
-        parts = [r.inputs[name].data for r in requests]
+        parts = [_part(r, name) for r in requests]
         if name in ragged:
             parts = [p.reshape(-1) for p in parts]
+        else:
+            _check_batchable(name, parts)
         merged[name] = np.concatenate(parts, axis=0)
     return merged
+
+
+def _part(request: InferenceRequest, name: str) -> np.ndarray:
+    tensor = request.inputs.get(name)
+    if tensor is None:
+        raise InternalError(f"input '{name}' is missing from a request of the batch; requests with different "
+                            "inputs cannot be batched")
+    return tensor.data
+
+
+def _check_batchable(name: str, parts: list[np.ndarray]) -> None:
+    """Rows of one input batch only when every request's shape past the batch dimension and dtype agree."""
+    first = parts[0]
+    for part in parts[1:]:
+        if part.shape[1:] != first.shape[1:] or part.dtype != first.dtype:
+            raise InternalError(
+                f"input '{name}' of the requests in a batch has shapes {list(first.shape)} and {list(part.shape)}; "
+                "requests of different shapes cannot be batched unless the input sets allow_ragged_batch")
 
 
 def batch_inputs(config: mc.ModelConfig, requests: list[InferenceRequest]) -> dict[str, np.ndarray]:

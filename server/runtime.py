@@ -233,8 +233,10 @@ class ModelRuntime:
             for request in requests:
                 if request.trace is not None:
                     request.trace.compute_done(end)
-        if record:
-            stats.record_execution(sum(r.batch_size for r in requests), len(requests), 0, end - start, 0)
+        if record:  # rows never queued (a sequence batch's padding) are in the batch size, not inferences
+            queued = [r for r in requests if r.queue_start_ns]
+            stats.record_execution(sum(r.batch_size for r in requests), len(queued), 0, end - start, 0,
+                                   sum(r.batch_size for r in queued))
         if error is not None:
             for request in requests:
                 request.response_sender.send_error(error)

@@ -95,9 +95,11 @@ class ModelStats:
         self.queue.add(ns)
 
     def record_execution(self, batch_size: int, requests: int, input_ns: int, infer_ns: int,
-                         output_ns: int) -> None:
+                         output_ns: int, inferences: int | None = None) -> None:
+        """One model execution of ``batch_size`` rows; ``inferences``: the rows that are not padding
+        (a direct sequence batch's empty slots count in the batch size only, as Triton counts them)."""
         self.execution_count += 1
-        self.inference_count += batch_size
+        self.inference_count += batch_size if inferences is None else inferences
         # Per request, as Triton counts them: every request of the batch spent the batch's time.
         self.compute_input.add(input_ns * requests, requests)
         self.compute_infer.add(infer_ns * requests, requests)

@@ -3,16 +3,35 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
+import os
+import re
+import threading
+from functools import partial
 from typing import TYPE_CHECKING
 
 from ..errors import Cancelled
-from ..types import InferenceRequest
+from ..types import InferenceRequest, InferenceResponse
 
 if TYPE_CHECKING:
     from ..runtime import InstanceSlot, ModelRuntime
 
 log = logging.getLogger(__name__)
+
+# Triton's scheduler test hooks: a batcher starts only once this many requests are queued (its first batch
+# then holds exactly what the test sent), and the sequence batcher also waits for this many backlogged requests.
+DELAY_SCHEDULER_ENV = "TRITONSERVER_DELAY_SCHEDULER"
+BACKLOG_DELAY_SCHEDULER_ENV = "TRITONSERVER_BACKLOG_DELAY_SCHEDULER"
+
+
+def held_until(variable: str) -> int:
+    """The request count a test hook asks a batcher to wait for (0: none), read as Triton reads it (atoi)."""
+    match = re.match(r"\s*([+-]?\d+)", os.environ.get(variable, ""))
+    count = max(int(match.group(1)), 0) if match else 0
+    if count:
+        log.info("%s: delaying the scheduler until %d requests are queued", variable, count)
+    return count
 
 
 class Scheduler:
@@ -71,3 +90,34 @@ def drop_cancelled(request: InferenceRequest) -> bool:
         request.response_sender.send_error(Cancelled("request was cancelled before it ran"))
         return True
     return False
+
+
+class OrderGate:
+    """``preserve_ordering``: hold each request's responses until every earlier request is done."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: collections.deque[list] = collections.deque()  # [buffer, done, sink]
+
+    def admit(self, requests: list[InferenceRequest]) -> None:
+        with self._lock:
+            for request in requests:
+                sender = request.response_sender
+                entry = [[], False, sender._sink]
+                sender._sink = partial(self._on_response, entry)
+                self._entries.append(entry)
+
+    def _on_response(self, entry: list, response: InferenceResponse) -> None:
+        with self._lock:
+            entry[0].append(response)
+            if response.final:
+                entry[1] = True
+            while self._entries:
+                head = self._entries[0]
+                buffer, done, sink = head
+                for item in buffer:
+                    sink(item)
+                buffer.clear()
+                if not done:
+                    break
+                self._entries.popleft()

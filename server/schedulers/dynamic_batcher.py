@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import threading
 import time
 from dataclasses import dataclass
-from functools import partial
 
 from tritonclient.grpc import model_config_pb2 as mc
 
 from ..errors import QueueFull, Unavailable
-from ..types import InferenceRequest, InferenceResponse
-from .base import Scheduler, drop_cancelled
+from ..types import InferenceRequest
+from .base import DELAY_SCHEDULER_ENV, OrderGate, Scheduler, drop_cancelled, held_until
 
 
 @dataclass
@@ -72,7 +70,8 @@ class DynamicBatcher(Scheduler):
         self._has_deadlines = any(level.timeout_us or level.allow_override for level in self.levels.values())
         self._wake = asyncio.Event()
         self._form_lock = asyncio.Lock()
-        self._gate = _OrderGate() if batching.preserve_ordering else None
+        self._gate = OrderGate() if batching.preserve_ordering else None
+        self._hold = held_until(DELAY_SCHEDULER_ENV)  # Triton's test hook: no batch until this many are queued
 
     # -- queueing ------------------------------------------------------------------------
     def enqueue(self, request: InferenceRequest) -> None:
@@ -179,6 +178,12 @@ class DynamicBatcher(Scheduler):
 
     async def next_batch(self) -> list[InferenceRequest]:
         async with self._form_lock:
+            while self._hold:
+                if self.pending() >= self._hold:
+                    self._hold = 0
+                    break
+                self._wake.clear()
+                await self._wake.wait()
             while True:
                 now = time.monotonic_ns()
                 self._expire(now)
@@ -201,34 +206,3 @@ class DynamicBatcher(Scheduler):
                     await asyncio.wait_for(self._wake.wait(), timeout)
                 except asyncio.TimeoutError:
                     pass
-
-
-class _OrderGate:
-    """``preserve_ordering``: hold each request's responses until every earlier request is done."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._entries: collections.deque[list] = collections.deque()  # [buffer, done, sink]
-
-    def admit(self, requests: list[InferenceRequest]) -> None:
-        with self._lock:
-            for request in requests:
-                sender = request.response_sender
-                entry = [[], False, sender._sink]
-                sender._sink = partial(self._on_response, entry)
-                self._entries.append(entry)
-
-    def _on_response(self, entry: list, response: InferenceResponse) -> None:
-        with self._lock:
-            entry[0].append(response)
-            if response.final:
-                entry[1] = True
-            while self._entries:
-                head = self._entries[0]
-                buffer, done, sink = head
-                for item in buffer:
-                    sink(item)
-                buffer.clear()
-                if not done:
-                    break
-                self._entries.popleft()

@@ -7,15 +7,24 @@ strategy ``max_candidate_sequences`` when set. A START request takes the lowest 
 waits in the backlog until one frees); later requests of the sequence go to its slot; the slot
 frees once the END request has run, or when the sequence has been idle for
 ``max_sequence_idle_microseconds`` (default 1 s), after which a request without START for that id
-is refused, as is a first request without START.
+is refused, as is a first request without START. A backlogged sequence whose requests carry a timeout
+is rejected as a whole once the earliest of them expires ("timeout of the corresponding sequence has
+been expired"); a sequence holding a slot is never timed out.
 
-* ``direct``: a batch holds at most one request per slot, at the slot's row; the rows of slots with
-  nothing to run are padded with a copy of a ready request whose READY (and START / END) controls
-  are false. With ``max_queue_delay_microseconds`` and ``minimum_slot_utilization`` it waits for a
-  fuller batch, up to the delay.
+* ``direct``: a batch has one row per slot up to the highest slot with a ready request; a slot runs
+  its next request at its row when that request (and its implicit state) has the shapes of the lowest
+  ready slot's request, except for inputs with ``allow_ragged_batch``. Every other row is padding: a
+  copy of that lowest request whose READY (and START / END) controls are false; padding rows count in
+  the batch size of the batch statistics but are not inferences. With ``max_queue_delay_microseconds``
+  and ``minimum_slot_utilization`` it waits for a fuller batch, up to the delay.
 * ``oldest``: the oldest ready request of each candidate sequence, up to ``max_batch_size`` of them
   (batched as the dynamic batcher does: ``preferred_batch_size``, ``max_queue_delay_microseconds``);
-  no padding.
+  no padding. With ``preserve_ordering`` each instance answers its requests in the order they reached
+  its slots.
+
+Triton's test hooks ``TRITONSERVER_DELAY_SCHEDULER`` and ``TRITONSERVER_BACKLOG_DELAY_SCHEDULER``
+hold each instance's first batch until that many requests are queued in the slots of all instances
+(``oldest``: sequences ready on the instance) and in the backlog.
 
 Implicit state (``state`` entries): before a request runs, its ``input_name`` tensor is the
 ``output_name`` tensor the model produced for the previous request of the sequence (the initial
@@ -36,18 +45,19 @@ from ..datatypes import numpy_dtype
 from ..errors import Cancelled, InvalidArgument, Unavailable
 from ..responses import ResponseSender
 from ..types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
-from .base import Scheduler
+from .base import BACKLOG_DELAY_SCHEDULER_ENV, DELAY_SCHEDULER_ENV, OrderGate, Scheduler, held_until
 from .sequence_config import read_sequence_config
 
 log = logging.getLogger(__name__)
 
 DEFAULT_IDLE_US = 1_000_000  # Triton's default max_sequence_idle_microseconds
+HOLD_POLL_S = 0.01  # how often a held batcher looks at the queues again (Triton: 10 ms)
 
 
 class _Sequence:
     """One correlation id's requests, its slot and its implicit state."""
 
-    __slots__ = ("corrid", "queue", "batcher", "slot", "last_ns", "state", "running")
+    __slots__ = ("corrid", "queue", "batcher", "slot", "last_ns", "state", "running", "expires_ns")
 
     def __init__(self, corrid: int | str) -> None:
         self.corrid = corrid
@@ -57,16 +67,19 @@ class _Sequence:
         self.last_ns = time.monotonic_ns()
         self.state: dict[str, np.ndarray] | None = None
         self.running = False
+        self.expires_ns = 0  # while backlogged: when the earliest request timeout expires (0: never)
 
 
 class _InstanceBatcher:
     """The sequence slots of one instance and the loop that runs its batches."""
 
-    def __init__(self, index: int, instance_slot, slot_count: int) -> None:
+    def __init__(self, index: int, instance_slot, slot_count: int, preserve_ordering: bool) -> None:
         self.index = index
         self.instance_slot = instance_slot
         self.slots: list[_Sequence | None] = [None] * slot_count
         self.wake = asyncio.Event()
+        self.gate = OrderGate() if preserve_ordering else None
+        self.hold = held_until(DELAY_SCHEDULER_ENV)  # test hook: requests to wait for before the first batch
 
 
 class SequenceBatcher(Scheduler):
@@ -80,8 +93,10 @@ class SequenceBatcher(Scheduler):
         self.max_batch_size = max(1, config.max_batch_size)
         self.oldest = batching.HasField("oldest")
         slots = self.max_batch_size
+        preserve_ordering = False
         if self.oldest:
             strategy = batching.oldest
+            preserve_ordering = strategy.preserve_ordering
             if strategy.max_candidate_sequences > 0:
                 slots = strategy.max_candidate_sequences
             self.delay_ns = strategy.max_queue_delay_microseconds * 1000
@@ -91,7 +106,7 @@ class SequenceBatcher(Scheduler):
             self.delay_ns = batching.direct.max_queue_delay_microseconds * 1000
             self.min_utilization = batching.direct.minimum_slot_utilization
             self.preferred = self.max_batch_size
-        self.batchers = [_InstanceBatcher(i, s, slots) for i, s in enumerate(runtime.slots)]
+        self.batchers = [_InstanceBatcher(i, s, slots, preserve_ordering) for i, s in enumerate(runtime.slots)]
         self._free = [(slot, b.index) for b in self.batchers for slot in range(slots)]
         heapq.heapify(self._free)  # lowest slot first, spreading sequences over the instances
         self.sequences: dict[int | str, _Sequence] = {}
@@ -100,6 +115,8 @@ class SequenceBatcher(Scheduler):
         self._config_outputs = {t.name for t in config.output}
         self._ragged = {t.name for t in config.input if t.allow_ragged_batch}
         self._reaper_wake = asyncio.Event()
+        self._backlog_hold = held_until(BACKLOG_DELAY_SCHEDULER_ENV)
+        self._held_counts: dict[int, int] = {}  # requests each held instance saw queued when it last looked
 
     # -- admission -----------------------------------------------------------------------
     def enqueue(self, request: InferenceRequest) -> None:
@@ -126,11 +143,18 @@ class SequenceBatcher(Scheduler):
             log.warning("sequence %s for model '%s' has a conflict: the previous sequence did not end before this "
                         "sequence start; the previous sequence ends early", corrid, model)
         sequence.queue.append(request)
-        sequence.last_ns = time.monotonic_ns()
+        now = sequence.last_ns = time.monotonic_ns()
         if params.get("sequence_end"):
             del self.sequences[corrid]  # a later request for this id must start a new sequence
         if sequence.batcher is not None:
+            if sequence.batcher.gate is not None:
+                sequence.batcher.gate.admit([request])
             sequence.batcher.wake.set()
+        elif request.timeout_us > 0:  # only a backlogged sequence times out
+            expires = now + request.timeout_us * 1000
+            if not sequence.expires_ns or expires < sequence.expires_ns:
+                sequence.expires_ns = expires
+                self._reaper_wake.set()
 
     def _assign(self, sequence: _Sequence) -> None:
         if not self._free:
@@ -141,6 +165,9 @@ class SequenceBatcher(Scheduler):
         batcher.slots[slot] = sequence
         sequence.batcher, sequence.slot = batcher, slot
         sequence.state = None
+        sequence.expires_ns = 0
+        if batcher.gate is not None and sequence.queue:  # a backlogged sequence's requests reach the instance
+            batcher.gate.admit(list(sequence.queue))
 
     def _release(self, sequence: _Sequence) -> None:
         """Free the sequence's slot for the oldest backlogged sequence, or for a future one."""
@@ -197,6 +224,9 @@ class SequenceBatcher(Scheduler):
     async def _next_batch(self, batcher: _InstanceBatcher) -> list[tuple[_Sequence | None, InferenceRequest]]:
         while True:
             batcher.wake.clear()
+            if batcher.hold and self._held(batcher):
+                await asyncio.sleep(HOLD_POLL_S)
+                continue
             rows, wait_ns = self._form(batcher, time.monotonic_ns())
             if rows:
                 return rows
@@ -207,6 +237,19 @@ class SequenceBatcher(Scheduler):
                 await asyncio.wait_for(batcher.wake.wait(), wait_ns / 1e9)
             except asyncio.TimeoutError:
                 pass
+
+    def _held(self, batcher: _InstanceBatcher) -> bool:
+        """Triton's delay hooks: True while this instance must not run its first batch yet."""
+        if self.oldest:  # the instance's own queue: sequences with a request ready
+            held = sum(1 for s in batcher.slots if s is not None and s.queue) < batcher.hold
+        else:  # requests in the slots of every instance (as each last saw them), then in the backlog
+            self._held_counts[batcher.index] = sum(len(s.queue) for s in batcher.slots if s is not None)
+            held = sum(self._held_counts.values()) < batcher.hold
+            if not held and self._backlog_hold:
+                held = sum(len(s.queue) for s in self._backlog) < self._backlog_hold
+        if not held:
+            batcher.hold = 0
+        return held
 
     def _ready(self, batcher: _InstanceBatcher) -> list[_Sequence]:
         """Sequences of this instance with a request to run (cancelled sequences answered and freed)."""
@@ -232,36 +275,48 @@ class SequenceBatcher(Scheduler):
         if not ready:
             return [], 0
         if self.oldest:
-            ready.sort(key=lambda s: s.queue[0].queue_start_ns)
-        first = ready[0].queue[0]
-        signature = self._signature(first)
-        chosen = [s for s in ready if s is ready[0] or self._signature(s.queue[0]) == signature]
-        if self.oldest:
-            chosen = chosen[:self.max_batch_size]
-            full = len(chosen) >= self.preferred or len(chosen) < len(ready)
-        else:
-            full = self.min_utilization == 0.0 or len(chosen) / self.max_batch_size >= self.min_utilization
+            return self._form_oldest(ready, now)
+        return self._form_direct(ready, now)
+
+    def _form_oldest(self, ready: list[_Sequence], now: int) -> tuple[list, int]:
+        ready.sort(key=lambda s: s.queue[0].queue_start_ns)
+        signature = self._row_signature(ready[0])
+        chosen = [s for s in ready if s is ready[0] or self._row_signature(s) == signature][:self.max_batch_size]
+        full = len(chosen) >= self.preferred or len(chosen) < len(ready)
         if self.delay_ns and not full:
-            oldest = min(s.queue[0].queue_start_ns for s in chosen)
+            oldest = chosen[0].queue[0].queue_start_ns
             if now < oldest + self.delay_ns:
                 return [], oldest + self.delay_ns - now
+        return [(s, self._prepare(s, s.queue.popleft())) for s in chosen], 0
+
+    def _form_direct(self, ready: list[_Sequence], now: int) -> tuple[list, int]:
+        """Rows 0 .. the highest ready slot; slots whose request does not batch with the lowest one's are padded."""
+        underused = self.min_utilization > 0.0 and len(ready) / self.max_batch_size < self.min_utilization
+        if self.delay_ns and underused:
+            oldest = min(s.queue[0].queue_start_ns for s in ready)
+            if now < oldest + self.delay_ns:
+                return [], oldest + self.delay_ns - now
+        signature = self._row_signature(ready[0])  # ready is in slot order
+        chosen = [s for s in ready if s is ready[0] or self._row_signature(s) == signature]
         rows = [(s, self._prepare(s, s.queue.popleft())) for s in chosen]
-        if not self.oldest and self.max_batch_size > 1:
-            rows = self._pad(rows)
-        return rows, 0
-
-    def _signature(self, request: InferenceRequest):
-        return tuple(sorted((name, t.datatype, None if name in self._ragged else tuple(t.shape[1:]))
-                            for name, t in request.inputs.items()))
-
-    def _pad(self, rows: list) -> list:
-        """``direct``: each sequence at its slot's row, empty rows below the last one filled as not ready."""
+        if self.max_batch_size == 1:
+            return rows, 0
         by_slot = {sequence.slot: (sequence, request) for sequence, request in rows}
         template = rows[0][1]
-        padded = []
-        for slot in range(max(by_slot) + 1):
-            padded.append(by_slot.get(slot) or (None, self._null_request(template)))
-        return padded
+        return [by_slot.get(slot) or (None, self._null_request(template)) for slot in range(ready[-1].slot + 1)], 0
+
+    def _row_signature(self, sequence: _Sequence):
+        """What must match for two sequences' next requests to share a batch: datatypes and the shapes of
+        the inputs that do not allow ragged batching, the implicit state's included."""
+        request = sequence.queue[0]
+        signature = [(name, t.datatype, None if name in self._ragged else tuple(t.shape[1:]))
+                     for name, t in request.inputs.items()]
+        if self.states:
+            starting = sequence.state is None or request.parameters.get("sequence_start")
+            for spec in self.states:
+                data = spec.initial if starting else sequence.state[spec.input_name]
+                signature.append((spec.input_name, spec.datatype, tuple(data.shape[1:])))
+        return tuple(sorted(signature))
 
     def _null_request(self, like: InferenceRequest) -> InferenceRequest:
         inputs = dict(like.inputs)
@@ -324,11 +379,27 @@ class SequenceBatcher(Scheduler):
                     self._release(sequence)
                 else:
                     wait_ns = min(wait_ns, left)
+            for sequence in [s for s in self._backlog if s.expires_ns]:
+                left = sequence.expires_ns - now
+                if left <= 0:
+                    self._expire(sequence)
+                else:
+                    wait_ns = min(wait_ns, left)
             try:
                 await asyncio.wait_for(self._reaper_wake.wait(), wait_ns / 1e9)
                 await asyncio.sleep(0.01)  # coalesce the wakes of a burst of requests
             except asyncio.TimeoutError:
                 pass
+
+
+    def _expire(self, sequence: _Sequence) -> None:
+        """A backlogged sequence whose request timeout passed: all its requests are rejected, its id forgotten."""
+        self._backlog.remove(sequence)
+        if self.sequences.get(sequence.corrid) is sequence:
+            del self.sequences[sequence.corrid]
+        error = Unavailable("timeout of the corresponding sequence has been expired")
+        while sequence.queue:
+            sequence.queue.popleft().response_sender.send_error(error)
 
 
 class _StateCapture:
