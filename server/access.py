@@ -82,6 +82,7 @@ METRICS_PATH = "/metrics"
 # /v1/models is model-repository, as Triton's OpenAI frontend files it.
 OPENAI_ROUTE_GROUPS: dict[str, str] = {
     "/v1/models": MODEL_REPOSITORY, "/v1/models/{model:path}": MODEL_REPOSITORY,
+    "/v1/models/{model_name:path}/load": MODEL_REPOSITORY, "/v1/models/{model_name:path}/unload": MODEL_REPOSITORY,
     "/v1/completions": INFERENCE, "/v1/chat/completions": INFERENCE, "/health": HEALTH,
     # LoRA adapters loaded from disk (--enable-lora-runtime-updates): repository changes, as a model load is
     "/v1/load_lora_adapter": MODEL_REPOSITORY, "/v1/unload_lora_adapter": MODEL_REPOSITORY,

@@ -18,6 +18,7 @@ from starlette.routing import Route
 from . import heap
 from .access import AccessPolicy, ApiKeyScope, Restriction, guard_metrics
 from .backend import BackendRegistry
+from .cpu_metrics import CpuMetrics
 from .dataplane import DataPlane
 from .errors import ServerError
 from .limits import TensorLimits
@@ -45,6 +46,8 @@ class ServerOptions:
     allow_http: bool = True
     allow_grpc: bool = True
     allow_metrics: bool = True
+    allow_cpu_metrics: bool = True  # Triton's nv_cpu_utilization / nv_cpu_memory_*_bytes gauges (Linux /proc)
+    metrics_interval_ms: int = 2000  # the CPU gauges are read at most once per interval
     model_control_mode: ControlMode = ControlMode.NONE
     # directories outside the model repositories that model configs may name files in (absolute tokenizer or
     # weight paths); nothing else outside the repositories can be named (server/model_paths.py)
@@ -135,7 +138,8 @@ class Frontends:
                              max_decompressed_size=opts.http_max_decompressed_size,
                              max_json_depth=opts.http_max_json_depth, tensor_limits=tensor_limits,
                              access=self.access, openapi=opts.openapi, openai_limits=opts.openai_limits,
-                             openai_parsers=opts.openai_parsers)
+                             openai_parsers=opts.openai_parsers,
+                             openai_model_control=opts.model_control_mode is ControlMode.EXPLICIT)
             await self.serve_http(app, opts.host, opts.http_port, http_socket)
 
     async def serve_http(self, app, host: str, port: int, sock=None) -> None:
@@ -169,7 +173,8 @@ class Frontends:
 class Server:
     def __init__(self, options: ServerOptions, backends: BackendRegistry | None = None) -> None:
         self.options = options
-        self.metrics = Metrics()
+        cpu = options.allow_metrics and options.allow_cpu_metrics and CpuMetrics.available()
+        self.metrics = Metrics(CpuMetrics(options.metrics_interval_ms / 1000) if cpu else None)
         self.backends = backends or BackendRegistry()
         self.repository = ModelRepository(options.model_repositories, self.backends, self.metrics,
                                           options.model_control_mode, options.load_models,

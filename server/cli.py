@@ -202,6 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-http", type=_bool, default=True)
     p.add_argument("--allow-grpc", type=_bool, default=True)
     p.add_argument("--allow-metrics", type=_bool, default=True)
+    p.add_argument("--allow-cpu-metrics", type=_bool, default=True,
+                   help="Triton's CPU gauges nv_cpu_utilization, nv_cpu_memory_total_bytes and "
+                        "nv_cpu_memory_used_bytes (Linux; default true)")
+    p.add_argument("--metrics-interval-ms", type=_count, default=2000,
+                   help="the CPU gauges are read at most once per this many milliseconds (default 2000)")
     p.add_argument("--model-control-mode", choices=[m.value for m in ControlMode], default="none")
     p.add_argument("--allowed-model-root", dest="allowed_model_roots", action="append", default=[], type=Path,
                    help="a directory outside the model repositories whose files model configurations may name "
@@ -265,7 +270,8 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
     return ServerOptions(
         model_repositories=args.model_repository, host=args.host, http_port=args.http_port,
         grpc_port=args.grpc_port, metrics_port=args.metrics_port, allow_http=args.allow_http,
-        allow_grpc=args.allow_grpc, allow_metrics=args.allow_metrics,
+        allow_grpc=args.allow_grpc, allow_metrics=args.allow_metrics, allow_cpu_metrics=args.allow_cpu_metrics,
+        metrics_interval_ms=args.metrics_interval_ms,
         model_control_mode=ControlMode(args.model_control_mode), load_models=args.load_model,
         exit_on_error=args.exit_on_error,
         allowed_model_roots=args.allowed_model_roots, model_max_instances=args.model_max_instances,

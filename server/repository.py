@@ -459,7 +459,8 @@ class ModelRepository:
         """The runtime serving ``name`` at ``version`` ("" = highest ready version)."""
         entry = self.entries.get(name)
         if entry is None or not entry.versions:
-            if entry is not None and entry.state == ModelState.UNAVAILABLE.value:
+            # a model that failed is unavailable; one unloaded on request is no model (Triton: NOT_FOUND)
+            if entry is not None and entry.state == ModelState.UNAVAILABLE.value and entry.reason != "unloaded":
                 raise Unavailable(f"model '{name}' is not ready: {entry.reason or 'unavailable'}")
             raise NotFound(f"unknown model: '{name}'" if entry is None else f"model '{name}' is not loaded")
         if version:

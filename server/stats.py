@@ -7,11 +7,14 @@ All updates happen on the event loop thread.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import Metric
+
+from .cpu_metrics import CpuMetrics
 
 disable_created_metrics()  # no *_created series: Triton has none, and they double the scrape size
 
@@ -141,8 +144,9 @@ class ModelStats:
 class Metrics:
     """The server's Prometheus registry: Triton's ``nv_inference_*`` families plus histograms."""
 
-    def __init__(self) -> None:
+    def __init__(self, cpu: CpuMetrics | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
+        self.cpu = cpu  # Triton's nv_cpu_* gauges (server/cpu_metrics.py), None when off
         self._models: dict[tuple[str, str], ModelStats] = {}
         self._extensions: dict[str, object] = {}
         self.request_latency = Histogram(
@@ -162,12 +166,13 @@ class Metrics:
         the bare names, so the per-model counters are written here with their own headers.
         """
         lines = []
-        for metric in self._counters.collect():
+        for metric in itertools.chain(self._counters.collect(), self.cpu.collect() if self.cpu else ()):
             lines.append(f"# HELP {metric.name} {metric.documentation}")
             lines.append(f"# TYPE {metric.name} {metric.type}")
             for sample in metric.samples:
                 labels = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(sample.labels.items()))
-                lines.append(f"{sample.name}{{{labels}}} {sample.value}")
+                name = f"{sample.name}{{{labels}}}" if labels else sample.name
+                lines.append(f"{name} {sample.value}")
         return ("\n".join(lines) + "\n").encode() + generate_latest(self.registry)
 
     def model_stats(self, name: str, version: str) -> ModelStats:

@@ -67,7 +67,7 @@ def create_app(dataplane: ServingInterface, *, max_input_size: int = DEFAULT_MAX
                max_json_depth: int = codec.MAX_JSON_DEPTH, tensor_limits: TensorLimits | None = None,
                access: AccessPolicy | None = None, openapi: bool = True,
                openai_limits: OpenAILimits | None = None,
-               openai_parsers: OutputParsers | None = None) -> HttpApp:
+               openai_parsers: OutputParsers | None = None, openai_model_control: bool = False) -> HttpApp:
     """The HTTP app: KServe v2 and Triton's extensions, generate, and the OpenAI routes (``access``: the
     restricted API groups and the API key, see server/access.py; ``openapi``: serve the API's description
     at ``GET /openapi.json``; ``openai_limits``: what one /v1 request may ask for, server/openai/limits.py;
@@ -79,7 +79,7 @@ def create_app(dataplane: ServingInterface, *, max_input_size: int = DEFAULT_MAX
     _answer_errors(app)
     kserve.mount(app, frontend)
     generate.mount(app, dataplane, body)
-    mount_openai(app, dataplane, body, openai_limits, openai_parsers)
+    mount_openai(app, dataplane, body, openai_limits, openai_parsers, model_control=openai_model_control)
     @app.get(METRICS_PATH)
     async def metrics():  # the metrics port's registry, for routers and autoscalers that scrape this port
         return Response(await dataplane.metrics_text(), media_type=CONTENT_TYPE_LATEST)

@@ -25,7 +25,7 @@ from .http import OpenAIRoute, OpenAIServer
 from .limits import OpenAILimits
 from .llm import Catalog, OutputParsers
 from .lora import load_lora_adapter, unload_lora_adapter
-from .models import get_model, list_models
+from .models import get_model, list_models, load_model, unload_model
 from .score import create_rerank, create_score
 from .tokenization import detokenize, tokenize, tokenizer_info
 
@@ -46,14 +46,18 @@ def _health(dataplane):
 
 
 def mount(app, dataplane, body: BodyReader, limits: OpenAILimits | None = None,
-          parsers: OutputParsers | None = None) -> OpenAIServer:
+          parsers: OutputParsers | None = None, model_control: bool = False) -> OpenAIServer:
     """Add the OpenAI routes to ``app`` (a FastAPI / Starlette app); ``body`` is the HTTP port's body
     reader, ``limits`` what one request may ask for (the ``--openai-*`` flags), ``parsers`` the default
-    tool-call and reasoning parsers (``--tool-call-parser``, ``--reasoning-parser``)."""
+    tool-call and reasoning parsers (``--tool-call-parser``, ``--reasoning-parser``); ``model_control``: the
+    server runs ``--model-control-mode explicit``, so ``/v1/models/{model}/load`` and ``/unload`` may act."""
     server = OpenAIServer(dataplane, Catalog(dataplane, parsers), body, limits,
-                          embedders=EmbedderCatalog(dataplane))
+                          embedders=EmbedderCatalog(dataplane), model_control=model_control)
     routes = [
         ("/v1/models", list_models, ["GET"], False),
+        # before the catch-all model route: a name with '/' in it reaches these and is answered 404 there
+        ("/v1/models/{model_name:path}/load", load_model, ["POST"], False),
+        ("/v1/models/{model_name:path}/unload", unload_model, ["POST"], False),
         ("/v1/models/{model:path}", get_model, ["GET"], False),
         ("/v1/completions", create_completion, ["POST"], True),
         ("/v1/chat/completions", create_chat_completion, ["POST"], True),

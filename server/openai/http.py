@@ -61,8 +61,11 @@ class OpenAIServer:
     limits and the threads that keep blocking work (chat templates, token counts) off the event loop."""
 
     def __init__(self, dataplane: ServingInterface, catalog, body: BodyReader, limits: OpenAILimits | None = None,
-                 embedders=None) -> None:
+                 embedders=None, model_control: bool = False) -> None:
         self.dataplane = dataplane
+        # POST /v1/models/{model}/load and /unload: served with --model-control-mode explicit, one at a time
+        self.model_control = model_control
+        self.model_control_lock = asyncio.Lock()
         self.catalog = catalog
         self.embedders = embedders  # the embedding models (embedding.EmbedderCatalog)
         self.body = body  # the reader every route of the port reads its body with (size, decompression, depth)

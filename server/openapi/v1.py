@@ -135,6 +135,14 @@ def _lora(summary: str, properties: dict) -> dict:
             **_errors("503")}}}
 
 
+def _manage(summary: str, answer: dict) -> dict:
+    """Triton's OpenAI model management routes: no body; 400 outside explicit mode, for a model already loaded
+    (load) or not loaded (unload), or a configuration the server refuses."""
+    name = {"name": "model_name", "in": "path", "required": True, "schema": {"type": "string"}}
+    return {"post": {"summary": summary, "tags": ["openai"], "security": AUTH, "parameters": [name],
+                     "responses": {"200": json_body(answer), **_errors("400", "401", "404", "500", "503")}}}
+
+
 def _post(summary: str, request: dict, answer: str) -> dict:
     """A JSON request answered by one JSON object (the embedding, score and tokenizer routes)."""
     return {"post": {
@@ -167,6 +175,12 @@ def paths() -> dict[str, dict]:
                                        "parameters": [model],
                                        "responses": {"200": json_body(ref("Model")), **_errors("401"),
                                                      "404": _not_found}}},
+        "/v1/models/{model_name}/load": _manage("Load a model of the repository (--model-control-mode explicit)",
+                                                ref("Model")),
+        "/v1/models/{model_name}/unload": _manage(
+            "Unload a model (--model-control-mode explicit)",
+            {"type": "object", "required": ["status", "model"],
+             "properties": {"status": {"const": "success"}, "model": {"type": "string"}}}),
         "/v1/completions": _create("Text completion", "CompletionRequest", "Completion", "CompletionChunk"),
         "/v1/chat/completions": _create("Chat completion", "ChatCompletionRequest", "ChatCompletion",
                                         "ChatCompletionChunk"),

@@ -753,15 +753,22 @@ def test_model_management_is_in_the_model_repository_group(explicit_server):
     ("nope/unload", 400, "Unknown model: nope"),
     ("../load", 400, "Failed to load model '..': invalid model name"),
     ("%20%20/load", 400, "Invalid model name"),
-    ("%0A%09/unload", 400, "Invalid model name"),
+    ("%09/unload", 400, "Invalid model name"),  # a line break the router itself refuses (404)
     ("words/subdir/load", 404, "does not exist"),
     ("/etc/passwd/unload", 404, "does not exist"),
     ("/load", 404, "does not exist"),
 ])
 def test_model_management_refuses_bad_names(explicit_server, path, status, says):
-    answer = httpx.post(f"{explicit_server.base_url}/v1/models/{path}", headers=ADMIN, timeout=30)
-    assert answer.status_code == status
-    assert says in answer.json()["error"]["message"]
+    import http.client
+
+    connection = http.client.HTTPConnection("127.0.0.1", explicit_server.http_port, timeout=30)
+    try:  # http.client sends the path as it is ('..' and all), as Triton's test does
+        connection.request("POST", f"/v1/models/{path}", headers=ADMIN)
+        answer = connection.getresponse()
+        assert answer.status == status
+        assert says in json.loads(answer.read())["error"]["message"]
+    finally:
+        connection.close()
 
 
 def test_concurrent_loads_load_once(explicit_server):

@@ -222,3 +222,23 @@ def test_an_invalid_startup_model_fails_the_start_unless_exit_on_error_is_off(tm
         assert "failed to load all models: 'broken' did not load" in server.log()
     finally:
         assert server.stop() == 0
+
+
+# -- Triton's CPU metrics (qa L0_metrics cpu_metrics_test: the same patterns and ranges) ------------------------
+def test_cpu_metrics_on_the_metrics_port(tmp_path):
+    write_slow_model(tmp_path)
+    server = start_server([tmp_path], "--metrics-interval-ms", "100", tmp_dir=tmp_path)
+    try:
+        text = server.metrics()
+        utilization = float(re.search(r"^nv_cpu_utilization (\d+\.?\d*)$", text, re.M).group(1))
+        used = int(re.search(r"^nv_cpu_memory_used_bytes (\d+)$", text, re.M).group(1))
+        total = int(re.search(r"^nv_cpu_memory_total_bytes (\d+)$", text, re.M).group(1))
+        assert 0 <= utilization <= 1.0 and 0 < used <= total
+        assert "# TYPE nv_cpu_utilization gauge" in text
+    finally:
+        assert server.stop() == 0
+    server = start_server([tmp_path], "--allow-cpu-metrics", "false", tmp_dir=tmp_path)
+    try:
+        assert "nv_cpu_" not in server.metrics()
+    finally:
+        assert server.stop() == 0
