@@ -55,11 +55,11 @@ class InferenceStream:
     """The responses of one request. Closing it early cancels the request."""
 
     __slots__ = ("_dataplane", "runtime", "request", "_stream", "_done", "_first", "_cache_key", "_lookup_ns",
-                 "_shm_outputs")
+                 "_shm_outputs", "_shm_held")
 
     def __init__(self, dataplane: "DataPlane", runtime: ModelRuntime, request: InferenceRequest,
                  stream: ResponseStream, cache_key: bytes | None = None, lookup_ns: int = 0,
-                 shm_outputs: dict | None = None) -> None:
+                 shm_outputs: dict | None = None, shm_held: list | None = None) -> None:
         self._dataplane = dataplane
         self.runtime = runtime
         self.request = request
@@ -69,6 +69,7 @@ class InferenceStream:
         self._cache_key = cache_key      # a response cache miss: store the answer under this key
         self._lookup_ns = lookup_ns
         self._shm_outputs = shm_outputs  # outputs to write into shared memory regions
+        self._shm_held = shm_held        # the shared memory regions the request uses, until it is done
 
     def __aiter__(self) -> "InferenceStream":
         return self
@@ -93,6 +94,7 @@ class InferenceStream:
                 self.request.trace.first_response(time.monotonic_ns())
         if response.final:
             self._done = True
+            self._release_regions()
             if self.request.trace is not None:
                 self._dataplane.tracer.finish(self.request.trace, self.request, time.monotonic_ns(), response.outputs)
             self._dataplane.active.discard(self)
@@ -122,12 +124,17 @@ class InferenceStream:
         if self._done:
             return
         self._done = True
+        self._release_regions()
         self._dataplane.active.discard(self)
         self.request.cancellation.cancel()
         self.runtime.request_finished()
         self.runtime.stats.record_failure(time.monotonic_ns() - self.request.arrival_ns, "CANCELED")
         if self.request.trace is not None:
             self._dataplane.tracer.finish(self.request.trace, self.request, time.monotonic_ns())
+
+    def _release_regions(self) -> None:
+        if self._shm_held:
+            self._dataplane.shared_memory.release(self._shm_held)
 
     async def aclose(self) -> None:
         self.cancel()
@@ -377,15 +384,17 @@ class DataPlane(ServingInterface):
             raise Unavailable("the server is shutting down and accepts no new requests")
         runtime = self.repository.get(request.model_name, request.model_version)
         shm_outputs = None
+        shm_held: list = []  # regions the request uses: unregistering them is refused until it is done
         try:
             for tensor in request.inputs.values():
                 if tensor.parameters and REGION in tensor.parameters:
-                    self.shared_memory.resolve_inputs(request)
+                    self.shared_memory.resolve_inputs(request, shm_held)
                     break
             runtime.validator.validate(request)
             if request.outputs:
-                shm_outputs = self.shared_memory.output_targets(request)
+                shm_outputs = self.shared_memory.output_targets(request, shm_held)
         except ServerError:
+            self.shared_memory.release(shm_held)
             runtime.stats.record_failure(time.monotonic_ns() - request.arrival_ns, "OTHER")
             raise
         stream = ResponseStream(asyncio.get_running_loop())
@@ -407,11 +416,12 @@ class DataPlane(ServingInterface):
             try:
                 runtime.enqueue(request)
             except ServerError as exc:
+                self.shared_memory.release(shm_held)
                 runtime.stats.record_failure(time.monotonic_ns() - request.arrival_ns,
                                              _FAILURE_REASON.get(exc.status, "OTHER"))
                 raise
         runtime.request_started()
-        inference = InferenceStream(self, runtime, request, stream, cache_key, lookup_ns, shm_outputs)
+        inference = InferenceStream(self, runtime, request, stream, cache_key, lookup_ns, shm_outputs, shm_held or None)
         self.active.add(inference)
         return inference
 

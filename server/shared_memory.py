@@ -11,6 +11,11 @@ Safety: a key is one POSIX shared-memory name (leading ``/`` and no other), open
 is when registered, and every tensor inside its region. Keys of the Python backend's own shared memory
 (``triton_python_backend_shm_region_``) are refused as Triton refuses them. CUDA shared memory needs a GPU and
 CuPy; without them its endpoints answer that it is not supported on this machine.
+
+In use: a request holds every region it reads an input from or writes an output to (``held``) from the moment
+it is accepted until its final response; unregistering a held region is refused as Triton 2.51 refuses it
+("Cannot unregister shared memory region 'r', it is currently in use."; unregistering all regions unregisters
+those that are free and names the others).
 """
 
 from __future__ import annotations
@@ -38,6 +43,14 @@ PARAMS = (REGION, BYTE_SIZE, OFFSET)
 _NAME = re.compile(r"[^/\x00]{1,255}")  # one path component, as shm_open takes it
 
 
+class RegionInUse(ServerError):
+    """Unregistering a region a request is using: 409 over HTTP, UNAVAILABLE over gRPC (retry once it is done).
+    Triton answers INTERNAL (500) with the same words."""
+
+    status = Status.UNAVAILABLE
+    http_code = 409
+
+
 class NotOnThisMachine(Unsupported):
     """A feature this machine cannot offer (CUDA shared memory without a GPU): 400 over HTTP, UNIMPLEMENTED
     over gRPC."""
@@ -55,10 +68,11 @@ class OutputTarget:
 
 
 class _Region:
-    __slots__ = ("name", "key", "offset", "byte_size", "map")
+    __slots__ = ("name", "key", "offset", "byte_size", "map", "users")
 
     def __init__(self, name: str, key: str, offset: int, byte_size: int, mapping: mmap.mmap) -> None:
         self.name, self.key, self.offset, self.byte_size, self.map = name, key, offset, byte_size, mapping
+        self.users = 0  # requests holding it (guarded by the registry's lock)
 
     def status(self) -> dict[str, Any]:
         return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
@@ -123,12 +137,27 @@ class SharedMemoryRegistry:
             self._regions[name] = _Region(name, key, offset, byte_size, _View(mapping, offset - page))
 
     def unregister(self, name: str = "") -> None:
-        """Forget region ``name`` (every region when empty). Its mapping goes once no request uses it any more."""
+        """Forget region ``name`` (every region when empty); RegionInUse for a region a request holds (the
+        others are still unregistered). An unknown name is no error, as in Triton."""
         with self._lock:
             if name:
+                region = self._regions.get(name)
+                if region is not None and region.users:
+                    raise RegionInUse(f"Cannot unregister shared memory region '{name}', it is currently in use.")
                 self._regions.pop(name, None)
-            else:
-                self._regions.clear()
+                return
+            busy = sorted(n for n, r in self._regions.items() if r.users)
+            self._regions = {n: r for n, r in self._regions.items() if r.users}
+        if busy:
+            raise RegionInUse("Failed to unregister the following system shared memory regions: "
+                              + "".join(f"{n} ," for n in busy))
+
+    def release(self, held: list[_Region]) -> None:
+        """The request that holds ``held`` (from :meth:`resolve_inputs` / :meth:`output_targets`) is done."""
+        with self._lock:
+            for region in held:
+                region.users -= 1
+        held.clear()
 
     def status(self, name: str = "") -> list[dict[str, Any]]:
         with self._lock:
@@ -140,7 +169,7 @@ class SharedMemoryRegistry:
         return [region.status()]
 
     # -- tensors ----------------------------------------------------------------------------------
-    def _locate(self, params: dict, what: str) -> tuple[_Region, int, int]:
+    def _locate(self, params: dict, what: str, held: list[_Region]) -> tuple[_Region, int, int]:
         region_name = params.get(REGION)
         if type(region_name) is not str or not region_name:
             raise InvalidArgument(f"{what}: '{REGION}' must be a region name (string)")
@@ -150,24 +179,27 @@ class SharedMemoryRegistry:
         offset = _uint(params.get(OFFSET, 0), f"{what}: '{OFFSET}'")
         with self._lock:
             region = self._regions.get(region_name)
-        if region is None:
-            raise NotFound(f"Unable to find shared memory region: '{region_name}'")
-        if offset >= region.byte_size:
-            raise InvalidArgument(f"Invalid offset for shared memory region: '{region_name}' ({what}: offset "
-                                  f"{offset}, the region holds {region.byte_size} bytes)")
-        if offset + byte_size > region.byte_size:
-            raise InvalidArgument(f"Invalid offset + byte size for shared memory region: '{region_name}' ({what}: "
-                                  f"{offset} + {byte_size} bytes, the region holds {region.byte_size})")
+            if region is None:
+                raise NotFound(f"Unable to find shared memory region: '{region_name}'")
+            if offset >= region.byte_size:
+                raise InvalidArgument(f"Invalid offset for shared memory region: '{region_name}' ({what}: offset "
+                                      f"{offset}, the region holds {region.byte_size} bytes)")
+            if offset + byte_size > region.byte_size:
+                raise InvalidArgument(f"Invalid offset + byte size for shared memory region: '{region_name}' "
+                                      f"({what}: {offset} + {byte_size} bytes, the region holds {region.byte_size})")
+            region.users += 1
+            held.append(region)
         return region, offset, byte_size
 
-    def resolve_inputs(self, request: InferenceRequest) -> None:
-        """Give every input that names a region its data from there (numbers in place, read-only)."""
+    def resolve_inputs(self, request: InferenceRequest, held: list[_Region]) -> None:
+        """Give every input that names a region its data from there (numbers in place, read-only); the regions
+        read are added to ``held`` (give them back with :meth:`release`)."""
         for name, tensor in request.inputs.items():
             params = tensor.parameters
             if not params or REGION not in params:
                 continue
             what = f"input '{name}' for model '{request.model_name}'"
-            region, offset, byte_size = self._locate(params, what)
+            region, offset, byte_size = self._locate(params, what, held)
             view = region.map.slice(offset, byte_size)
             datatype, shape = tensor.datatype, tuple(tensor.shape)
             itemsize = element_size(datatype)
@@ -185,8 +217,9 @@ class SharedMemoryRegistry:
             tensor.data = array
             tensor.parameters = {k: v for k, v in params.items() if k not in PARAMS}
 
-    def output_targets(self, request: InferenceRequest) -> dict[str, OutputTarget] | None:
-        """The requested outputs to be written to shared memory, checked against their regions now."""
+    def output_targets(self, request: InferenceRequest, held: list[_Region]) -> dict[str, OutputTarget] | None:
+        """The requested outputs to be written to shared memory, checked against their regions now (which are
+        added to ``held``)."""
         targets = None
         for output in request.outputs:
             params = output.parameters
@@ -195,7 +228,7 @@ class SharedMemoryRegistry:
             what = f"output '{output.name}' for model '{request.model_name}'"
             if params.get("classification"):
                 raise InvalidArgument(f"{what}: classification results cannot be written to shared memory")
-            region, offset, byte_size = self._locate(params, what)
+            region, offset, byte_size = self._locate(params, what, held)
             targets = targets or {}
             targets[output.name] = OutputTarget(region, offset, byte_size)
         return targets

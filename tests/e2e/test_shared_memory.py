@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import os
 import textwrap
+import time
 import uuid
 
 import numpy as np
@@ -66,6 +67,36 @@ class TritonPythonModel:
                                                             .as_numpy())]) for r in requests]
 '''
 
+# "simple" that holds each request until the test creates <marker_dir>/release (Triton's execute_delayed_model
+# sleeps instead); it creates <marker_dir>/started while it holds one
+HELD_MODEL = '''\
+import json
+import os
+import time
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.dir = json.loads(args["model_config"])["parameters"]["marker_dir"]["string_value"]
+
+    def execute(self, requests):
+        started, release = os.path.join(self.dir, "started"), os.path.join(self.dir, "release")
+        open(started, "w").close()
+        deadline = time.monotonic() + 30
+        while not os.path.exists(release) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.remove(started)
+        out = []
+        for request in requests:
+            a = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            b = pb_utils.get_input_tensor_by_name(request, "INPUT1").as_numpy()
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", a + b),
+                                                   pb_utils.Tensor("OUTPUT1", a - b)]))
+        return out
+'''
+
 
 def _write(repo, name, config, model):
     (repo / name / "1").mkdir(parents=True)
@@ -79,7 +110,12 @@ def server(tmp_path_factory):
     repo = tmp / "models"
     _write(repo, "simple", SIMPLE, SIMPLE_MODEL)
     _write(repo, "echo_bytes", ECHO, ECHO_MODEL)
+    markers = tmp / "markers"
+    markers.mkdir()
+    _write(repo, "held", SIMPLE.replace('"simple"', '"held"') + 'parameters { key: "marker_dir" value { '
+           f'string_value: "{markers}" }} }}\n', HELD_MODEL)
     running = start_server([repo], tmp_dir=tmp)
+    running.markers = markers
     yield running
     running.stop()
 
@@ -223,6 +259,72 @@ def test_register_refuses_a_link_out_of_dev_shm(client, tmp_path):
             client.register_system_shared_memory("link", f"/{link}", 8)
     finally:
         os.unlink(f"/dev/shm/{link}")
+
+
+def _wait_for(path, present: bool = True) -> None:
+    deadline = time.monotonic() + 20
+    while path.exists() != present:
+        assert time.monotonic() < deadline, f"{path} never {'appeared' if present else 'went'}"
+        time.sleep(0.01)
+
+
+def test_a_region_in_use_cannot_be_unregistered(client, regions, server):
+    """As Triton 2.51 (qa/L0_shared_memory TestSharedMemoryUnregister): while a request reads its inputs from and
+    writes its outputs to regions, unregistering them (from another client) is refused; after it, it works."""
+    release = server.markers / "release"
+    release.unlink(missing_ok=True)
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    b = np.full((1, 16), 2, dtype=np.int32)
+    names = ["input0_data", "input1_data", "output0_data", "output1_data"]
+    handles = {}
+    for name in names:
+        key, handles[name] = regions(64)
+        client.register_system_shared_memory(name, key, 64)
+    shm.set_shared_memory_region(handles["input0_data"], [a])
+    shm.set_shared_memory_region(handles["input1_data"], [b])
+    inputs = [client.module.InferInput(f"INPUT{i}", [1, 16], "INT32") for i in (0, 1)]
+    outputs = [client.module.InferRequestedOutput(f"OUTPUT{i}") for i in (0, 1)]
+    for i in (0, 1):
+        inputs[i].set_shared_memory(f"input{i}_data", 64)
+        outputs[i].set_shared_memory(f"output{i}_data", 64)
+    done = []
+    if client.protocol == "http":
+        pending = client.async_infer("held", inputs, outputs=outputs)
+    else:
+        client.async_infer("held", inputs, lambda result, error: done.append((result, error)), outputs=outputs)
+    _wait_for(server.markers / "started")
+    other = httpclient.InferenceServerClient(server.http_url)
+    with pytest.raises(InferenceServerException) as info:
+        other.unregister_system_shared_memory()
+    assert ("Failed to unregister the following system shared memory regions: input0_data ,input1_data ,"
+            "output0_data ,output1_data") in str(info.value)
+    assert info.value.status() == "409"
+    for name in names:
+        with pytest.raises(InferenceServerException) as info:
+            other.unregister_system_shared_memory(name)
+        assert f"Cannot unregister shared memory region '{name}', it is currently in use." in str(info.value)
+    with grpcclient.InferenceServerClient(server.grpc_url) as grpc_other:
+        with pytest.raises(InferenceServerException, match="it is currently in use") as info:
+            grpc_other.unregister_system_shared_memory("input0_data")
+        assert info.value.status() == "StatusCode.UNAVAILABLE"
+    assert sorted(r["name"] for r in other.get_system_shared_memory_status()) == names  # none was unregistered
+    release.touch()
+    if client.protocol == "http":
+        pending.get_result()
+    else:
+        _wait_for_list(done)
+        assert done[0][1] is None
+    np.testing.assert_array_equal(shm.get_contents_as_numpy(handles["output0_data"], np.int32, [1, 16]), a + b)
+    other.unregister_system_shared_memory()  # the request is done: the regions are free
+    assert _status_names(client) == []
+    other.close()
+
+
+def _wait_for_list(items: list) -> None:
+    deadline = time.monotonic() + 20
+    while not items:
+        assert time.monotonic() < deadline, "no answer"
+        time.sleep(0.01)
 
 
 def _infer_error(client, *args, **kwargs) -> InferenceServerException:
