@@ -8,6 +8,7 @@ ends a call that raised with the error's status (as MLServer's ``handle_mlserver
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import logging
 import weakref
@@ -127,10 +128,12 @@ class _Stream:
 
     Requests run concurrently, one task each; their responses go through ``outbox`` to the
     handler, the only coroutine that writes to the call (gRPC allows one write at a time, and a
-    write must never be in flight when the call is aborted).
+    write must never be in flight when the call is aborted). As Triton's stream handler, the
+    responses of requests to models that are not decoupled are written in the order the requests
+    arrived (``in_order``); a decoupled model's responses are written as they come.
     """
 
-    __slots__ = ("outbox", "streams", "tasks", "grpc_errors", "reading", "traceparent")
+    __slots__ = ("outbox", "streams", "tasks", "grpc_errors", "reading", "traceparent", "in_order", "decoupled")
 
     def __init__(self, grpc_errors: bool, traceparent: str | None = None) -> None:
         self.traceparent = traceparent  # the call's W3C traceparent metadata: every request's trace parent
@@ -139,9 +142,35 @@ class _Stream:
         self.tasks: set[asyncio.Task] = set()
         self.grpc_errors = grpc_errors  # "triton_grpc_error: true": the first error ends the call
         self.reading = True
+        self.in_order: collections.deque[list] = collections.deque()  # [messages, finished] per ordered request
+        self.decoupled: dict[tuple[str, str], bool] = {}  # (model, version) -> decoupled, as first looked up
 
     def put(self, item) -> None:
         self.outbox.put_nowait(item)
+
+    def ordered(self) -> list:
+        """A place in the write order for the next request's responses."""
+        entry = [[], False]
+        self.in_order.append(entry)
+        return entry
+
+    def put_in_order(self, entry: list, item) -> None:
+        entry[0].append(item)
+        self._flush()
+
+    def finish_in_order(self, entry: list) -> None:
+        entry[1] = True
+        self._flush()
+
+    def _flush(self) -> None:
+        while self.in_order:
+            items, finished = self.in_order[0]
+            for item in items:
+                self.outbox.put_nowait(item)
+            items.clear()
+            if not finished:
+                return
+            self.in_order.popleft()
 
     def task_done(self, task: asyncio.Task) -> None:
         self.tasks.discard(task)
@@ -322,15 +351,30 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             state.put(_error_response(message.id, exc))
             return True
         state.streams.add(stream)
-        task = asyncio.get_running_loop().create_task(self._pump(stream, options, counts, state))
+        entry = None if self._decoupled(request, state) else state.ordered()
+        task = asyncio.get_running_loop().create_task(self._pump(stream, options, counts, state, entry))
         state.tasks.add(task)
         task.add_done_callback(state.task_done)
         return True
 
-    async def _pump(self, stream: ResponseStream, options: StreamOptions, counts, state: _Stream) -> None:
-        """Queue every response of one request of the stream as it comes."""
+    def _decoupled(self, request: InferenceRequest, state: _Stream) -> bool:
+        key = (request.model_name, request.model_version)
+        decoupled = state.decoupled.get(key)
+        if decoupled is None:
+            try:
+                config = self.dataplane.model_config(request.model_name, request.model_version)
+                decoupled = config.model_transaction_policy.decoupled
+            except ServerError:  # the request fails on its own; it needs no place in the order
+                decoupled = True
+            state.decoupled[key] = decoupled
+        return decoupled
+
+    async def _pump(self, stream: ResponseStream, options: StreamOptions, counts, state: _Stream,
+                    entry: list | None = None) -> None:
+        """Queue every response of one request of the stream as it comes (after the responses of the
+        requests before it when ``entry`` holds its place in the write order)."""
         request = stream.request
-        put = state.put
+        put = state.put if entry is None else functools.partial(state.put_in_order, entry)
         try:
             async for response in stream:
                 if response.error is not None:
@@ -365,6 +409,8 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         except ServerError as exc:  # refused before it was scheduled (a frontend worker learns it here)
             put(_Failure(exc) if state.grpc_errors else _error_response(request.id, exc))
         finally:
+            if entry is not None:
+                state.finish_in_order(entry)
             state.streams.discard(stream)
             await stream.aclose()
 
