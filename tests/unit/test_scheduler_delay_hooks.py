@@ -7,7 +7,7 @@ import asyncio
 
 import numpy as np
 import pytest
-from toy_backends import BATCHES, collect, sum_request, wait_for, write_model
+from toy_backends import BATCHES, collect, sum_request, write_model
 
 from tideserve.batching import concat_inputs
 from tideserve.errors import InternalError
