@@ -88,7 +88,13 @@ OPENAI_ROUTE_GROUPS: dict[str, str] = {
     "/v1/load_lora_adapter": MODEL_REPOSITORY, "/v1/unload_lora_adapter": MODEL_REPOSITORY,
     "/v1/embeddings": INFERENCE, "/tokenize": INFERENCE, "/detokenize": INFERENCE, "/tokenizer_info": MODEL_CONFIG,
     "/v1/score": INFERENCE, "/score": INFERENCE, "/v1/rerank": INFERENCE, "/rerank": INFERENCE,
+    "/v1/responses": INFERENCE, "/v1/responses/{response_id}": INFERENCE,
+    "/v1/responses/{response_id}/cancel": INFERENCE, "/v1/responses/{response_id}/input_items": INFERENCE,
 }
+# Anthropic's Messages API: like the OpenAI routes, and the API key may come as 'x-api-key: <key>' as well;
+# refusals in Anthropic's error shape
+ANTHROPIC_ROUTE_GROUPS: dict[str, str] = {"/v1/messages": INFERENCE, "/v1/messages/count_tokens": INFERENCE}
+X_API_KEY = "x-api-key"
 
 _SHARED_MEMORY_RPCS = tuple(f"{kind}SharedMemory{op}" for kind in ("System", "Cuda")
                             for op in ("Status", "Register", "Unregister"))
@@ -131,15 +137,17 @@ class Refusal:
 class Guard:
     """The check of one endpoint: the API key (when it applies), then its group's restriction."""
 
-    __slots__ = ("api_key", "restriction")
+    __slots__ = ("api_key", "key_header", "restriction")
 
-    def __init__(self, api_key: bytes | None, restriction: Restriction | None) -> None:
+    def __init__(self, api_key: bytes | None, restriction: Restriction | None, key_header: str | None = None) -> None:
         self.api_key = api_key
         self.restriction = restriction
+        self.key_header = key_header  # a header that may carry the bare key instead (Anthropic's x-api-key)
 
     def check(self, header: Callable[[str], bytes | None], grpc: bool = False) -> Refusal | None:
         """None when the request may pass; ``header(name)`` gives a request header's value or None."""
-        if self.api_key is not None and not _bearer_matches(header(AUTHORIZATION), self.api_key):
+        if self.api_key is not None and not _bearer_matches(header(AUTHORIZATION), self.api_key) and not (
+                self.key_header is not None and _key_matches(header(self.key_header), self.api_key)):
             where = "metadata" if grpc else "header"
             return Refusal(401, f"Invalid or missing API key: send the {where} 'authorization: Bearer <key>'")
         restriction = self.restriction
@@ -159,6 +167,10 @@ def _bearer_matches(value: bytes | None, key: bytes) -> bool:
     return hmac.compare_digest(token.strip(), key) and scheme.lower() == b"bearer"
 
 
+def _key_matches(value: bytes | None, key: bytes) -> bool:
+    return value is not None and hmac.compare_digest(value.strip(), key)
+
+
 @dataclass(frozen=True)
 class AccessPolicy:
     """The server's access settings, as the flags give them; frontends ask it for one Guard per endpoint."""
@@ -173,9 +185,13 @@ class AccessPolicy:
             return None
         return self.api_key.encode()
 
-    def http_guard(self, group: str, openai: bool = False) -> Guard | None:
-        """The check of an HTTP route of ``group`` (``openai``: a /v1 route), or None when it needs none."""
-        return _guard(self._key(group, openai), self.http_restricted.get(group))
+    def http_guard(self, group: str, openai: bool = False, key_header: str | None = None) -> Guard | None:
+        """The check of an HTTP route of ``group`` (``openai``: a /v1 route; ``key_header``: a header that may
+        carry the bare API key too), or None when it needs none."""
+        guard = _guard(self._key(group, openai), self.http_restricted.get(group))
+        if guard is not None:
+            guard.key_header = key_header
+        return guard
 
     def grpc_guard(self, group: str | None) -> Guard | None:
         """The check of a gRPC method of ``group`` (None: a method of no known group: the API key only)."""
@@ -269,7 +285,7 @@ def kserve_body(refusal: Refusal) -> bytes:
     return error_body(refusal.message)
 
 
-def guard_routes(app, policy: AccessPolicy, openai_body: Render) -> None:
+def guard_routes(app, policy: AccessPolicy, openai_body: Render, anthropic_body: Render | None = None) -> None:
     """Put every route of ``app`` (a Starlette / FastAPI app) behind its group's Guard.
 
     Every route must be listed in HTTP_ROUTE_GROUPS or OPENAI_ROUTE_GROUPS: an unlisted one raises
@@ -281,11 +297,14 @@ def guard_routes(app, policy: AccessPolicy, openai_body: Render) -> None:
             guard, render = policy.http_guard(HTTP_ROUTE_GROUPS[path]), kserve_body
         elif path in OPENAI_ROUTE_GROUPS:
             guard, render = policy.http_guard(OPENAI_ROUTE_GROUPS[path], openai=True), openai_body
+        elif path in ANTHROPIC_ROUTE_GROUPS:
+            guard = policy.http_guard(ANTHROPIC_ROUTE_GROUPS[path], openai=True, key_header=X_API_KEY)
+            render = anthropic_body or openai_body
         elif path == METRICS_PATH:
             guard, render = policy.metrics_guard(), kserve_body
         else:
             raise RuntimeError(f"HTTP route {path!r} belongs to no API group: add it to "
-                               "tideserve.access.HTTP_ROUTE_GROUPS or OPENAI_ROUTE_GROUPS")
+                               "tideserve.access.HTTP_ROUTE_GROUPS, OPENAI_ROUTE_GROUPS or ANTHROPIC_ROUTE_GROUPS")
         if guard is not None:
             route.app = GuardedRoute(route.app, guard, render)
 

@@ -24,6 +24,7 @@ from .errors import ServerError
 from .limits import TensorLimits
 from .openai.limits import OpenAILimits
 from .openai.llm import OutputParsers
+from .openai.responses.store import StoreSettings
 from .repository import ControlMode, ModelRepository
 from .schedulers.rate_limiter import RateLimiter, ResourceLimit
 from .serving import ServingInterface
@@ -84,6 +85,8 @@ class ServerOptions:
     openai_parsers: OutputParsers = field(default_factory=OutputParsers)
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter: LoRA adapters loaded from disk at run time
     enable_lora_runtime_updates: bool = False
+    # /v1/responses: the SQLite file of stored responses and its limits (--response-store*)
+    response_store: StoreSettings = field(default_factory=StoreSettings)
     # processes serving HTTP and gRPC (server/workers): 1 serves them in this process, beside the models
     frontend_workers: int = 1
     # Freeze the garbage collector's heap once models are loaded (the CLI does; see tideserve.heap). Off by default
@@ -139,7 +142,8 @@ class Frontends:
                              max_json_depth=opts.http_max_json_depth, tensor_limits=tensor_limits,
                              access=self.access, openapi=opts.openapi, openai_limits=opts.openai_limits,
                              openai_parsers=opts.openai_parsers,
-                             openai_model_control=opts.model_control_mode is ControlMode.EXPLICIT)
+                             openai_model_control=opts.model_control_mode is ControlMode.EXPLICIT,
+                             response_store=opts.response_store)
             await self.serve_http(app, opts.host, opts.http_port, http_socket)
 
     async def serve_http(self, app, host: str, port: int, sock=None) -> None:

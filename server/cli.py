@@ -15,6 +15,9 @@ from .app import Server, ServerOptions
 from .errors import ServerError
 from .openai.limits import OpenAILimits
 from .openai.llm import OutputParsers
+from .openai.responses.store import DEFAULT_MAX_AGE_S as DEFAULT_STORE_AGE
+from .openai.responses.store import DEFAULT_MAX_BYTES as DEFAULT_STORE_BYTES
+from .openai.responses.store import StoreSettings
 from .reasoning_parsers import REASONING_PARSERS
 from .tool_parsers import TOOL_PARSERS
 from .repository import ControlMode, check_startup_models
@@ -128,6 +131,20 @@ def _add_openai_flags(p: argparse.ArgumentParser) -> None:
                         f"{d.chat_template_timeout_s:g})")
 
 
+def _add_response_store_flags(p: argparse.ArgumentParser) -> None:
+    """Where /v1/responses keeps stored responses (docs/openai.md, "Responses API")."""
+    p.add_argument("--response-store", default=None, metavar="PATH",
+                   help="SQLite file of the responses /v1/responses stores (store: true), kept across restarts; "
+                        "':memory:' keeps them in the process only (default: $XDG_CACHE_HOME/tideserve/"
+                        "responses.sqlite3, else ~/.cache/tideserve/responses.sqlite3)")
+    p.add_argument("--response-store-max-age-secs", type=lambda text: _seconds(text) if text.strip() != "0" else 0.0,
+                   default=DEFAULT_STORE_AGE, help="stored responses older than this are deleted, 0: never "
+                                                   f"(default {DEFAULT_STORE_AGE:.0f}, 30 days)")
+    p.add_argument("--response-store-max-bytes", type=lambda text: _count(text, 0), default=DEFAULT_STORE_BYTES,
+                   help="past this size of stored responses the oldest are deleted, 0: no limit "
+                        f"(default {DEFAULT_STORE_BYTES})")
+
+
 def _add_parser_flags(p: argparse.ArgumentParser) -> None:
     """Default output parsers of /v1 chat completions, for models whose config names none (docs/openai.md)."""
     p.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
@@ -232,6 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_openai_flags(p)
     _add_prompt_tokens_details_flag(p)
     _add_parser_flags(p)
+    _add_response_store_flags(p)
     _add_scheduling_flags(p)
     p.add_argument("--api-key", default=os.environ.get("TIDESERVE_API_KEY") or None,
                    help="API key required as 'Authorization: Bearer <key>' (default: $TIDESERVE_API_KEY; "
@@ -280,6 +298,8 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
         **_limit_options(args), **_scheduling_options(args), openai_limits=_openai_limits(args),
         openai_parsers=OutputParsers(args.tool_call_parser, args.reasoning_parser),
         enable_lora_runtime_updates=args.enable_lora_runtime_updates,
+        response_store=StoreSettings(args.response_store, args.response_store_max_age_secs,
+                                     args.response_store_max_bytes),
         log_verbose=args.log_verbose, api_key=args.api_key, freeze_heap=True,
         frontend_workers=args.frontend_workers,
         openapi=args.openapi if args.openapi is not None else not args.http_restricted_api,

@@ -33,6 +33,8 @@ from ..asgi import ClientGone
 from ..errors import ServerError
 from ..limits import TensorLimits
 from ..openai import mount as mount_openai
+from ..openai.messages import refusal_body as anthropic_refusal
+from ..openai.responses import StoreSettings
 from ..openai.errors import OpenAIError
 from ..openai.limits import OpenAILimits
 from ..openai.llm import OutputParsers
@@ -67,7 +69,8 @@ def create_app(dataplane: ServingInterface, *, max_input_size: int = DEFAULT_MAX
                max_json_depth: int = codec.MAX_JSON_DEPTH, tensor_limits: TensorLimits | None = None,
                access: AccessPolicy | None = None, openapi: bool = True,
                openai_limits: OpenAILimits | None = None,
-               openai_parsers: OutputParsers | None = None, openai_model_control: bool = False) -> HttpApp:
+               openai_parsers: OutputParsers | None = None, openai_model_control: bool = False,
+               response_store: StoreSettings | None = None) -> HttpApp:
     """The HTTP app: KServe v2 and Triton's extensions, generate, and the OpenAI routes (``access``: the
     restricted API groups and the API key, see server/access.py; ``openapi``: serve the API's description
     at ``GET /openapi.json``; ``openai_limits``: what one /v1 request may ask for, server/openai/limits.py;
@@ -79,7 +82,8 @@ def create_app(dataplane: ServingInterface, *, max_input_size: int = DEFAULT_MAX
     _answer_errors(app)
     kserve.mount(app, frontend)
     generate.mount(app, dataplane, body)
-    mount_openai(app, dataplane, body, openai_limits, openai_parsers, model_control=openai_model_control)
+    mount_openai(app, dataplane, body, openai_limits, openai_parsers, model_control=openai_model_control,
+                 response_store=(response_store or StoreSettings()).open())
     @app.get(METRICS_PATH)
     async def metrics():  # the metrics port's registry, for routers and autoscalers that scrape this port
         return Response(await dataplane.metrics_text(), media_type=CONTENT_TYPE_LATEST)
@@ -91,7 +95,7 @@ def create_app(dataplane: ServingInterface, *, max_input_size: int = DEFAULT_MAX
 
     # every route behind the checks of its API group (a route of no group makes this raise)
     policy = access or AccessPolicy()
-    guard_routes(app, policy, _openai_refusal)
+    guard_routes(app, policy, _openai_refusal, anthropic_refusal)
     app.infer_guard = policy.http_guard(INFERENCE)  # the fast path answers infer before routing
     return app
 

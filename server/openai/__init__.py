@@ -1,6 +1,6 @@
 """The OpenAI-compatible frontend: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``,
 ``/v1/embeddings``, ``/v1/score``, ``/v1/rerank``, ``/tokenize``, ``/detokenize``, ``/tokenizer_info``,
-``/health``.
+``/health``; OpenAI's Responses API (``/v1/responses``) and Anthropic's Messages API (``/v1/messages``).
 
 Mounted on the HTTP app (same port as KServe v2). Like every frontend it only translates: requests
 become DataPlane requests of the model's text interface (:mod:`.llm`), responses become OpenAI JSON
@@ -25,7 +25,10 @@ from .http import OpenAIRoute, OpenAIServer
 from .limits import OpenAILimits
 from .llm import Catalog, OutputParsers
 from .lora import load_lora_adapter, unload_lora_adapter
+from .messages import AnthropicRoute, count_tokens, create_message
 from .models import get_model, list_models, load_model, unload_model
+from .responses import (ResponseStore, Responses, cancel_response, create_response, delete_response, list_input_items,
+                        retrieve_response)
 from .score import create_rerank, create_score
 from .tokenization import detokenize, tokenize, tokenizer_info
 
@@ -46,11 +49,13 @@ def _health(dataplane):
 
 
 def mount(app, dataplane, body: BodyReader, limits: OpenAILimits | None = None,
-          parsers: OutputParsers | None = None, model_control: bool = False) -> OpenAIServer:
+          parsers: OutputParsers | None = None, model_control: bool = False,
+          response_store: ResponseStore | None = None) -> OpenAIServer:
     """Add the OpenAI routes to ``app`` (a FastAPI / Starlette app); ``body`` is the HTTP port's body
     reader, ``limits`` what one request may ask for (the ``--openai-*`` flags), ``parsers`` the default
     tool-call and reasoning parsers (``--tool-call-parser``, ``--reasoning-parser``); ``model_control``: the
-    server runs ``--model-control-mode explicit``, so ``/v1/models/{model}/load`` and ``/unload`` may act."""
+    server runs ``--model-control-mode explicit``, so ``/v1/models/{model}/load`` and ``/unload`` may act;
+    ``response_store``: where ``/v1/responses`` keeps stored responses (``--response-store``)."""
     server = OpenAIServer(dataplane, Catalog(dataplane, parsers), body, limits,
                           embedders=EmbedderCatalog(dataplane), model_control=model_control)
     routes = [
@@ -71,8 +76,16 @@ def mount(app, dataplane, body: BodyReader, limits: OpenAILimits | None = None,
         ("/tokenizer_info", tokenizer_info, ["GET"], False),
         ("/v1/load_lora_adapter", load_lora_adapter, ["POST"], True),
         ("/v1/unload_lora_adapter", unload_lora_adapter, ["POST"], True),
+        ("/v1/responses", create_response, ["POST"], True),
+        ("/v1/responses/{response_id}", retrieve_response, ["GET"], False),
+        ("/v1/responses/{response_id}", delete_response, ["DELETE"], False),
+        ("/v1/responses/{response_id}/cancel", cancel_response, ["POST"], False),
+        ("/v1/responses/{response_id}/input_items", list_input_items, ["GET"], False),
     ]
+    server.responses = Responses(response_store or ResponseStore())
     for path, handler, methods, body in routes:
         app.router.routes.append(Route(path, OpenAIRoute(server, handler, body), methods=methods))
+    for path, handler in (("/v1/messages", create_message), ("/v1/messages/count_tokens", count_tokens)):
+        app.router.routes.append(Route(path, AnthropicRoute(server, handler), methods=["POST"]))
     app.router.routes.append(Route("/health", _health(dataplane), methods=["GET"]))
     return server

@@ -1,0 +1,269 @@
+"""The ``/v1/responses`` request, and how its input items become chat messages.
+
+Field names and defaults follow OpenAI's API reference (and vLLM's ``ResponsesRequest``). ``input`` is a
+string (one user message) or a list of items: messages (``role`` user / system / developer / assistant,
+``content`` a string or ``input_text`` / ``output_text`` parts), ``function_call`` and
+``function_call_output`` items, and ``reasoning`` items (kept in the stored conversation, not shown to
+the template: chat templates drop earlier turns' reasoning). The request becomes a
+:class:`~..chat_completion.protocol.ChatCompletionRequest` (:func:`chat_request`), which decides the
+sampling, tools and structured output exactly as ``/v1/chat/completions`` does.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Literal
+
+from pydantic import Field
+
+from ..chat_completion.protocol import ChatCompletionRequest
+from ..errors import BadRequest, OpenAIError
+from ..protocol import OpenAIModel, parse
+
+# vLLM's extensions passed on to the chat request as they are
+_PASSED_ON = ("top_k", "min_p", "repetition_penalty", "seed", "stop", "min_tokens", "priority",
+              "chat_template_kwargs", "include_stop_str_in_output", "skip_special_tokens", "presence_penalty",
+              "frequency_penalty", "structured_outputs")
+# chat request field -> the Responses field it came from (error messages name what the client sent)
+_FIELD_NAMES = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class TextFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(OpenAIModel):
+    format: TextFormat | None = None
+    verbosity: str | None = None
+
+
+class FunctionTool(OpenAIModel):
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Reasoning(OpenAIModel):
+    effort: str | None = None
+    summary: str | None = None
+
+
+class ResponsesRequest(OpenAIModel):
+    model: str | None = None
+    input: str | list[dict[str, Any]] = ""
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    text: TextConfig | None = None
+    tools: list[FunctionTool] = Field(default_factory=list)
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] = "auto"
+    parallel_tool_calls: bool = True
+    reasoning: Reasoning | None = None
+    store: bool = True
+    stream: bool = False
+    background: bool = False
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    truncation: Literal["auto", "disabled"] | None = "disabled"
+    include: list[str] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    max_tool_calls: int | None = Field(None, ge=1)
+
+    def check(self) -> None:
+        """What tideserve refuses (a 400 naming the field)."""
+        for i, tool in enumerate(self.tools):
+            if tool.type != "function":
+                raise BadRequest(f"tools[{i}]: tool type '{tool.type}' is not supported here (only 'function' "
+                                 "tools)", f"tools[{i}].type")
+            if not tool.name:
+                raise BadRequest(f"tools[{i}]: a function tool needs a 'name'", f"tools[{i}].name")
+        if self.background and not self.store:
+            raise BadRequest("background can only be used when `store` is true", "background")
+        if self.background and self.stream:
+            raise BadRequest("background responses are not streamed by this server: poll "
+                             "GET /v1/responses/{id} instead", "stream")
+        if self.top_logprobs:
+            raise BadRequest("top_logprobs is not supported on /v1/responses", "top_logprobs")
+        fmt = self.text.format if self.text is not None else None
+        if fmt is not None and fmt.type == "json_schema" and fmt.schema_ is None:
+            raise BadRequest("text.format of type 'json_schema' needs 'schema'", "text.format.schema")
+
+    def echo(self) -> dict[str, Any]:
+        """The request's settings as the response object repeats them."""
+        fmt = self.text.format if self.text is not None and self.text.format is not None else TextFormat()
+        choice: Any = self.tool_choice
+        return {"instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
+                "metadata": self.metadata or {}, "model": self.model, "parallel_tool_calls": self.parallel_tool_calls,
+                "previous_response_id": self.previous_response_id,
+                "reasoning": (self.reasoning.model_dump() if self.reasoning else {"effort": None, "summary": None}),
+                "temperature": self.temperature if self.temperature is not None else 1.0,
+                "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True)},
+                "tool_choice": choice, "tools": [t.model_dump(exclude_none=True) for t in self.tools],
+                "top_p": self.top_p if self.top_p is not None else 1.0, "truncation": self.truncation or "disabled",
+                "user": self.user, "store": self.store, "background": self.background,
+                "max_tool_calls": self.max_tool_calls, "service_tier": self.service_tier or "auto",
+                "top_logprobs": self.top_logprobs}
+
+
+# -- input items --------------------------------------------------------------------------------------
+def input_items(request: ResponsesRequest) -> list[dict]:
+    """The request's input as items with ids (what ``GET .../input_items`` lists); a string is one user
+    message. Malformed items are a 400 naming ``input[i]``."""
+    given = request.input
+    if isinstance(given, str):
+        given = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": given}]}]
+    items = []
+    for i, item in enumerate(given):
+        kind = item.get("type", "message")
+        if kind == "message" or ("role" in item and "type" not in item):
+            items.append(_message_item(i, item))
+        elif kind == "function_call":
+            _need(i, item, ("call_id", "name", "arguments"))
+            items.append({"id": item.get("id") or new_id("fc"), "type": "function_call", "call_id": item["call_id"],
+                          "name": item["name"], "arguments": item["arguments"], "status": "completed"})
+        elif kind == "function_call_output":
+            _need(i, item, ("call_id", "output"))
+            items.append({"id": item.get("id") or new_id("fco"), "type": "function_call_output",
+                          "call_id": item["call_id"], "output": _output_text(i, item["output"]),
+                          "status": "completed"})
+        elif kind == "reasoning":
+            items.append({"id": item.get("id") or new_id("rs"), "type": "reasoning",
+                          "summary": item.get("summary") or [], "content": item.get("content") or []})
+        elif kind == "item_reference":
+            raise BadRequest(f"input[{i}]: item references are not supported here; send the item itself",
+                             f"input[{i}].type")
+        else:
+            raise BadRequest(f"input[{i}]: item type '{kind}' is not supported here (message, function_call, "
+                             "function_call_output, reasoning)", f"input[{i}].type")
+    return items
+
+
+def _need(i: int, item: dict, keys: tuple[str, ...]) -> None:
+    for key in keys:
+        if not isinstance(item.get(key), str):
+            raise BadRequest(f"input[{i}]: '{key}' must be a string", f"input[{i}].{key}")
+
+
+def _output_text(i: int, output: Any) -> str:
+    if isinstance(output, str):
+        return output
+    if isinstance(output, list) and all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in output):
+        return "".join(p["text"] for p in output)
+    raise BadRequest(f"input[{i}]: 'output' must be a string or text parts", f"input[{i}].output")
+
+
+def _message_item(i: int, item: dict) -> dict:
+    role = item.get("role")
+    if role not in ("user", "system", "developer", "assistant"):
+        raise BadRequest(f"input[{i}]: role must be one of user, system, developer, assistant, got {role!r}",
+                         f"input[{i}].role")
+    content = item.get("content")
+    if isinstance(content, str):
+        parts = [{"type": "output_text" if role == "assistant" else "input_text", "text": content}]
+    elif isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
+                    or not isinstance(part.get("text"), str):
+                shown = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise BadRequest(f"input[{i}].content[{j}]: only text parts are supported, got '{shown}'",
+                                 f"input[{i}].content")
+            parts.append({"type": part["type"], "text": part["text"]})
+    else:
+        raise BadRequest(f"input[{i}]: 'content' must be a string or a list of parts", f"input[{i}].content")
+    out = {"id": item.get("id") or new_id("msg"), "type": "message", "role": role, "content": parts}
+    out["status"] = item.get("status") or "completed"
+    return out
+
+
+def to_messages(items: list[dict]) -> list[dict]:
+    """Chat messages of input or output items (consecutive function calls join one assistant message, text
+    before them its content)."""
+    messages: list[dict] = []
+    for item in items:
+        kind = item["type"]
+        if kind == "message":
+            text = "".join(p.get("text", "") for p in item["content"])
+            messages.append({"role": item["role"], "content": text})
+        elif kind == "function_call":
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and "tool_call_id" not in last:
+                last.setdefault("tool_calls", []).append(call)
+                if last.get("content") == "":
+                    last["content"] = None
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+    return messages
+
+
+# -- the chat request ---------------------------------------------------------------------------------------
+def chat_request(request: ResponsesRequest, doc: dict, messages: list[dict], stream: bool) -> ChatCompletionRequest:
+    """The chat completions request that generates this response."""
+    chat: dict[str, Any] = {"model": request.model, "messages": messages, "stream": stream}
+    if request.max_output_tokens is not None:
+        chat["max_completion_tokens"] = request.max_output_tokens
+    for name in ("temperature", "top_p"):
+        if getattr(request, name) is not None:
+            chat[name] = getattr(request, name)
+    for name in _PASSED_ON:
+        if name in doc:
+            chat[name] = doc[name]
+    fmt = request.text.format if request.text is not None else None
+    if fmt is not None and fmt.type != "text":
+        chat["response_format"] = {"type": fmt.type} if fmt.type == "json_object" else {
+            "type": "json_schema", "json_schema": {"name": fmt.name, "schema": fmt.schema_, "strict": fmt.strict}}
+    if request.tools:
+        chat["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                                           "parameters": t.parameters, "strict": t.strict}}
+                         for t in request.tools]
+        chat["tool_choice"] = _tool_choice(request.tool_choice)
+        chat["parallel_tool_calls"] = request.parallel_tool_calls
+    elif request.tool_choice not in ("auto", "none"):
+        raise BadRequest("When using `tool_choice`, `tools` must be set.", "tool_choice")
+    try:
+        return parse(ChatCompletionRequest, chat)
+    except OpenAIError as exc:
+        raise renamed(exc) from None
+
+
+def _tool_choice(choice: Any) -> Any:
+    if isinstance(choice, str):
+        return choice
+    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    if choice.get("type") in ("none", "auto", "required"):
+        return choice["type"]
+    raise BadRequest(f"tool_choice {json.dumps(choice)[:120]} is not supported here (none, auto, required, or "
+                     "{'type': 'function', 'name': ...})", "tool_choice")
+
+
+def renamed(exc: OpenAIError) -> OpenAIError:
+    """``exc`` with the chat request's field names replaced by the Responses fields they came from."""
+    param = exc.param
+    if param:
+        for chat_name, name in _FIELD_NAMES.items():
+            if param == chat_name or param.startswith(chat_name + "[") or param.startswith(chat_name + "."):
+                exc.message = exc.message.replace(chat_name, name)
+                exc.param = name + param[len(chat_name):] if chat_name != "messages" else "input"
+                break
+    return exc

@@ -1,0 +1,335 @@
+"""``/v1/responses``: create (whole, streamed or in the background), retrieve, delete, cancel, input items.
+
+A create request becomes one chat generation (:mod:`..chat_run`) on the conversation it continues:
+``instructions`` as the system message, then, with ``previous_response_id``, the stored conversation of
+that response and its output, then this request's input items. The answer is a ``response`` object
+(:mod:`.output`); streaming sends OpenAI's event sequence (``response.created``, ``response.in_progress``,
+the output items' events, ``response.completed`` or ``response.failed``), each ``event: <type>`` with a
+``sequence_number``. With ``store`` (the default) the response, its input items and its conversation
+are written to the response store (:mod:`.store`, SQLite), so ``previous_response_id`` works after a
+restart. ``background`` answers at once (``queued``) and generates in a task of this process; ``cancel``
+marks the stored response ``cancelled``, and the task (in whichever frontend process runs it) stops
+within :data:`CANCEL_POLL_S`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import urllib.parse
+from dataclasses import dataclass, field
+
+import orjson
+
+from ..chat_run import ChatRun, start
+from ..errors import BadRequest, OpenAIError
+from ..http import EventStream
+from ..protocol import parse
+from . import output
+from .protocol import ResponsesRequest, chat_request, input_items, new_id, renamed, to_messages
+from .store import ResponseStore, Stored
+
+log = logging.getLogger(__name__)
+
+CANCEL_POLL_S = 0.25  # how often a background response looks for a cancel made by another process
+_RUNNING = ("queued", "in_progress")
+
+
+@dataclass(eq=False)
+class Responses:
+    """What the ``/v1/responses`` routes share: the store and this process's background tasks."""
+
+    store: ResponseStore
+    tasks: dict[str, asyncio.Task] = field(default_factory=dict)
+
+
+def _responses(server) -> Responses:
+    found = getattr(server, "responses", None)
+    if found is None:
+        found = server.responses = Responses(ResponseStore())
+    return found
+
+
+# -- create -------------------------------------------------------------------------------------------
+async def create_response(server, doc, _scope) -> bytes | EventStream:
+    request: ResponsesRequest = parse(ResponsesRequest, doc)
+    request.check()
+    state = _responses(server)
+    catalog = server.catalog
+    llm = catalog.get(request.model) if request.model else catalog.default()
+    request.model = llm.name
+    items = input_items(request)
+    history: list[dict] = []
+    if request.previous_response_id is not None:
+        previous = await _stored(server, state, request.previous_response_id, "previous_response_id")
+        history = previous.conversation + to_messages(previous.response.get("output") or [])
+    conversation = history + to_messages(items)
+    messages = ([{"role": "system", "content": request.instructions}] if request.instructions else []) + conversation
+    if not messages:
+        raise BadRequest("the request has no input", "input")
+    chat = chat_request(request, doc, messages, request.stream)
+    response_id = new_id("resp")
+    created = int(time.time())
+    job = _Job(server, state, request, llm.name, response_id, created, items, conversation)
+    if request.background:
+        return await job.in_background(chat, llm)
+    try:
+        run = await start(server, chat, llm, stream=request.stream, request_id=response_id,
+                          max_tokens_field="max_output_tokens")
+    except OpenAIError as exc:
+        raise renamed(exc) from None
+    if request.stream:
+        return EventStream(job.events(run), run.close)
+    message, reason, usage = await _whole(run)
+    answer = job.answer(output.items_of(message, reason), reason, _usage(run, usage, message.get("reasoning")))
+    await job.save(answer)
+    return orjson.dumps(answer)
+
+
+async def _whole(run: ChatRun):
+    try:
+        return await run.whole()
+    except OpenAIError as exc:
+        raise renamed(exc) from None
+
+
+def _usage(run: ChatRun, usage, reasoning: str | None) -> dict:
+    counts = usage.doc()
+    cached = (counts.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {"input_tokens": counts["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": counts["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": run.llm.count_tokens(reasoning) if reasoning else 0},
+            "total_tokens": counts["total_tokens"]}
+
+
+@dataclass(eq=False)
+class _Job:
+    """One create request: the response object it writes and where it stores it."""
+
+    server: object
+    state: Responses
+    request: ResponsesRequest
+    model: str
+    id: str
+    created: int
+    items: list[dict]
+    conversation: list[dict]
+
+    def response(self, status: str, output_items: list[dict], usage: dict | None = None, error: dict | None = None,
+                 incomplete: dict | None = None) -> dict:
+        return {"id": self.id, "object": "response", "created_at": self.created, "status": status, "error": error,
+                "incomplete_details": incomplete, "output": output_items, "usage": usage,
+                **self.request.echo(), "model": self.model}
+
+    def answer(self, items: list[dict], reason: str, usage: dict) -> dict:
+        if reason == "length":
+            return self.response("incomplete", items, usage, incomplete={"reason": "max_output_tokens"})
+        return self.response("completed", items, usage)
+
+    async def save(self, response: dict, background: bool = False) -> None:
+        if self.request.store:
+            await self.server.run_blocking(self.state.store.put, response, self.items, self.conversation, background,
+                                           os.getpid() if background else None)
+
+    # -- streaming ------------------------------------------------------------------------------------
+    async def events(self, run: ChatRun):
+        sequence = 0
+
+        def sse(event: dict) -> bytes:
+            nonlocal sequence
+            event["sequence_number"] = sequence
+            sequence += 1
+            return b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
+
+        started = self.response("in_progress", [])
+        yield sse({"type": "response.created", "response": started})
+        yield sse({"type": "response.in_progress", "response": started})
+        stream = output.OutputStream()
+        usage = run.usage()
+        reasoning: list[str] = []
+        try:
+            async for delta, reason in run.deltas(usage):
+                if delta.get("reasoning"):
+                    reasoning.append(delta["reasoning"])
+                for event in stream.feed(delta):
+                    yield sse(event)
+                if reason is not None:
+                    for event in stream.finish(reason):
+                        yield sse(event)
+                    break
+        except OpenAIError as exc:
+            for event in stream.finish("error"):
+                yield sse(event)
+            failed = self.response("failed", stream.items, error={"code": "server_error" if exc.status >= 500
+                                                                  else "invalid_request", "message": exc.message})
+            await self.save(failed)
+            yield sse({"type": "response.failed", "response": failed})
+            return
+        final = self.answer(stream.items, reason or "stop", _usage(run, usage, "".join(reasoning)))
+        await self.save(final)
+        yield sse({"type": "response.completed" if final["status"] == "completed" else "response.incomplete",
+                   "response": final})
+
+    # -- background -----------------------------------------------------------------------------------
+    async def in_background(self, chat, llm) -> bytes:
+        queued = self.response("queued", [])
+        await self.save(queued, background=True)
+        task = asyncio.ensure_future(self._background(chat, llm))
+        self.state.tasks[self.id] = task
+        task.add_done_callback(lambda _: self.state.tasks.pop(self.id, None))
+        return orjson.dumps(queued)
+
+    async def _background(self, chat, llm) -> None:
+        store = self.state.store
+        blocking = self.server.run_blocking
+        try:
+            if not await blocking(store.update, self.response("in_progress", []), _RUNNING):
+                return  # cancelled (or deleted) before it started
+            run = await start(self.server, chat, llm, stream=True, request_id=self.id,
+                              max_tokens_field="max_output_tokens")
+            work = asyncio.ensure_future(self._collect(run))
+            try:
+                while not work.done():
+                    await asyncio.wait([work], timeout=CANCEL_POLL_S)
+                    if not work.done() and await blocking(store.status, self.id) != "in_progress":
+                        work.cancel()  # cancelled or deleted through another process
+                        await asyncio.gather(work, return_exceptions=True)
+                        return
+            finally:
+                if not work.done():
+                    work.cancel()
+                await run.close()
+            final = work.result()
+        except asyncio.CancelledError:
+            return  # cancel already wrote the stored status
+        except OpenAIError as exc:
+            exc = renamed(exc)
+            final = self.response("failed", [], error={"code": "server_error" if exc.status >= 500
+                                                       else "invalid_request", "message": exc.message})
+        except Exception as exc:  # a bug: the response fails and says so
+            log.exception("background response %s failed", self.id)
+            final = self.response("failed", [], error={"code": "server_error",
+                                                       "message": f"internal error: {type(exc).__name__}: {exc}"})
+        await blocking(store.update, final, _RUNNING)
+
+    async def _collect(self, run: ChatRun) -> dict:
+        """The response of a run streamed from the model (so a cancel stops it between two pieces)."""
+        stream = output.OutputStream()
+        usage = run.usage()
+        reasoning: list[str] = []
+        reason = None
+        async for delta, reason in run.deltas(usage):
+            if delta.get("reasoning"):
+                reasoning.append(delta["reasoning"])
+            stream.feed(delta)
+        stream.finish(reason)
+        return self.answer(stream.items, reason or "stop", _usage(run, usage, "".join(reasoning)))
+
+
+# -- the stored responses ---------------------------------------------------------------------------------
+def _check_id(response_id: str) -> None:
+    if not response_id.startswith("resp"):
+        raise BadRequest(f"Invalid 'response_id': '{response_id}'. Expected an ID that begins with 'resp'.",
+                         "response_id")
+
+
+def not_found(response_id: str, param: str = "response_id") -> OpenAIError:
+    return OpenAIError(f"Response with id '{response_id}' not found.", 404, param)
+
+
+async def _stored(server, state: Responses, response_id: str, param: str = "response_id") -> Stored:
+    if param == "response_id":
+        _check_id(response_id)
+    stored = await server.run_blocking(state.store.get, response_id)
+    if stored is None:
+        raise not_found(response_id, param)
+    if stored.status in _RUNNING and stored.owner not in (None, os.getpid()) and not _alive(stored.owner):
+        stored.response.update(status="failed", error={"code": "server_error", "message": "the server process "
+                                                       "that ran this background response stopped"})
+        await server.run_blocking(state.store.update, stored.response, _RUNNING)
+        stored.status = "failed"
+    return stored
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _response_id(scope) -> str:
+    return scope["path_params"]["response_id"]
+
+
+async def retrieve_response(server, _doc, scope) -> bytes:
+    query = urllib.parse.parse_qs(scope.get("query_string", b"").decode("latin-1"))
+    if query.get("stream", ["false"])[-1].lower() == "true":
+        raise BadRequest("streaming a stored response again is not supported here: retrieve it without 'stream'",
+                         "stream")
+    stored = await _stored(server, _responses(server), _response_id(scope))
+    return orjson.dumps(stored.response)
+
+
+async def delete_response(server, _doc, scope) -> bytes:
+    state = _responses(server)
+    response_id = _response_id(scope)
+    _check_id(response_id)
+    if not await server.run_blocking(state.store.delete, response_id):
+        raise not_found(response_id)
+    task = state.tasks.get(response_id)
+    if task is not None:
+        task.cancel()
+    return orjson.dumps({"id": response_id, "object": "response", "deleted": True})
+
+
+async def cancel_response(server, _doc, scope) -> bytes:
+    state = _responses(server)
+    stored = await _stored(server, state, _response_id(scope))
+    if not stored.background:
+        raise BadRequest("Cannot cancel a synchronous response.", "response_id")
+    response = stored.response
+    if stored.status in _RUNNING:
+        response["status"] = "cancelled"
+        if await server.run_blocking(state.store.update, response, _RUNNING):
+            task = state.tasks.get(stored.id)
+            if task is not None:
+                task.cancel()
+        else:  # it finished meanwhile: answer what it became
+            response = (await _stored(server, state, stored.id)).response
+    return orjson.dumps(response)
+
+
+async def list_input_items(server, _doc, scope) -> bytes:
+    query = urllib.parse.parse_qs(scope.get("query_string", b"").decode("latin-1"))
+
+    def one(name: str) -> str | None:
+        values = query.get(name)
+        return values[-1] if values else None
+
+    try:
+        limit = int(one("limit") or 20)
+    except ValueError:
+        raise BadRequest(f"Invalid 'limit': {one('limit')!r} is not an integer", "limit") from None
+    if not 1 <= limit <= 100:
+        raise BadRequest(f"Invalid 'limit': must be between 1 and 100, got {limit}", "limit")
+    order = one("order") or "desc"
+    if order not in ("asc", "desc"):
+        raise BadRequest(f"Invalid 'order': must be 'asc' or 'desc', got {order!r}", "order")
+    stored = await _stored(server, _responses(server), _response_id(scope))
+    items = list(stored.input_items) if order == "asc" else list(reversed(stored.input_items))
+    for name, keep_after in (("after", True), ("before", False)):
+        marker = one(name)
+        if marker is not None:
+            at = next((i for i, item in enumerate(items) if item.get("id") == marker), None)
+            if at is None:
+                raise BadRequest(f"Invalid '{name}': no input item '{marker}' in response '{stored.id}'", name)
+            items = items[at + 1:] if keep_after else items[:at]
+    page = items[:limit]
+    return orjson.dumps({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                         "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
