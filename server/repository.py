@@ -462,7 +462,8 @@ class ModelRepository:
             # a model that failed is unavailable; one unloaded on request is no model (Triton: NOT_FOUND)
             if entry is not None and entry.state == ModelState.UNAVAILABLE.value and entry.reason != "unloaded":
                 raise Unavailable(f"model '{name}' is not ready: {entry.reason or 'unavailable'}")
-            raise NotFound(f"unknown model: '{name}'" if entry is None else f"model '{name}' is not loaded")
+            raise NotFound(f"unknown model: '{name}'" if entry is None
+                           else f"Request for unknown model: '{name}' has no available versions")  # Triton's words
         if version:
             try:
                 number = int(version)

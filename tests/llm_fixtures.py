@@ -38,6 +38,52 @@ def write_vllm_model(repository: Path, name: str, engine_args: dict, config: str
     return model_dir
 
 
+# A sitecustomize module (imported at the server's start-up through PYTHONPATH) that makes vLLM's
+# AsyncLLM.check_health raise while a flag file exists, as Triton's L0_check_health_vllm patches vLLM.
+_CHECK_HEALTH_MOCK = """
+import importlib.util
+import os
+import sys
+
+FLAG = os.environ["TIDESERVE_TEST_UNHEALTHY_FLAG"]
+TARGET = "vllm.v1.engine.async_llm"
+
+
+class _PatchCheckHealth:
+    def find_spec(self, name, path=None, target=None):
+        if name != TARGET:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            original = module.AsyncLLM.check_health
+
+            async def check_health(self):
+                if os.path.exists(FLAG):
+                    raise RuntimeError("Simulated vLLM check_health() failure")
+                await original(self)
+
+            module.AsyncLLM.check_health = check_health
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, _PatchCheckHealth())
+"""
+
+
+def failing_check_health_env(tmp_dir: Path, flag: Path) -> dict[str, str]:
+    """The environment of a server whose engines' ``check_health`` fails while ``flag`` exists."""
+    site = tmp_dir / "check_health_mock"
+    site.mkdir(parents=True, exist_ok=True)
+    (site / "sitecustomize.py").write_text(_CHECK_HEALTH_MOCK)
+    return {"PYTHONPATH": str(site), "TIDESERVE_TEST_UNHEALTHY_FLAG": str(flag)}
+
+
 # -- tritonclient helpers ---------------------------------------------------------------------------
 def llm_inputs(module, prompt: str | list[int], *, stream: bool | None = None, sampling: dict | None = None,
                exclude_input: bool | None = None, **flags: bool) -> list:
@@ -130,6 +176,42 @@ class GrpcStream:
 def _error_request_id(error, results: dict[str, StreamResult]) -> str:
     pending = [rid for rid, r in results.items() if not r.done]
     return pending[0] if len(pending) == 1 else (pending or list(results))[0]
+
+
+def cancel_a_running_generation(server, model: str, prompt: str = "Write an original and creative poem.") -> list:
+    """Triton's ``L0_backend_vllm/request_cancellation``: a long generation that is not streamed, sent on a gRPC
+    stream and cancelled by the client (``stop_stream(cancel_requests=True)``) once the engine runs it; returns
+    what the stream's callback received by the time the engine has aborted the request."""
+    import time
+
+    import tritonclient.grpc as grpcclient
+
+    labels = {"model_name": model, "version": "1"}
+    aborted_before = metric_value(server.metrics(), "tideserve:request_aborted_total", **labels) or 0.0
+    received: list = []
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        client.start_stream(callback=lambda result, error: received.append((result, error)))
+        # max_tokens beyond the context (as Triton's test asks of its model): the engine stops at the context
+        sampling = {"temperature": "0", "top_p": "1", "max_tokens": "1500", "ignore_eos": True}
+        client.async_stream_infer(model, llm_inputs(grpcclient, prompt, stream=False, sampling=sampling),
+                                  request_id="1", parameters={"temperature": "0", "top_p": "1"})
+        deadline = time.monotonic() + 60
+        while not received and metric_value(server.metrics(), "tideserve:num_requests_running", **labels) != 1:
+            assert time.monotonic() < deadline, "the engine never ran the request"
+            time.sleep(0.05)
+        client.stop_stream(cancel_requests=True)
+        deadline = time.monotonic() + 30
+        while True:
+            text = server.metrics()
+            if ((metric_value(text, "tideserve:request_aborted_total", **labels) or 0.0) > aborted_before
+                    and metric_value(text, "tideserve:num_requests_running", **labels) == 0):
+                break
+            assert time.monotonic() < deadline, f"the engine never aborted the request; received {received}"
+            time.sleep(0.05)
+    finally:
+        client.close()
+    return received
 
 
 # -- /metrics -------------------------------------------------------------------------------------

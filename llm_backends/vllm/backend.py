@@ -5,9 +5,12 @@ server keeps answering while it starts). The pass-through scheduler runs every r
 task of its own, in which the instance's ``execute`` awaits the whole generation: the engine does
 the continuous batching.
 
-A watchdog asks the engine (vLLM's ``check_health``) once a second; with ``ENABLE_VLLM_HEALTH_CHECK``
-"true" every batch asks it first too, as Triton's vLLM backend does. Either way an unhealthy engine takes
-the model version out of service (``ModelContext.report_failure``).
+Health, as Triton's vLLM backend has it: with ``ENABLE_VLLM_HEALTH_CHECK`` "true" the engine is asked
+(vLLM's ``check_health``) before each batch and at no other time; the first batch after a failed check is
+answered UNAVAILABLE "Model is unavailable due to unhealthy vLLM engine" and the model is unloaded (in a
+control mode other than explicit it stays UNAVAILABLE instead). Apart from that, a dead engine core process
+(killed, out of memory) takes the model version out of readiness (``ModelContext.report_failure``) even with
+no traffic: a watch reads vLLM's own dead-engine flag once a second, never ``check_health``.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from tideserve.backend_api import (
     ModelInstance,
     PassThroughScheduler,
     Scheduler,
+    ServerError,
     Unavailable,
     config_to_datatype,
     numpy_dtype,
@@ -57,7 +61,7 @@ class VllmInstance(ModelInstance):
     async def execute(self, requests: list[InferenceRequest]) -> None:
         """Generate for the request (the pass-through scheduler sends one per call), start to FINAL."""
         model = self.model
-        if model.options.health_check and not await model.check_health("before a batch"):
+        if model.options.health_check and not await model.check_health():
             for request in requests:
                 request.response_sender.send_error(Unavailable(UNHEALTHY))
             return
@@ -84,6 +88,7 @@ class VllmModel(Model):
         self._declared: dict[str, str] = {}  # adapters declared with the model: name -> path
         self.options = vllm_config.BackendOptions()  # ENABLE_VLLM_HEALTH_CHECK, REPORT_CUSTOM_METRICS
         self.failure: str | None = None  # why the engine is unhealthy, once it is
+        self._unloading: asyncio.Task | None = None  # the unload a failed health check started
 
     def auto_complete_config(self) -> None:
         vllm_config.auto_complete(self.config)
@@ -116,32 +121,51 @@ class VllmModel(Model):
         self._watchdog = asyncio.get_running_loop().create_task(self._watch_engine(), name=f"{self.ctx.name}-watchdog")
 
     async def _watch_engine(self, every_s: float = 1.0) -> None:
-        """An engine whose core process died (killed, out of memory) takes the model out of readiness."""
+        """An engine whose core process died (killed, out of memory) takes the model out of readiness. Reads
+        vLLM's dead-engine flag (``errored``, set by its monitor thread); the health check is not called here."""
         engine = self.engine
-        while engine is self.engine and await self.check_health("by the watchdog"):
+        while engine is self.engine and self.failure is None:
+            if engine.errored:
+                from .engine import unhealthy_cause
+
+                self._unhealthy(unhealthy_cause(engine.dead_error), "by the dead-engine watch")
+                return
             await asyncio.sleep(every_s)
 
-    async def check_health(self, asker: str) -> bool:
-        """Ask the engine (vLLM's ``check_health``); the first failure takes the model version out of service
-        for good (a new engine comes with a new load). False once the engine is unhealthy. ``asker`` (who
-        asks) goes to the log."""
+    async def check_health(self) -> bool:
+        """``ENABLE_VLLM_HEALTH_CHECK``: ask the engine (vLLM's ``check_health``) before a batch. The first
+        failure takes the model version out of service for good (a new engine comes with a new load); False
+        once the engine is unhealthy."""
         engine = self.engine
         if self.failure is None and engine is not None:
             try:
                 await engine.check_health()
             except Exception as exc:
                 if engine is self.engine:
-                    self._unhealthy(exc, asker)
+                    from .engine import unhealthy_cause
+
+                    self._unhealthy(unhealthy_cause(exc), "by the health check before a batch")
         return self.failure is None
 
-    def _unhealthy(self, exc: Exception, asker: str) -> None:
-        from .engine import unhealthy_cause
-
-        cause = unhealthy_cause(exc)
+    def _unhealthy(self, cause: str, found_by: str) -> None:
+        """Out of readiness now; with the health check on, unloaded as well (as Triton's backend does)."""
         self.failure = f"{UNHEALTHY}: {cause}" if self.options.health_check else cause
         log.error("model '%s' version %s: the vLLM engine is unhealthy (found %s): %s", self.ctx.name,
-                  self.ctx.version, asker, cause)
+                  self.ctx.version, found_by, cause)
         self.ctx.report_failure(self.failure)
+        if self.options.health_check and self.ctx.control is not None and self._unloading is None:
+            # a task of its own: the unload waits for the requests in flight, this batch's among them
+            self._unloading = asyncio.get_running_loop().create_task(self._unload(),
+                                                                     name=f"{self.ctx.name}-unload")
+
+    async def _unload(self) -> None:
+        log.warning("model '%s': the vLLM engine is not healthy and the model will be unloaded", self.ctx.name)
+        try:
+            await self.ctx.control.unload(self.ctx.name)
+        except ServerError as exc:  # not in explicit control mode: it stays UNAVAILABLE
+            log.warning("model '%s' stays UNAVAILABLE, not unloaded: %s", self.ctx.name, exc.message)
+        except Exception:
+            log.exception("model '%s': unloading the unhealthy model failed", self.ctx.name)
 
     def _start_engine(self):
         """On a worker thread: import vLLM, read the engine arguments, build the engine."""

@@ -34,7 +34,7 @@ from tideserve.backend_api import (
 from .inputs import RETURN_CACHED_TOKENS, parse_inputs
 from .lora import LORA_NAME, Adapters
 from .outputs import ResponseBuilder
-from .sampling import check_output_budget, make_sampling_params
+from .sampling import fit_to_context, make_sampling_params
 
 log = logging.getLogger(__name__)
 
@@ -60,12 +60,18 @@ class _Abort:
     def _start(self) -> None:
         if not self.done:
             self.done = True
-            self.task = self.loop.create_task(self.engine.abort(self.request_id))
+            self.task = self.loop.create_task(self._abort())
 
     async def now(self) -> None:
         if not self.done:
             self.done = True
-            await self.engine.abort(self.request_id)
+            await self._abort()
+
+    async def _abort(self) -> None:
+        # the words Triton's vLLM backend logs (its request-cancellation test reads them)
+        log.info("[vllm] Cancelling the request '%s'", self.request_id)
+        await self.engine.abort(self.request_id)
+        log.info("[vllm] Successfully cancelled the request '%s'", self.request_id)
 
 
 class Generator:
@@ -89,7 +95,7 @@ class Generator:
             inputs = parse_inputs(request)
             lora = self.adapters.select(inputs.sampling.pop(LORA_NAME, None))
             params = make_sampling_params(inputs.sampling)
-            check_output_budget(params, self.engine.model_config.max_model_len)
+            fit_to_context(params, self.engine.model_config.max_model_len)  # (the OpenAI frontend refuses more)
             if "prompt_logprobs" in inputs.outputs and params.prompt_logprobs is None:
                 params.prompt_logprobs = 0  # the prompt tokens' own log probabilities
             builder = ResponseBuilder(inputs, params.n, self.output_dtypes, self._decode_token)

@@ -65,7 +65,8 @@ def parse_inputs(request: InferenceRequest) -> GenerateInputs:
     else:
         prepend = not exclude
     if prepend and stream:
-        raise InvalidArgument(f"when streaming, '{EXCLUDE_INPUT}' = false is not allowed")
+        # Triton's vLLM backend's words (its request errors begin "Error generating stream: ")
+        raise InvalidArgument(f"Error generating stream: When streaming, `{EXCLUDE_INPUT}` = False is not allowed.")
     requested = request.requested_output_names()
     # token ids in: output_ids out, unless the client asks for text_output (then n > 1 works too)
     outputs = {"output_ids"} if token_interface and "text_output" not in requested else {"text_output"}

@@ -58,14 +58,12 @@ def make_sampling_params(raw: dict[str, Any]) -> SamplingParams:
     return params
 
 
-def check_output_budget(params: SamplingParams, max_model_len: int) -> None:
-    """Refuse ``max_tokens`` beyond the context window, as vLLM's OpenAI server does (a prompt plus
-    ``max_tokens`` beyond it is not refused: the engine stops at the context length)."""
+def fit_to_context(params: SamplingParams, max_model_len: int) -> None:
+    """``max_tokens`` beyond the context window is no error on Triton's tensor interface (as Triton's vLLM
+    backend, the engine stops at the context length): cut it to the window, so no value is too large to pass
+    to the engine core."""
     if params.max_tokens is not None and params.max_tokens > max_model_len:
-        raise InvalidArgument(f"invalid sampling parameter 'max_tokens': This model's maximum context length is "
-                              f"{max_model_len} tokens. However, you requested {params.max_tokens} output tokens "
-                              f"('max_tokens' cannot be greater than max_model_len={max_model_len}). Please request "
-                              "fewer output tokens.")
+        params.max_tokens = max_model_len
 
 
 def _named_field(message: str) -> str | None:

@@ -141,6 +141,13 @@ class LLMModel:
                              "'logprobs' needs (a vLLM model has them)", "echo")
         if logprobs and not self.logprobs:
             raise BadRequest(f"model '{self.name}' does not return log probabilities", "logprobs")
+        max_tokens = sampling.get("max_tokens")
+        if self.max_model_len is not None and isinstance(max_tokens, int) and max_tokens > self.max_model_len:
+            # vLLM's OpenAI server refuses it (the engine, and Triton's tensor interface, stop at the context)
+            raise InvalidArgument(f"invalid sampling parameter 'max_tokens': This model's maximum context length "
+                                  f"is {self.max_model_len} tokens. However, you requested {max_tokens} output "
+                                  f"tokens ('max_tokens' cannot be greater than max_model_len={self.max_model_len})."
+                                  " Please request fewer output tokens.")
         if self.sampling_json:
             inputs["sampling_parameters"] = self._bytes("sampling_parameters", orjson.dumps(sampling))
         else:

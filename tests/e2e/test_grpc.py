@@ -42,6 +42,14 @@ def _cancelled(request_id: str) -> threading.Event:
     return CANCELLED.setdefault(request_id, threading.Event())
 
 
+# request id -> set when the toy identity model starts on the request
+STARTED: dict[str, threading.Event] = {}
+
+
+def _started(request_id: str) -> threading.Event:
+    return STARTED.setdefault(request_id, threading.Event())
+
+
 # -- the toy backend ------------------------------------------------------------------------------
 class ToyInstance(ModelInstance):
     def execute(self, requests):
@@ -59,6 +67,7 @@ class ToyInstance(ModelInstance):
         if params.get("fail"):
             raise RuntimeError("toy model failure on request")
         sleep_ms = params.get("sleep_ms", 0)
+        _started(request.id).set()
         deadline = time.monotonic() + sleep_ms / 1000
         while time.monotonic() < deadline:
             if request.is_cancelled():
@@ -724,6 +733,24 @@ def test_stream_cancellation_reaches_the_backend(client):
     assert _cancelled("cancel-me").wait(5), "the backend never saw the cancellation"
     assert _cancelled("cancel-me-too").wait(5)
     _assert_serving(client)
+
+
+def test_stop_stream_with_cancel_gets_only_the_clients_cancellation(tideserve):
+    """Triton's L0_backend_vllm request_cancellation, on a model that still answers the request it was
+    cancelled from: the callback receives the client's CANCELLED once and nothing from the server."""
+    received: queue.Queue = queue.Queue()
+    with grpcclient.InferenceServerClient(tideserve.grpc_url) as client:
+        client.start_stream(callback=lambda result, error: received.put((result, error)))
+        client.async_stream_infer("identity_fp32", [_input("INPUT0", SAMPLES["FP32"])], request_id="cancel-unary",
+                                  parameters={"sleep_ms": 30000})
+        assert _started("cancel-unary").wait(10), "the model never started the request"
+        client.stop_stream(cancel_requests=True)
+        assert _cancelled("cancel-unary").wait(5), "the model never saw the cancellation"
+        items = [received.get_nowait() for _ in range(received.qsize())]
+        assert len(items) == 1, items
+        result, error = items[0]
+        assert result is None and error.status() == "StatusCode.CANCELLED"
+        _assert_serving(client)
 
 
 def test_stream_triton_grpc_error_mode(client):

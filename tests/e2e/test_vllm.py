@@ -18,7 +18,15 @@ from pathlib import Path
 
 import pytest
 from support import start_server
-from llm_fixtures import VLLM_INSTALLED, GrpcStream, llm_inputs, metric_value, vllm_env, write_vllm_model
+from llm_fixtures import (
+    VLLM_INSTALLED,
+    GrpcStream,
+    cancel_a_running_generation,
+    llm_inputs,
+    metric_value,
+    vllm_env,
+    write_vllm_model,
+)
 
 pytestmark = [
     pytest.mark.slow,
@@ -318,6 +326,32 @@ def test_cancelled_stream_aborts_the_engine_request(llm_server):
     assert time.monotonic() - cancelled_at < 5  # far sooner than the ~500 tokens would have taken
 
 
+def test_stop_stream_with_cancel_gets_only_the_clients_cancellation(llm_server):
+    """Triton's request_cancellation test: the callback gets the client's CANCELLED and nothing from the server
+    (the generation asks for more tokens than the context holds, which is no error on this interface)."""
+    from tritonclient.utils import InferenceServerException
+
+    received = cancel_a_running_generation(llm_server, MODEL)
+    assert len(received) == 1, received
+    result, error = received[0]
+    assert result is None and isinstance(error, InferenceServerException)
+    assert error.status() == "StatusCode.CANCELLED"
+    log = llm_server.log()
+    assert "[vllm] Cancelling the request" in log and "[vllm] Successfully cancelled the request" in log
+
+
+def test_max_tokens_beyond_the_context_stops_at_the_context_length(grpc_client):
+    """As Triton's vLLM backend (vLLM's engine): no error, the answer ends where the context does."""
+    import tritonclient.grpc as grpcclient
+
+    result = grpc_client.infer(MODEL, llm_inputs(grpcclient, PROMPTS[0], return_finish_reason=True,
+                                                 return_num_input_tokens=True, return_num_output_tokens=True,
+                                                 sampling={**GREEDY, "max_tokens": 2**64}))
+    assert result.as_numpy("finish_reason")[0].decode() == "length"
+    prompt_tokens = int(result.as_numpy("num_input_tokens")[0])
+    assert int(result.as_numpy("num_output_tokens")[0]) == MAX_MODEL_LEN - prompt_tokens
+
+
 def test_llm_metrics_are_recorded(llm_server, http_client):
     labels = {"model_name": MODEL, "version": "1"}
     unary_text(http_client, _http(), "Metrics please", {**GREEDY, "max_tokens": 8})
@@ -342,8 +376,6 @@ def test_llm_metrics_are_recorded(llm_server, http_client):
     ({"max_tokens": "many"}, "max_tokens"),
     ({"stop": 5}, "stop"),
     ({"no_such_knob": 1}, "no_such_knob"),
-    ({"max_tokens": MAX_MODEL_LEN + 1}, "max_tokens"),  # beyond the context window, as vLLM's server answers
-    ({"max_tokens": 2**63}, "max_tokens"),
 ])
 def test_bad_sampling_parameters_are_400_naming_the_field(grpc_client, http_client, sampling, field):
     import tritonclient.grpc as grpcclient

@@ -1,23 +1,29 @@
-"""End to end: Triton's vLLM-backend switches ``ENABLE_VLLM_HEALTH_CHECK`` and ``REPORT_CUSTOM_METRICS``.
+"""End to end: Triton's vLLM-backend switches ``ENABLE_VLLM_HEALTH_CHECK`` and ``REPORT_CUSTOM_METRICS``,
+with the frontends in two worker processes (``--frontend-workers 2``).
 
 One engine (the tiny random Llama) in a model whose config sets the health check on and vLLM's own
-metrics off, driven as Triton's ``ci/L0_check_health_vllm`` and ``ci/L0_backend_vllm/metrics_test`` drive
-theirs: a healthy engine serves and stays READY; no ``vllm:*`` family is exported; once the engine core
-process is killed, a request is answered UNAVAILABLE "Model is unavailable due to unhealthy vLLM engine"
-and the model leaves readiness while the server lives on. A second model with a value that is not a
-boolean fails its load before any engine starts.
+metrics off, driven as Triton's ``ci/L0_check_health_vllm`` and ``ci/L0_backend_vllm`` drive theirs. As
+Triton's test patches vLLM, the server's ``AsyncLLM.check_health`` fails here while a flag file exists
+(tests/llm_fixtures.py): a healthy engine serves and stays READY; once the check fails, the next request
+is answered "Model is unavailable due to unhealthy vLLM engine" and the model is unloaded, so the one
+after it finds no model. A model with the check off then serves although the check would fail: nothing
+asks it. A model with a value that is not a boolean fails its load before any engine starts.
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import time
-from pathlib import Path
-
 import httpx
 import pytest
-from llm_fixtures import VLLM_INSTALLED, GrpcStream, llm_inputs, metric_value, vllm_env, write_vllm_model
+from llm_fixtures import (
+    VLLM_INSTALLED,
+    GrpcStream,
+    cancel_a_running_generation,
+    failing_check_health_env,
+    llm_inputs,
+    metric_value,
+    vllm_env,
+    write_vllm_model,
+)
 from support import start_server
 
 pytestmark = [
@@ -27,6 +33,7 @@ pytestmark = [
 ]
 
 MODEL = "vllm_opt"  # the name Triton's tests give theirs
+CHECK_OFF = "vllm_check_off"
 BAD_SWITCH = "vllm_bad_switch"
 UNHEALTHY = "Model is unavailable due to unhealthy vLLM engine"
 SAMPLING = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
@@ -47,10 +54,14 @@ def server(tmp_path_factory):
     engine_args = {"model": str(tiny), "dtype": "float32", "max_model_len": 512, "enforce_eager": True}
     write_vllm_model(repository, MODEL, engine_args,
                      config=_config(ENABLE_VLLM_HEALTH_CHECK="true", REPORT_CUSTOM_METRICS="false"))
+    write_vllm_model(repository, CHECK_OFF, engine_args, config=_config(ENABLE_VLLM_HEALTH_CHECK="false"))
     write_vllm_model(repository, BAD_SWITCH, engine_args, config=_config(REPORT_CUSTOM_METRICS="yes"))
+    flag = tmp / "unhealthy"
     server = start_server([repository], "--model-control-mode", "explicit", "--load-model", MODEL,
                           "--allowed-model-root", str(tiny), "--strict-readiness", "false",
-                          tmp_dir=tmp, env=vllm_env(tmp), ready_timeout=600)
+                          "--frontend-workers", "2", tmp_dir=tmp,
+                          env={**vllm_env(tmp), **failing_check_health_env(tmp, flag)}, ready_timeout=600)
+    server.unhealthy_flag = flag
     try:
         yield server
     finally:
@@ -66,13 +77,13 @@ def grpc_client(server):
     client.close()
 
 
-def _stream_infer(server, prompt: str = "In this example,"):
+def _stream_infer(server, model: str = MODEL, prompt: str = "In this example,"):
     """One streamed request on a gRPC stream, as Triton's health test sends it: (text, error)."""
     import tritonclient.grpc as grpcclient
 
     stream = GrpcStream(server.grpc_url)
     try:
-        stream.send(MODEL, "1", llm_inputs(grpcclient, prompt, stream=True, sampling=SAMPLING))
+        stream.send(model, "1", llm_inputs(grpcclient, prompt, stream=True, sampling=SAMPLING))
         result = stream.wait_all(timeout=120)["1"]
     finally:
         stream.close()
@@ -104,6 +115,32 @@ def test_a_healthy_engine_serves_and_stays_ready(server, grpc_client):
     assert _state(grpc_client, MODEL)[:2] == (True, "READY")
 
 
+def test_stop_stream_with_cancel_through_frontend_workers(server):
+    """Triton's request_cancellation test through a worker process: the client's CANCELLED alone."""
+    from tritonclient.utils import InferenceServerException
+
+    received = cancel_a_running_generation(server, MODEL)
+    assert len(received) == 1, received
+    result, error = received[0]
+    assert result is None and isinstance(error, InferenceServerException)
+    assert error.status() == "StatusCode.CANCELLED"
+
+
+def test_streaming_with_the_input_in_the_output_is_refused_in_tritons_words(server):
+    import tritonclient.grpc as grpcclient
+
+    stream = GrpcStream(server.grpc_url)
+    try:
+        stream.send(MODEL, "1", llm_inputs(grpcclient, "Hi", stream=True, exclude_input=False, sampling=SAMPLING))
+        error = stream.wait_all(timeout=60)["1"].error
+    finally:
+        stream.close()
+    assert str(error) == "Error generating stream: When streaming, `exclude_input_in_output` = False is not allowed."
+    response = httpx.post(f"{server.base_url}/v2/models/{MODEL}/generate_stream",
+                          json={"text_input": "Hi", "stream": True, "exclude_input_in_output": False}, timeout=60)
+    assert "Error generating stream: When streaming" in response.text, response.text
+
+
 def test_report_custom_metrics_false_exports_no_vllm_families(server):
     response = httpx.post(f"{server.base_url}/v2/models/{MODEL}/generate",
                           json={"text_input": "Hello", "parameters": SAMPLING}, timeout=120)
@@ -116,43 +153,30 @@ def test_report_custom_metrics_false_exports_no_vllm_families(server):
         assert metric_value(text, "nv_inference_request_success", model=MODEL, version="1") >= 1, url
 
 
-def test_an_unhealthy_engine_answers_unavailable_and_leaves_readiness(server, grpc_client):
-    """Runs last: it kills the engine (Triton's test makes check_health fail; a dead core process does)."""
-    import tritonclient.grpc as grpcclient
+def test_a_failed_health_check_answers_unavailable_and_unloads_the_model(server, grpc_client):
+    """Triton's test_vllm_not_healthy: the check runs before each request and at no other time."""
+    assert _state(grpc_client, MODEL)[:2] == (True, "READY")
+    server.unhealthy_flag.touch()  # from now on check_health() raises
+    assert _state(grpc_client, MODEL)[:2] == (True, "READY")  # nothing asked the engine yet
 
-    cores = [pid for pid, name in _children(server.process.pid) if name.startswith("VLLM::EngineCor")]
-    assert len(cores) == 1, _children(server.process.pid)
-    os.kill(cores[0], signal.SIGKILL)
-    time.sleep(0.2)  # vLLM's monitor thread marks the engine dead as the process goes
-
-    # the batch's health check (or the watchdog, within a second) finds it
-    response = httpx.post(f"{server.base_url}/v2/models/{MODEL}/generate",
-                          json={"text_input": "Hi", "parameters": SAMPLING}, timeout=30)
-    assert response.status_code == 503 and UNHEALTHY in response.json()["error"], response.text
-    ready, state, reason = _state(grpc_client, MODEL)
-    assert (ready, state) == (False, "UNAVAILABLE")
-    assert reason.startswith(UNHEALTHY) and "engine core process died" in reason
-
-    # refused before they reach the model, naming the reason: a stream's error (Triton's stream carries no
-    # status code) and gRPC UNAVAILABLE
     text, error = _stream_infer(server)
-    assert error is not None and UNHEALTHY in error.message(), (text, error)
-    with pytest.raises(grpcclient.InferenceServerException) as info:
-        grpc_client.infer(MODEL, llm_inputs(grpcclient, "Hi", sampling=SAMPLING))
-    assert info.value.status() == "StatusCode.UNAVAILABLE" and UNHEALTHY in info.value.message()
+    assert text == "" and str(error) == UNHEALTHY
+    ready, state, _ = _state(grpc_client, MODEL)
+    assert not ready and state != "READY"
+
+    text, error = _stream_infer(server)
+    assert text == "" and str(error) == f"Request for unknown model: '{MODEL}' has no available versions"
+    assert not grpc_client.is_model_ready(MODEL)
+    assert "the vLLM engine is unhealthy" in server.log()
     assert httpx.get(f"{server.base_url}/v2/health/live", timeout=10).status_code == 200
 
 
-def _children(pid: int) -> list[tuple[int, str]]:
-    """(pid, name) of the processes whose parent is ``pid``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            name = stat[stat.index("(") + 1:stat.rindex(")")]
-            if int(stat[stat.rindex(")") + 2:].split()[1]) == pid:
-                found.append((int(entry.name), name))
-    return found
+def test_with_the_check_off_a_failing_check_changes_nothing(server, grpc_client):
+    """Triton's health_check_disabled_mocked_failure: check_health() would fail, nothing calls it."""
+    assert server.unhealthy_flag.exists()
+    grpc_client.load_model(CHECK_OFF)
+    for _ in range(3):
+        assert _state(grpc_client, CHECK_OFF)[:2] == (True, "READY")
+        text, error = _stream_infer(server, CHECK_OFF)
+        assert error is None and text
+    assert _state(grpc_client, CHECK_OFF)[:2] == (True, "READY")

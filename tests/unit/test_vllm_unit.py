@@ -155,8 +155,11 @@ def test_parse_inputs_follows_triton_prepend_rules():
     assert streamed.stream and not streamed.prepend_input
     excluded = parse_inputs(_request(text_input="hi", exclude_input_in_output=[True]))
     assert not excluded.prepend_input
-    with pytest.raises(InvalidArgument, match="exclude_input_in_output"):
+    with pytest.raises(InvalidArgument) as info:
         parse_inputs(_request(text_input="hi", stream=[True], exclude_input_in_output=[False]))
+    # Triton's vLLM backend's text
+    assert info.value.message == ("Error generating stream: When streaming, `exclude_input_in_output` = False "
+                                  "is not allowed.")
     tokens = parse_inputs(_request(input_ids=np.array([3, 4, 5], dtype=np.int64)))
     assert tokens.prompt == [3, 4, 5] and not tokens.prepend_input and tokens.outputs == {"output_ids"}
 
@@ -277,14 +280,14 @@ def test_sampling_parameters_convert_and_name_bad_fields():
 
 
 @needs_vllm
-def test_max_tokens_beyond_the_context_window_is_refused():
-    from tideserve.llm_backends.vllm.sampling import check_output_budget, make_sampling_params
+def test_max_tokens_beyond_the_context_window_is_cut_to_it():
+    """Triton's tensor interface: no error (the engine stops at the context length), no huge value to the core."""
+    from tideserve.llm_backends.vllm.sampling import fit_to_context, make_sampling_params
 
-    check_output_budget(make_sampling_params({"max_tokens": 512}), 512)
-    check_output_budget(make_sampling_params({"max_tokens": None}), 512)  # the engine fills in the rest
-    with pytest.raises(InvalidArgument, match="'max_tokens'") as info:
-        check_output_budget(make_sampling_params({"max_tokens": 2**63}), 512)
-    assert "This model's maximum context length is 512 tokens" in info.value.message
+    for raw, expected in [(512, 512), (100, 100), (2**64, 512), (None, None)]:
+        params = make_sampling_params({"max_tokens": raw})
+        fit_to_context(params, 512)
+        assert params.max_tokens == expected
 
 
 # -- the scheduler ------------------------------------------------------------------------------
