@@ -49,8 +49,8 @@ class AnthropicRoute:
     async def __call__(self, scope, receive, send) -> None:
         reply = None
         try:
+            doc = await self.server.read_json(scope, receive)  # before the disconnect watch reads the messages
             with cancel_on_disconnect(receive):
-                doc = await self.server.read_json(scope, receive)
                 reply = await self.handler(self.server, doc, scope)
                 if isinstance(reply, bytes):
                     await send_response(send, 200, reply, [JSON_HEADER])
