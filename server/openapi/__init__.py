@@ -14,13 +14,13 @@ from typing import Any
 import orjson
 
 from .. import __version__
-from . import v1, v2
+from . import agents, v1, v2
 
 PATH = "/openapi.json"
 
 
 def document() -> dict[str, Any]:
-    paths = {**v2.paths(), **v1.paths()}
+    paths = {**v2.paths(), **v1.paths(), **agents.paths()}
     paths[PATH] = {"get": {"summary": "This document", "tags": ["metadata"],
                            "responses": {"200": v2.json_body({"type": "object"})}}}
     return {
@@ -33,9 +33,12 @@ def document() -> dict[str, Any]:
                                              "repository", "openai")],
         "paths": paths,
         "components": {
-            "schemas": {**v2.SCHEMAS, **v1.schemas()},
+            "schemas": {**v2.SCHEMAS, **agents.schemas(v1.schemas())},
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",
-                                           "description": "--api-key: required by the /v1 routes only"}}},
+                                           "description": "--api-key: required by the /v1 routes only"},
+                                "x_api_key": {"type": "apiKey", "in": "header", "name": "x-api-key",
+                                              "description": "--api-key, as Anthropic's clients send it "
+                                                             "(/v1/messages only)"}}},
     }
 
 
