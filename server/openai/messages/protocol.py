@@ -138,6 +138,10 @@ def chat_request(request: MessagesRequest | CountTokensRequest, doc: dict, strea
         for name in _PASSED_ON:
             if name in doc:
                 chat[name] = doc[name]
+    for i, tool in enumerate(request.tools or []):
+        if tool.type not in (None, "custom"):
+            raise BadRequest(f"tools.{i}: tool type '{tool.type}' is not supported here (server tools are not run by "
+                             "this server; give client tools as name, description, input_schema)")
     if request.tools:
         chat["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
                                                            "parameters": t.input_schema}} for t in request.tools]
