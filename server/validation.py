@@ -69,11 +69,14 @@ class RequestValidator:
             if unknown:
                 raise InvalidArgument(f"unexpected inference input '{unknown[0]}' for model '{model}'")
             missing = [n for n in self.required if n not in request.inputs]
-            if missing:
+            if missing:  # Triton's words, its lists included
+                given, needed = _names(sorted(request.inputs)), _names(missing)
+                expected = (f"{len(self.inputs)} inputs" if len(self.required) == len(self.inputs) else
+                            f"number of inputs between {len(self.required)} and {len(self.inputs)}")
                 raise InvalidArgument(
-                    f"expected {len(self.required)} inputs but got {len(request.inputs)} inputs for model "
-                    f"'{model}'. Got input(s) {sorted(request.inputs)}, but missing required input(s) {missing}. "
-                    f"Please provide all required input(s).")
+                    f"expected {expected} but got {len(request.inputs)} inputs for model '{model}'. Got "
+                    f"input(s) {given}, but missing required input(s) {needed}. Please provide all required "
+                    "input(s).")
         batch = None
         for name, tensor in request.inputs.items():
             if tensor.data is not None and tuple(tensor.data.shape) != tuple(tensor.shape):
@@ -121,6 +124,10 @@ class RequestValidator:
             for output in request.outputs:
                 if output.name not in self.outputs:
                     raise InvalidArgument(f"unexpected inference output '{output.name}' for model '{model}'")
+
+
+def _names(names: list[str]) -> str:
+    return "[" + ",".join(f"'{name}'" for name in names) + "]"
 
 
 def _count(shape) -> int:

@@ -38,7 +38,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from ..asgi import JSON_HEADER, ClientGone, cancel_on_disconnect, error_body, send_error, send_response
 from ..datatypes import config_to_datatype, element_size, numpy_dtype
-from ..errors import InvalidArgument, ServerError, as_server_error
+from ..errors import InvalidArgument, ServerError, Unsupported, as_server_error
 from ..serving import ServingInterface
 from ..types import InferenceRequest, InferenceResponse, Tensor
 from . import codec
@@ -127,14 +127,16 @@ def fit_shape(count: int, declared: list[int], given: tuple[int, ...] | None = N
     return shape if remaining == 1 else None
 
 
-def _describe(datatype: str) -> tuple[frozenset, str]:
+def _describe(datatype: str) -> tuple[frozenset, str, str]:
+    """The JSON types a datatype takes, their name, and Triton's words for a value of another type."""
     if datatype == "BYTES":
-        return frozenset({str}), "strings"
+        return frozenset({str}), "strings", "attempt to access JSON non-string as string"
     if datatype == "BOOL":
-        return frozenset({bool}), "booleans"
+        return frozenset({bool}), "booleans", "attempt to access JSON non-boolean as boolean"
     if datatype in _INT_TYPES:
-        return frozenset({int}), "integers"
-    return frozenset({int, float}), "numbers"
+        kind = "unsigned-integer" if datatype.startswith("U") else "signed-integer"
+        return frozenset({int}), "integers", f"attempt to access JSON non-{kind} as {kind}"
+    return frozenset({int, float}), "numbers", "attempt to access JSON non-number as number"
 
 
 def _to_tensor(spec: InputSpec, value: Any, where: str, model_name: str) -> tuple[Tensor, int]:
@@ -148,12 +150,12 @@ def _to_tensor(spec: InputSpec, value: Any, where: str, model_name: str) -> tupl
         flat, given = _flatten(value, where)
     else:
         flat = [value]
-    allowed, description = _describe(datatype)
+    allowed, description, triton_words = _describe(datatype)
     for item in flat:
         if type(item) not in allowed:
-            raise InvalidArgument(f"field {where}: input '{name}' of model '{model_name}' is {datatype} and takes "
-                                  f"{description} (a value or an array), got {codec._json_name(item)} "
-                                  f"{codec._show(item)}")
+            raise InvalidArgument(f"field {where}: {triton_words}: input '{name}' of model '{model_name}' is "
+                                  f"{datatype} and takes {description} (a value or an array), got "
+                                  f"{codec._json_name(item)} {codec._show(item)}")
     count = len(flat)
     shape = fit_shape(count, spec.shape, given)
     if shape is None:
@@ -207,10 +209,12 @@ class _RequestBuilder:
     def parameter(self, key: str, value: Any, where: str) -> None:
         """A field that is no input: a request parameter (string, number or boolean)."""
         kind = type(value)
-        if kind not in (str, int, float, bool):
+        if kind not in (str, int, float, bool):  # Triton's words first ("Converting keyword: ..." when nested)
+            nested = f"Converting keyword: '{_PARAMETERS}': " if where.startswith(f"'{_PARAMETERS}.") else ""
             raise InvalidArgument(
-                f"field {where} is not an input of model '{self.model_name}' and is not a valid parameter: "
-                f"a parameter must be a string, number or boolean, got {codec._json_name(value)}")
+                f"{nested}parameter '{key}' has invalid type. It should be a string, a number or a boolean: field "
+                f"{where} is not an input of model '{self.model_name}' and is not a valid parameter, got "
+                f"{codec._json_name(value)}")
         if key.startswith("triton_"):
             raise InvalidArgument(f"parameter {where}: keys starting with 'triton_' are reserved for server use "
                                   "and cannot be specified")
@@ -253,10 +257,11 @@ def decode_generate_request(model_name: str, model_version: str, body: bytes, co
     for key, value in doc.items():
         if key == _PARAMETERS:
             if key in builder.specs:
-                raise InvalidArgument(f"keyword '{_PARAMETERS}' for nested schema also given as input tensor name "
+                raise InvalidArgument(f"Keyword '{_PARAMETERS}' for nested schema also given as input tensor name "
                                       f"of model '{model_name}'")
             if type(value) is not dict:
-                raise InvalidArgument(f"field '{_PARAMETERS}' must be an object, got {codec._json_name(value)}")
+                raise InvalidArgument(f"Expected JSON object for keyword: '{_PARAMETERS}', got "
+                                      f"{codec._json_name(value)}")
             for inner_key, inner_value in value.items():
                 builder.field(inner_key, inner_value, True)
             continue
@@ -392,8 +397,9 @@ async def handle_generate(dataplane, reader: BodyReader, scope, receive, send, m
             if key == b"traceparent":
                 request.trace_context = value.decode("latin-1")
         if not streaming:
-            with cancel_on_disconnect(receive):  # the model's one response (request.streaming is False)
-                response = await dataplane.infer_unary(request)
+            request.streaming = False  # the model's one response
+            with cancel_on_disconnect(receive):
+                response = await _one_response(dataplane.infer(request))
             payload = encode_generate_response(response)
         else:
             stream = dataplane.infer(request)
@@ -411,6 +417,25 @@ async def handle_generate(dataplane, reader: BodyReader, scope, receive, send, m
         await send_response(send, 200, payload, [JSON_HEADER])
         return
     await _stream(stream, scope, receive, send)
+
+
+async def _one_response(stream) -> InferenceResponse:
+    """The one response ``/generate`` answers with (its model's error raised); Unsupported in Triton's words
+    for a model that sends none or several."""
+    responses = []
+    try:
+        async for response in stream:
+            if response.error is not None:
+                raise response.error
+            if not response.empty:
+                responses.append(response)
+    finally:
+        await stream.aclose()
+    if len(responses) != 1:
+        raise Unsupported("generate expects model to produce exactly 1 response, use generate stream for model that "
+                          f"generates various number of responses (model '{stream.request.model_name}' sent "
+                          f"{len(responses)})")
+    return responses[0]
 
 
 async def _stream(stream, scope, receive, send) -> None:

@@ -72,19 +72,21 @@ class SamplingRequest(OpenAIModel):
     def check(self, max_tokens: int | None, max_tokens_field: str, limits: OpenAILimits) -> None:
         """Cross-field checks and the server's limits (the per-field ranges are in the schema)."""
         limits.check_n(self.n)
-        if self.stream_options is not None and not self.stream:
+        if self.stream_options is not None and self.stream_options.model_dump(exclude_unset=True) and not self.stream:
             raise BadRequest("Stream options can only be defined when `stream=True`.", "stream_options")
         if max_tokens is not None and self.min_tokens > max_tokens:
             raise BadRequest(f"min_tokens ({self.min_tokens}) must be <= {max_tokens_field} ({max_tokens})",
                              "min_tokens")
-        if self.logit_bias:
-            for key, value in self.logit_bias.items():
-                if not key.lstrip("-").isdigit() or not -100 <= value <= 100:
-                    raise BadRequest(f"logit_bias maps token ids to values in [-100, 100], got {key!r}: {value}",
-                                     "logit_bias")
+        if self.logit_bias:  # every bad entry named at once, as vLLM does
+            bad = [f"{key!r}: {value}" for key, value in self.logit_bias.items()
+                   if not key.lstrip("-").isdigit() or not -100 <= value <= 100]
+            if bad:
+                raise BadRequest(f"logit_bias maps token ids to values in [-100, 100]; invalid: {', '.join(bad[:20])}"
+                                 f"{f' (and {len(bad) - 20} more)' if len(bad) > 20 else ''}", "logit_bias")
         if self.response_format is not None and self.response_format.type == "json_schema" and (
                 self.response_format.json_schema is None or self.response_format.json_schema.json_schema is None):
-            raise BadRequest("response_format of type 'json_schema' needs 'json_schema.schema'", "response_format")
+            raise BadRequest("When response_format type is 'json_schema', the 'json_schema' field (with its 'schema') "
+                             "must be provided.", "response_format")
 
     def constraint(self) -> dict | None:
         """The structured output asked for: ``response_format``, with vLLM's ``structured_outputs`` options."""

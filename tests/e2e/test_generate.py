@@ -283,9 +283,12 @@ def test_generate_model_and_version_errors(srv):
 
 def test_generate_decoupled_answers(srv):
     status, _, body = generate(srv, "words", {"text_input": "a b c", "ignore_streaming": True})
-    assert status == 501 and "decoupled and sent 3 responses" in error_of(body) and "generate_stream" in error_of(body)
+    # Triton's words (qa L0_http generate_endpoint_test test_many_response / test_zero_response)
+    many = "generate expects model to produce exactly 1 response, use generate stream for model that generates " \
+           "various number of responses"
+    assert status == 501 and many in error_of(body) and "sent 3)" in error_of(body)
     status, _, body = generate(srv, "words", {"text_input": "   "})
-    assert status == 501 and "sent no response" in error_of(body)
+    assert status == 501 and many in error_of(body) and "sent 0)" in error_of(body)
     status, _, body = generate(srv, "words", {"text_input": "one", "ignore_streaming": True})
     assert status == 200 and body["text_output"] == "one"  # exactly one response is fine
 
@@ -340,31 +343,37 @@ BAD_REQUESTS = [
     (b"{not json", 400, "failed to parse the generate request JSON"),
     (b"[1, 2]", 400, "must be a JSON object, got array"),
     (b'"text"', 400, "must be a JSON object, got string"),
-    ({**_TYPED, "i32": "seven"}, 400, "field 'i32': input 'i32' of model 'typed' is INT32 and takes integers"),
+    ({**_TYPED, "i32": "seven"}, 400, "field 'i32': attempt to access JSON non-signed-integer as signed-integer: "
+                                      "input 'i32' of model 'typed' is INT32 and takes integers"),
     ({**_TYPED, "i32": 1.5}, 400, "field 'i32'"),
     ({**_TYPED, "i32": True}, 400, "field 'i32'"),
     ({**_TYPED, "i32": None}, 400, "field 'i32'"),
-    ({**_TYPED, "f32": [1.0, "2"]}, 400, "field 'f32': input 'f32' of model 'typed' is FP32 and takes numbers"),
+    ({**_TYPED, "f32": [1.0, "2"]}, 400, "field 'f32': attempt to access JSON non-number as number: input 'f32'"),
     ({**_TYPED, "f32": True}, 400, "field 'f32'"),
-    ({**_TYPED, "flag": 1}, 400, "field 'flag': input 'flag' of model 'typed' is BOOL and takes booleans"),
-    ({**_TYPED, "words": [1]}, 400, "field 'words': input 'words' of model 'typed' is BYTES and takes strings"),
+    ({**_TYPED, "flag": 1}, 400, "field 'flag': attempt to access JSON non-boolean as boolean: input 'flag' of "
+                                 "model 'typed' is BOOL and takes booleans"),
+    ({**_TYPED, "words": [1]}, 400, "field 'words': attempt to access JSON non-string as string: input 'words' of "
+                                    "model 'typed' is BYTES and takes strings"),
     ({**_TYPED, "u8": [300, 1]}, 400, "field 'u8': a value does not fit input 'u8' (UINT8)"),
     ({**_TYPED, "u8": [-1, 1]}, 400, "field 'u8'"),
     ({**_TYPED, "u8": [1, 2, 3]}, 400, "field 'u8': 3 value(s) do not fit the shape [-1, 2] of input 'u8'"),
     ({**_TYPED, "grid": [1, 2, 3]}, 400, "field 'grid': 3 value(s) do not fit"),
-    ({**_TYPED, "bogus": [1, 2]}, 400, "field 'bogus' is not an input of model 'typed' and is not a valid parameter"),
+    ({**_TYPED, "bogus": [1, 2]}, 400, "parameter 'bogus' has invalid type. It should be a string, a number or a "
+                                       "boolean: field 'bogus' is not an input of model 'typed'"),
     ({**_TYPED, "bogus": {"a": 1}}, 400, "field 'bogus' is not an input"),
     ({**_TYPED, "bogus": None}, 400, "field 'bogus' is not an input"),
-    ({**_TYPED, "parameters": {"nested": {"a": 1}}}, 400, "field 'parameters.nested' is not an input"),
-    ({"f32": 1.0, "flag": True, "parameters": {"i32": "x"}}, 400, "field 'parameters.i32': input 'i32'"),
-    ({**_TYPED, "parameters": [1]}, 400, "field 'parameters' must be an object, got array"),
+    ({**_TYPED, "parameters": {"nested": {"a": 1}}}, 400,
+     "Converting keyword: 'parameters': parameter 'nested' has invalid type."),
+    ({"f32": 1.0, "flag": True, "parameters": {"i32": "x"}}, 400, "field 'parameters.i32': attempt to access JSON"),
+    ({**_TYPED, "parameters": [1]}, 400, "Expected JSON object for keyword: 'parameters', got array"),
     ({**_TYPED, "parameters": {"i32": 2}}, 400, "input 'i32' is given both as a field and in 'parameters'"),
     ({**_TYPED, "seed": 1, "parameters": {"seed": 2}}, 400, "parameter 'seed' is given both"),
     ({**_TYPED, "id": 5}, 400, "field 'id' must be a string, got integer"),
     ({**_TYPED, "triton_x": 1}, 400, "'triton_x': keys starting with 'triton_' are reserved"),
     ({**_TYPED, "priority": -1}, 400, "parameter 'priority' must be a non-negative integer"),
     ({**_TYPED, "sequence_start": 1}, 400, "parameter 'sequence_start' must be a boolean"),
-    ({"i32": 1, "f32": 1.0}, 400, "missing required input(s) ['flag']"),
+    ({"i32": 1, "f32": 1.0}, 400, "expected number of inputs between 3 and 8 but got 2 inputs for model 'typed'. Got "
+                                  "input(s) ['f32','i32'], but missing required input(s) ['flag']"),
     (b"", 400, "missing required input(s)"),
 ]
 
@@ -545,6 +554,6 @@ def test_generate_stream_python_repeat(server):
     status, _, body = call("/v2/models/repeat/generate", {"IN": [7]})
     assert status == 200 and json.loads(body) == {"model_name": "repeat", "model_version": "1", "OUT": 7, "IDX": 0}
     status, _, body = call("/v2/models/repeat/generate", {"IN": [1, 2]})
-    assert status == 501 and "decoupled and sent 2 responses" in error_of(body)
+    assert status == 501 and "exactly 1 response" in error_of(body) and "sent 2)" in error_of(body)
     status, _, body = call("/v2/models/repeat/generate_stream", {"IN": [1, 2], "DELAY": [1, 2, 3]})
     assert status == 400 and "expected DELAY to hold 1 or 2 values" in parse_events(body)[0]["error"]

@@ -182,6 +182,8 @@ def test_matryoshka_dimensions(client, onnx_embed, tokenizer):
 
 @pytest.mark.parametrize("body, status, param", [
     ({"model": MODEL, "input": []}, 400, "input"),
+    ({"model": MODEL, "input": ""}, 400, "input"),  # OpenAI: the input cannot be an empty string
+    ({"model": MODEL, "input": ["a", ""]}, 400, "input"),
     ({"model": MODEL, "input": [[101, 102], []]}, 400, "input"),
     ({"model": MODEL, "input": [[101, 999999]]}, 400, "input"),
     ({"model": MODEL, "input": [{"role": "user", "content": "hi"}]}, 400, "input"),

@@ -787,3 +787,67 @@ def test_model_management_needs_explicit_mode(toy_server):
         answer = httpx.post(f"{toy_server.base_url}/v1/models/words/{action}", timeout=30)
         assert answer.status_code == 400
         assert answer.json()["error"]["message"] == "Model load/unload requires --model-control-mode=explicit"
+
+
+# -- vLLM's chat echo and request checks (vLLM test_chat_echo, test_chat_logit_bias_validation; OpenAI's rules) ---
+SAYING = "Here is a common saying about apple. An apple a day, keeps"
+
+
+@pytest.mark.parametrize("echo", [True, False])
+def test_chat_echo_with_continue_final_message(client, echo):
+    completion = client.chat.completions.create(
+        model="words_chat", messages=[{"role": "user", "content": "tell me a common saying"},
+                                      {"role": "assistant", "content": SAYING}],
+        extra_body={"echo": echo, "continue_final_message": True, "add_generation_prompt": False})
+    message = completion.choices[0].message
+    assert message.role == "assistant" and completion.choices[0].finish_reason == "stop"
+    assert message.content.startswith(SAYING + "w0 w1") if echo else SAYING not in message.content
+
+
+def test_chat_echo_streams_the_final_message_first(client):
+    stream = client.chat.completions.create(
+        model="words_chat", messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": SAYING}],
+        stream=True, max_tokens=2,
+        extra_body={"echo": True, "continue_final_message": True, "add_generation_prompt": False})
+    parts = [chunk.choices[0].delta.content or "" for chunk in stream]
+    assert parts[0] == "" and parts[1] == SAYING and "".join(parts) == SAYING + "w0 w1"
+    # echo when the final message is not the assistant's: nothing is echoed (the answer does not continue it)
+    completion = client.chat.completions.create(model="words_chat", messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=2, extra_body={"echo": True})
+    assert completion.choices[0].message.content == "w0 w1"
+
+
+@pytest.mark.parametrize("top_logprobs", [0, 5])
+def test_top_logprobs_needs_logprobs(client, top_logprobs):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="words_chat", messages=[{"role": "user", "content": "hi"}],
+                                       top_logprobs=top_logprobs)
+    assert info.value.body["param"] == "top_logprobs"
+    assert "when using `top_logprobs`, `logprobs` must be set to true" in info.value.body["message"]
+
+
+def test_stream_options_without_stream(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="words", prompt="hi", stream_options={"include_usage": None})
+    assert info.value.body["message"] == "Stream options can only be defined when `stream=True`."
+    # an empty object asks for nothing, as vLLM reads it
+    assert client.completions.create(model="words", prompt="hi", max_tokens=1, stream_options={}).choices[0].text
+
+
+def test_logit_bias_names_every_bad_key(client):
+    for create, kwargs in ((client.chat.completions.create, {"messages": [{"role": "user", "content": "hi"}]}),
+                           (client.completions.create, {"prompt": "hi"})):
+        with pytest.raises(openai.BadRequestError) as info:
+            create(model="words_chat", max_tokens=2, logit_bias={"bad1": 50.0, "7": 20.0, "bad2": 20.0}, **kwargs)
+        message = info.value.body["message"]
+        assert "logit_bias" in message and "'bad1'" in message and "'bad2'" in message and "'7'" not in message
+        assert info.value.body["param"] == "logit_bias"
+
+
+@pytest.mark.parametrize("value", ["", ["a", ""], [], [[1], []]])
+def test_embedding_inputs_must_not_be_empty(value):
+    from tideserve.openai.embedding.protocol import EmbeddingRequest
+
+    with pytest.raises(BadRequest) as info:
+        parse(EmbeddingRequest, {"model": "m", "input": value}).inputs()
+    assert info.value.param == "input" and info.value.status == 400

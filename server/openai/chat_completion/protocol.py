@@ -81,6 +81,7 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True  # with a reasoning parser: send the reasoning (else only the answer)
+    echo: bool = False  # the answer starts with the final message when it is the assistant's (see echo_prefix)
 
     @property
     def max_output(self) -> tuple[int | None, str]:
@@ -102,7 +103,7 @@ class ChatCompletionRequest(SamplingRequest):
         """Cross-field checks; ``auto_tools``: the model has a tool-call parser."""
         self.check(*self.max_output, limits)
         limits.check_logprobs(self.top_logprobs, "top_logprobs")
-        if self.top_logprobs and not self.logprobs:
+        if self.top_logprobs is not None and not self.logprobs:  # OpenAI's rule: 0 too
             raise BadRequest("when using `top_logprobs`, `logprobs` must be set to true", "top_logprobs")
         if self.add_generation_prompt and self.continue_final_message:
             raise BadRequest("'add_generation_prompt' and 'continue_final_message' cannot both be true",
@@ -145,6 +146,14 @@ class ChatCompletionRequest(SamplingRequest):
                                                   "parameters": t.function.parameters or {"type": "object"}},
                  "required": ["name", "parameters"]} for t in self.tools]}}})
         return super().constraint()
+
+    def echo_prefix(self, role: str) -> str:
+        """What ``echo`` puts before each choice's content, as vLLM: the final message's text when that message
+        is of the answer's ``role`` (the answer continues it, e.g. ``continue_final_message``), else ""."""
+        last = self.messages[-1]
+        if not self.echo or last.role != role:
+            return ""
+        return _template_message(last)["content"]
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [_template_message(m) for m in self.messages]

@@ -1,6 +1,7 @@
 """``POST /v1/chat/completions``: messages rendered with the model's chat template, one DataPlane request.
 
-Streaming sends, per choice, a first chunk with the role, then one ``chat.completion.chunk`` per model
+Streaming sends, per choice, a first chunk with the role, then (with vLLM's ``echo``, when the final message
+is the assistant's) one with that message's text, then one ``chat.completion.chunk`` per model
 response that adds something (the last carries ``finish_reason``), then a usage chunk when
 ``stream_options.include_usage``, then ``data: [DONE]``. A named tool streams its arguments as
 ``tool_calls`` deltas; ``required`` tool calls come whole in the finishing chunk (they are parsed from
@@ -80,10 +81,13 @@ async def create_chat_completion(server, doc, _scope) -> bytes | EventStream:
         return EventStream(_events(request, header, llm, run, prompt, fields), lambda: close_all([run]))
     usage = Usage(llm)
     usage.add_prompt(run, prompt)
+    echoed = request.echo_prefix(ROLE)
     out = []
     for i, choice in enumerate(choices):
         usage.add_choice(choice)
         message, reason = output.message(request, llm, choice.text, choice.finish_reason)
+        if echoed:
+            message["content"] = echoed + (message["content"] or "")
         out.append({"index": i, "message": message,
                     "logprobs": {"content": chat_content(choice.logprobs, request.top_logprobs or 0)}
                     if request.logprobs else None,
@@ -130,6 +134,10 @@ async def _events(request: ChatCompletionRequest, header: dict, llm: LLMModel, r
     for i in range(n):
         first = {"index": i, "delta": {"role": ROLE, "content": ""}, "logprobs": None, "finish_reason": None}
         yield chunk_event(header, first, live_usage)
+    echoed = request.echo_prefix(ROLE)
+    for i in range(n if echoed else 0):  # echo: the final message the answer continues, before the answer
+        yield chunk_event(header, {"index": i, "delta": {"content": echoed}, "logprobs": None, "finish_reason": None},
+                          live_usage)
     try:
         async for _, step in merged([run]):
             usage.add_step(step)

@@ -30,10 +30,10 @@ class EmbeddingRequest(OpenAIModel):
     def inputs(self) -> list[str | list[int]]:
         """One entry per input: text, or token ids."""
         value = self.input
+        if not value:  # OpenAI: the input cannot be an empty string (or list)
+            raise BadRequest("'input' must not be empty", "input")
         if isinstance(value, str):
             return [value]
-        if not value:
-            raise BadRequest("'input' must not be empty", "input")
         if isinstance(value[0], int):
             return [list(value)]
         if len(value) > MAX_INPUTS:
@@ -41,4 +41,6 @@ class EmbeddingRequest(OpenAIModel):
         for i, item in enumerate(value):
             if isinstance(item, list) and not item:
                 raise BadRequest(f"input[{i}] is an empty list of token ids", "input")
+            if item == "":
+                raise BadRequest(f"input[{i}] is an empty string", "input")
         return list(value)
