@@ -84,6 +84,7 @@ OPENAI_ROUTE_GROUPS: dict[str, str] = {
     "/v1/models": MODEL_REPOSITORY, "/v1/models/{model:path}": MODEL_REPOSITORY,
     "/v1/models/{model_name:path}/load": MODEL_REPOSITORY, "/v1/models/{model_name:path}/unload": MODEL_REPOSITORY,
     "/v1/completions": INFERENCE, "/v1/chat/completions": INFERENCE, "/health": HEALTH,
+    "/health/ready": HEALTH,
     # LoRA adapters loaded from disk (--enable-lora-runtime-updates): repository changes, as a model load is
     "/v1/load_lora_adapter": MODEL_REPOSITORY, "/v1/unload_lora_adapter": MODEL_REPOSITORY,
     "/v1/embeddings": INFERENCE, "/tokenize": INFERENCE, "/detokenize": INFERENCE, "/tokenizer_info": MODEL_CONFIG,

@@ -1,6 +1,7 @@
 """The OpenAI-compatible frontend: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``,
 ``/v1/embeddings``, ``/v1/score``, ``/v1/rerank``, ``/tokenize``, ``/detokenize``, ``/tokenizer_info``,
-``/health``; OpenAI's Responses API (``/v1/responses``) and Anthropic's Messages API (``/v1/messages``).
+``/health``, ``/health/ready`` (Triton's OpenAI frontend's readiness); OpenAI's Responses API
+(``/v1/responses``) and Anthropic's Messages API (``/v1/messages``).
 
 Mounted on the HTTP app (same port as KServe v2). Like every frontend it only translates: requests
 become DataPlane requests of the model's text interface (:mod:`.llm`), responses become OpenAI JSON
@@ -48,6 +49,16 @@ def _health(dataplane):
     return health
 
 
+def _ready(dataplane):
+    """Triton's OpenAI frontend's readiness probe: 200 (empty body) when the server is ready (KServe readiness),
+    else 503 (empty)."""
+
+    async def ready(_request) -> Response:
+        return Response(status_code=200 if dataplane.ready() else 503)
+
+    return ready
+
+
 def mount(app, dataplane, body: BodyReader, limits: OpenAILimits | None = None,
           parsers: OutputParsers | None = None, model_control: bool = False,
           response_store: ResponseStore | None = None) -> OpenAIServer:
@@ -88,4 +99,5 @@ def mount(app, dataplane, body: BodyReader, limits: OpenAILimits | None = None,
     for path, handler in (("/v1/messages", create_message), ("/v1/messages/count_tokens", count_tokens)):
         app.router.routes.append(Route(path, AnthropicRoute(server, handler), methods=["POST"]))
     app.router.routes.append(Route("/health", _health(dataplane), methods=["GET"]))
+    app.router.routes.append(Route("/health/ready", _ready(dataplane), methods=["GET"]))
     return server

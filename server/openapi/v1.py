@@ -211,6 +211,10 @@ def paths() -> dict[str, dict]:
             "responses": {"200": json_body({"type": "object"}, "tokenizer_config.json's entries, "
                                                                "tokenizer_class, chat_template"),
                           **_errors("400", "401", "404", "503")}}},
+        "/health/ready": {"get": {"summary": "Readiness, as Triton's OpenAI frontend: 200 (empty body) when the "
+                                             "server is ready, 503 (empty) otherwise", "tags": ["health"],
+                                  "responses": {"200": {"description": "Ready"},
+                                                "503": {"description": "Not ready"}}}},
         "/health": {"get": {"summary": "Liveness, as vLLM's server: 200 (empty body) while healthy, 503 (empty) "
                                        "once it shuts down or a model's engine died", "tags": ["health"],
                             "responses": {"200": {"description": "Healthy"}, "503": {"description": "Not healthy"}}}},

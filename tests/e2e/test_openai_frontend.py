@@ -304,6 +304,8 @@ def test_models_lists_only_text_models(client):
 
 def test_health(toy_server):
     assert httpx.get(f"{toy_server.base_url}/health").status_code == 200
+    ready = httpx.get(f"{toy_server.base_url}/health/ready")  # Triton's OpenAI frontend's readiness probe
+    assert ready.status_code == 200 and ready.content == b""
 
 
 def test_completion_through_a_generic_text_model(client):
