@@ -314,6 +314,22 @@ def test_chat_renders_the_template_and_counts_tokens(client, tokenizer):
     assert chunks[-1].usage.completion_tokens == 10
 
 
+@pytest.mark.parametrize("echo", [True, False])
+def test_chat_echo_continues_the_final_message(client, tokenizer, echo):
+    """vLLM's test_chat_echo: with continue_final_message the answer continues the assistant's message, and with
+    echo its content starts with that message."""
+    saying = "Here is a common saying about apple. An apple a day, keeps"
+    messages = [{"role": "user", "content": "tell me a common saying"}, {"role": "assistant", "content": saying}]
+    result = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, **GREEDY,
+        extra_body={"echo": echo, "continue_final_message": True, "add_generation_prompt": False, "ignore_eos": True})
+    content = result.choices[0].message.content
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    same = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, **GREEDY,
+                                     extra_body={"ignore_eos": True, "add_special_tokens": False})
+    assert content == (saying if echo else "") + same.choices[0].text
+
+
 async def test_async_chat_stream_with_n(llm_server):
     async with openai.AsyncOpenAI(base_url=f"{llm_server.base_url}/v1", api_key="x", max_retries=0) as client:
         result = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, n=2, seed=1,
