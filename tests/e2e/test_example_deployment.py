@@ -340,7 +340,7 @@ def test_an_engine_error_in_the_llm_step_reaches_the_client(server):
     status, answer = post_json(server, "/v2/models/llm_ensemble/generate",
                                {"text_input": "Hi", "parameters": {"temperature": -1, "max_tokens": 4}})
     assert status == 400
-    assert "step 1 (model 'llm') failed" in answer["error"] and "temperature" in answer["error"]
+    assert answer["error"].startswith("in ensemble 'llm_ensemble', ") and "temperature" in answer["error"]
     events = sse_events(server, "llm_ensemble", {"text_input": "Hi", "stream": True,
                                                  "parameters": {"max_tokens": 4, "temperature": 0}})
     assert "".join(e["text_output"] for e in events)  # the next request is fine
