@@ -24,6 +24,7 @@ from .errors import ServerError
 from .limits import TensorLimits
 from .openai.limits import OpenAILimits
 from .openai.llm import OutputParsers
+from .openai.responses.mcp import McpSettings
 from .openai.responses.store import StoreSettings
 from .repository import ControlMode, ModelRepository
 from .schedulers.rate_limiter import RateLimiter, ResourceLimit
@@ -87,6 +88,8 @@ class ServerOptions:
     enable_lora_runtime_updates: bool = False
     # /v1/responses: the SQLite file of stored responses and its limits (--response-store*)
     response_store: StoreSettings = field(default_factory=StoreSettings)
+    # /v1/responses: the MCP servers a response may use and its tool rounds (--mcp-allow, --mcp-max-tool-rounds)
+    mcp: McpSettings = field(default_factory=McpSettings)
     # processes serving HTTP and gRPC (server/workers): 1 serves them in this process, beside the models
     frontend_workers: int = 1
     # Freeze the garbage collector's heap once models are loaded (the CLI does; see tideserve.heap). Off by default
@@ -143,7 +146,7 @@ class Frontends:
                              access=self.access, openapi=opts.openapi, openai_limits=opts.openai_limits,
                              openai_parsers=opts.openai_parsers,
                              openai_model_control=opts.model_control_mode is ControlMode.EXPLICIT,
-                             response_store=opts.response_store)
+                             response_store=opts.response_store, mcp=opts.mcp)
             await self.serve_http(app, opts.host, opts.http_port, http_socket)
 
     async def serve_http(self, app, host: str, port: int, sock=None) -> None:

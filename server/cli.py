@@ -15,6 +15,8 @@ from .app import Server, ServerOptions
 from .errors import ServerError
 from .openai.limits import OpenAILimits
 from .openai.llm import OutputParsers
+from .openai.responses.mcp import DEFAULT_MAX_TOOL_ROUNDS as DEFAULT_MCP_ROUNDS
+from .openai.responses.mcp import McpSettings
 from .openai.responses.store import DEFAULT_MAX_AGE_S as DEFAULT_STORE_AGE
 from .openai.responses.store import DEFAULT_MAX_BYTES as DEFAULT_STORE_BYTES
 from .openai.responses.store import StoreSettings
@@ -145,6 +147,16 @@ def _add_response_store_flags(p: argparse.ArgumentParser) -> None:
                         f"(default {DEFAULT_STORE_BYTES})")
 
 
+def _add_mcp_flags(p: argparse.ArgumentParser) -> None:
+    """The MCP servers /v1/responses may call (docs/openai.md, "MCP tools")."""
+    p.add_argument("--mcp-allow", action="append", default=[], metavar="URL_PREFIX",
+                   help="an MCP server URL prefix (http:// or https://) that /v1/responses may reach for the MCP "
+                        "tools of a request; repeatable. None by default: an MCP tool is then refused (400)")
+    p.add_argument("--mcp-max-tool-rounds", type=lambda text: _count(text, 1), default=DEFAULT_MCP_ROUNDS,
+                   help="most generations of one response whose MCP tool calls the server runs; calls past it are "
+                        f"left unrun and the response is incomplete (default {DEFAULT_MCP_ROUNDS})")
+
+
 def _add_parser_flags(p: argparse.ArgumentParser) -> None:
     """Default output parsers of /v1 chat completions, for models whose config names none (docs/openai.md)."""
     p.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
@@ -250,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_prompt_tokens_details_flag(p)
     _add_parser_flags(p)
     _add_response_store_flags(p)
+    _add_mcp_flags(p)
     _add_scheduling_flags(p)
     p.add_argument("--api-key", default=os.environ.get("TIDESERVE_API_KEY") or None,
                    help="API key required as 'Authorization: Bearer <key>' (default: $TIDESERVE_API_KEY; "
@@ -300,6 +313,7 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
         enable_lora_runtime_updates=args.enable_lora_runtime_updates,
         response_store=StoreSettings(args.response_store, args.response_store_max_age_secs,
                                      args.response_store_max_bytes),
+        mcp=_mcp_settings(args),
         log_verbose=args.log_verbose, api_key=args.api_key, freeze_heap=True,
         frontend_workers=args.frontend_workers,
         openapi=args.openapi if args.openapi is not None else not args.http_restricted_api,
@@ -307,6 +321,13 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
         http_restricted_apis=parse_restrictions(args.http_restricted_api, "--http-restricted-api"),
         grpc_restricted_protocols=parse_restrictions(args.grpc_restricted_protocol, "--grpc-restricted-protocol",
                                                      GRPC_HEADER_PREFIX))
+
+
+def _mcp_settings(args: argparse.Namespace) -> McpSettings:
+    for prefix in args.mcp_allow:
+        if not prefix.startswith(("http://", "https://")) or len(prefix.split("://", 1)[1].strip("/")) == 0:
+            raise ValueError(f"--mcp-allow {prefix!r}: give an http:// or https:// URL prefix with a host")
+    return McpSettings(tuple(args.mcp_allow), args.mcp_max_tool_rounds)
 
 
 def main(argv: list[str] | None = None) -> int:

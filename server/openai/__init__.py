@@ -28,6 +28,7 @@ from .llm import Catalog, OutputParsers
 from .lora import load_lora_adapter, unload_lora_adapter
 from .messages import AnthropicRoute, count_tokens, create_message
 from .models import get_model, list_models, load_model, unload_model
+from .responses.mcp import McpSettings
 from .responses import (ResponseStore, Responses, cancel_response, create_response, delete_response, list_input_items,
                         retrieve_response)
 from .score import create_rerank, create_score
@@ -61,12 +62,13 @@ def _ready(dataplane):
 
 def mount(app, dataplane, body: BodyReader, limits: OpenAILimits | None = None,
           parsers: OutputParsers | None = None, model_control: bool = False,
-          response_store: ResponseStore | None = None) -> OpenAIServer:
+          response_store: ResponseStore | None = None, mcp: McpSettings | None = None) -> OpenAIServer:
     """Add the OpenAI routes to ``app`` (a FastAPI / Starlette app); ``body`` is the HTTP port's body
     reader, ``limits`` what one request may ask for (the ``--openai-*`` flags), ``parsers`` the default
     tool-call and reasoning parsers (``--tool-call-parser``, ``--reasoning-parser``); ``model_control``: the
     server runs ``--model-control-mode explicit``, so ``/v1/models/{model}/load`` and ``/unload`` may act;
-    ``response_store``: where ``/v1/responses`` keeps stored responses (``--response-store``)."""
+    ``response_store``: where ``/v1/responses`` keeps stored responses (``--response-store``); ``mcp``: the MCP
+    servers ``/v1/responses`` may use (``--mcp-allow``)."""
     server = OpenAIServer(dataplane, Catalog(dataplane, parsers), body, limits,
                           embedders=EmbedderCatalog(dataplane), model_control=model_control)
     routes = [
@@ -93,7 +95,7 @@ def mount(app, dataplane, body: BodyReader, limits: OpenAILimits | None = None,
         ("/v1/responses/{response_id}/cancel", cancel_response, ["POST"], False),
         ("/v1/responses/{response_id}/input_items", list_input_items, ["GET"], False),
     ]
-    server.responses = Responses(response_store or ResponseStore())
+    server.responses = Responses(response_store or ResponseStore(), mcp=mcp or McpSettings())
     for path, handler, methods, body in routes:
         app.router.routes.append(Route(path, OpenAIRoute(server, handler, body), methods=methods))
     for path, handler in (("/v1/messages", create_message), ("/v1/messages/count_tokens", count_tokens)):

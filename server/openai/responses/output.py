@@ -34,6 +34,16 @@ def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str
             "arguments": arguments}
 
 
+def usage_doc(run, usage, reasoning: str | None) -> dict:
+    """The ``usage`` of one generation (``run``, a ChatRun; ``usage``, its counts)."""
+    counts = usage.doc()
+    cached = (counts.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {"input_tokens": counts["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": counts["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": run.llm.count_tokens(reasoning) if reasoning else 0},
+            "total_tokens": counts["total_tokens"]}
+
+
 def items_of(message: dict, reason: str) -> list[dict]:
     """The output items of a whole chat message."""
     status = "incomplete" if reason == "length" else "completed"

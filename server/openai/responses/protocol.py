@@ -88,9 +88,11 @@ class ResponsesRequest(OpenAIModel):
     def check(self) -> None:
         """What tideserve refuses (a 400 naming the field)."""
         for i, tool in enumerate(self.tools):
+            if tool.type == "mcp":  # checked with the server's --mcp-allow (mcp.servers_of)
+                continue
             if tool.type != "function":
                 raise BadRequest(f"tools[{i}]: tool type '{tool.type}' is not supported here (only 'function' "
-                                 "tools)", f"tools[{i}].type")
+                                 "and 'mcp' tools)", f"tools[{i}].type")
             if not tool.name:
                 raise BadRequest(f"tools[{i}]: a function tool needs a 'name'", f"tools[{i}].name")
         if self.background and not self.store:
@@ -114,11 +116,22 @@ class ResponsesRequest(OpenAIModel):
                 "reasoning": (self.reasoning.model_dump() if self.reasoning else {"effort": None, "summary": None}),
                 "temperature": self.temperature if self.temperature is not None else 1.0,
                 "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True)},
-                "tool_choice": choice, "tools": [t.model_dump(exclude_none=True) for t in self.tools],
+                "tool_choice": choice, "tools": [_echoed(t) for t in self.tools],
                 "top_p": self.top_p if self.top_p is not None else 1.0, "truncation": self.truncation or "disabled",
                 "user": self.user, "store": self.store, "background": self.background,
                 "max_tool_calls": self.max_tool_calls, "service_tier": self.service_tier or "auto",
                 "top_logprobs": self.top_logprobs}
+
+
+def _echoed(tool: FunctionTool) -> dict:
+    """A tool as the response repeats it: an MCP tool's headers and authorization left out (secrets stay out of
+    answers and the store)."""
+    doc = tool.model_dump(exclude_none=True)
+    if tool.type == "mcp":
+        doc.pop("authorization", None)
+        if "headers" in doc:
+            doc["headers"] = None
+    return doc
 
 
 # -- input items --------------------------------------------------------------------------------------
@@ -145,12 +158,16 @@ def input_items(request: ResponsesRequest) -> list[dict]:
         elif kind == "reasoning":
             items.append({"id": item.get("id") or new_id("rs"), "type": "reasoning",
                           "summary": item.get("summary") or [], "content": item.get("content") or []})
+        elif kind in ("mcp_list_tools", "mcp_call"):  # earlier output given back (mcp_call: rendered as a call)
+            if kind == "mcp_call":
+                _need(i, item, ("name", "arguments"))
+            items.append({**item, "id": item.get("id") or new_id("mcp" if kind == "mcp_call" else "mcpl")})
         elif kind == "item_reference":
             raise BadRequest(f"input[{i}]: item references are not supported here; send the item itself",
                              f"input[{i}].type")
         else:
             raise BadRequest(f"input[{i}]: item type '{kind}' is not supported here (message, function_call, "
-                             "function_call_output, reasoning)", f"input[{i}].type")
+                             "function_call_output, reasoning, mcp_list_tools, mcp_call)", f"input[{i}].type")
     return items
 
 
@@ -194,26 +211,53 @@ def _message_item(i: int, item: dict) -> dict:
 
 def to_messages(items: list[dict]) -> list[dict]:
     """Chat messages of input or output items (consecutive function calls join one assistant message, text
-    before them its content)."""
+    before them its content; the results of consecutive MCP calls follow their calls)."""
     messages: list[dict] = []
+    results: list[dict] = []  # tool messages of the MCP calls just before
     for item in items:
         kind = item["type"]
+        if kind != "mcp_call" and results:
+            messages += results
+            results = []
         if kind == "message":
             text = "".join(p.get("text", "") for p in item["content"])
             messages.append({"role": item["role"], "content": text})
         elif kind == "function_call":
-            call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": item["name"], "arguments": item["arguments"]}}
-            last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and "tool_call_id" not in last:
-                last.setdefault("tool_calls", []).append(call)
-                if last.get("content") == "":
-                    last["content"] = None
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            _add_call(messages, {"id": item["call_id"], "type": "function",
+                                 "function": {"name": item["name"], "arguments": item["arguments"]}})
         elif kind == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
-    return messages
+        elif kind == "mcp_call" and item.get("status") in (None, "completed", "failed"):
+            # a call the server ran: the model's call (the item's id as its call id), then its result
+            _add_call(messages, {"id": item["id"], "type": "function",
+                                 "function": {"name": item["name"], "arguments": item["arguments"]}})
+            error = item.get("error")
+            text = item.get("output") if not error else _error_text(error)
+            results.append({"role": "tool", "tool_call_id": item["id"], "content": text or ""})
+    return messages + results
+
+
+def _add_call(messages: list[dict], call: dict) -> None:
+    """``call`` on the assistant message just before, or on a new one."""
+    last = messages[-1] if messages else None
+    if last is not None and last["role"] == "assistant" and "tool_call_id" not in last:
+        last.setdefault("tool_calls", []).append(call)
+        if last.get("content") == "":
+            last["content"] = None
+    else:
+        messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+
+
+def _error_text(error: Any) -> str:
+    """What the model reads of a failed MCP call (``error`` in OpenAI's shape, or a string)."""
+    if not isinstance(error, dict):
+        return f"Error: {error}"
+    if error.get("type") == "mcp_tool_execution_error":
+        blocks = error.get("content") or []
+        if isinstance(blocks, list):
+            return "Error: " + "\n".join(b.get("text", "") if isinstance(b, dict) else str(b) for b in blocks)
+        return f"Error: {blocks}"
+    return f"Error: {error.get('message', '')}"
 
 
 # -- the chat request ---------------------------------------------------------------------------------------

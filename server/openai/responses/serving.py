@@ -27,7 +27,7 @@ from ..chat_run import ChatRun, start
 from ..errors import BadRequest, OpenAIError
 from ..http import EventStream
 from ..protocol import parse
-from . import output
+from . import mcp, output
 from .protocol import ResponsesRequest, chat_request, input_items, new_id, renamed, to_messages
 from .store import ResponseStore, Stored
 
@@ -43,6 +43,7 @@ class Responses:
 
     store: ResponseStore
     tasks: dict[str, asyncio.Task] = field(default_factory=dict)
+    mcp: mcp.McpSettings = field(default_factory=mcp.McpSettings)  # the MCP servers responses may use
 
 
 def _responses(server) -> Responses:
@@ -69,12 +70,21 @@ async def create_response(server, doc, _scope) -> bytes | EventStream:
     messages = ([{"role": "system", "content": request.instructions}] if request.instructions else []) + conversation
     if not messages:
         raise BadRequest("the request has no input", "input")
-    chat = chat_request(request, doc, messages, request.stream)
+    servers = mcp.servers_of(doc.get("tools"), state.mcp)
     response_id = new_id("resp")
     created = int(time.time())
     job = _Job(server, state, request, llm.name, response_id, created, items, conversation)
+    if servers:
+        return await _with_mcp(job, mcp.ToolRounds(server, request, doc, llm, messages, servers, state.mcp,
+                                                   response_id))
+    chat = chat_request(request, doc, messages, request.stream)
     if request.background:
-        return await job.in_background(chat, llm)
+        async def launch():
+            run = await start(server, chat, llm, stream=True, request_id=response_id,
+                              max_tokens_field="max_output_tokens")
+            return job.collect(run), run.close
+
+        return await job.in_background(launch)
     try:
         run = await start(server, chat, llm, stream=request.stream, request_id=response_id,
                           max_tokens_field="max_output_tokens")
@@ -83,7 +93,28 @@ async def create_response(server, doc, _scope) -> bytes | EventStream:
     if request.stream:
         return EventStream(job.events(run), run.close)
     message, reason, usage = await _whole(run)
-    answer = job.answer(output.items_of(message, reason), reason, _usage(run, usage, message.get("reasoning")))
+    answer = job.answer(output.items_of(message, reason), reason, output.usage_doc(run, usage, message.get("reasoning")))
+    await job.save(answer)
+    return orjson.dumps(answer)
+
+
+async def _with_mcp(job: _Job, rounds: mcp.ToolRounds) -> bytes | EventStream:
+    """A response whose model may call MCP tools (:mod:`.mcp`): tool lists, generations and calls."""
+    if job.request.background:
+        async def launch():
+            await rounds.begin()
+            return job.collect_rounds(rounds), rounds.close
+
+        return await job.in_background(launch)
+    await rounds.begin()
+    if job.request.stream:
+        return EventStream(job.round_events(rounds), rounds.close)
+    try:
+        answer = await job.collect_rounds(rounds)
+    except OpenAIError as exc:
+        raise renamed(exc) from None
+    finally:
+        await rounds.close()
     await job.save(answer)
     return orjson.dumps(answer)
 
@@ -93,15 +124,6 @@ async def _whole(run: ChatRun):
         return await run.whole()
     except OpenAIError as exc:
         raise renamed(exc) from None
-
-
-def _usage(run: ChatRun, usage, reasoning: str | None) -> dict:
-    counts = usage.doc()
-    cached = (counts.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    return {"input_tokens": counts["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
-            "output_tokens": counts["completion_tokens"],
-            "output_tokens_details": {"reasoning_tokens": run.llm.count_tokens(reasoning) if reasoning else 0},
-            "total_tokens": counts["total_tokens"]}
 
 
 @dataclass(eq=False)
@@ -126,6 +148,8 @@ class _Job:
     def answer(self, items: list[dict], reason: str, usage: dict) -> dict:
         if reason == "length":
             return self.response("incomplete", items, usage, incomplete={"reason": "max_output_tokens"})
+        if reason == "max_tool_calls":  # MCP calls left unrun (mcp.ToolRounds)
+            return self.response("incomplete", items, usage, incomplete={"reason": "max_tool_calls"})
         return self.response("completed", items, usage)
 
     async def save(self, response: dict, background: bool = False) -> None:
@@ -135,13 +159,7 @@ class _Job:
 
     # -- streaming ------------------------------------------------------------------------------------
     async def events(self, run: ChatRun):
-        sequence = 0
-
-        def sse(event: dict) -> bytes:
-            nonlocal sequence
-            event["sequence_number"] = sequence
-            sequence += 1
-            return b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
+        sse = _Numbered()
 
         started = self.response("in_progress", [])
         yield sse({"type": "response.created", "response": started})
@@ -167,29 +185,51 @@ class _Job:
             await self.save(failed)
             yield sse({"type": "response.failed", "response": failed})
             return
-        final = self.answer(stream.items, reason or "stop", _usage(run, usage, "".join(reasoning)))
+        final = self.answer(stream.items, reason or "stop", output.usage_doc(run, usage, "".join(reasoning)))
+        await self.save(final)
+        yield sse({"type": "response.completed" if final["status"] == "completed" else "response.incomplete",
+                   "response": final})
+
+    async def round_events(self, rounds: mcp.ToolRounds):
+        """The events of a response with MCP tools (:class:`.mcp.ToolRounds`)."""
+        sse = _Numbered()
+        started = self.response("in_progress", [])
+        yield sse({"type": "response.created", "response": started})
+        yield sse({"type": "response.in_progress", "response": started})
+        try:
+            async for event in rounds.events():
+                yield sse(event)
+        except OpenAIError as exc:
+            exc = renamed(exc)
+            failed = self.response("failed", rounds.items, error={"code": "server_error" if exc.status >= 500
+                                                                  else "invalid_request", "message": exc.message})
+            await self.save(failed)
+            yield sse({"type": "response.failed", "response": failed})
+            return
+        final = self.answer(rounds.items, rounds.reason, rounds.usage)
         await self.save(final)
         yield sse({"type": "response.completed" if final["status"] == "completed" else "response.incomplete",
                    "response": final})
 
     # -- background -----------------------------------------------------------------------------------
-    async def in_background(self, chat, llm) -> bytes:
+    async def in_background(self, launch) -> bytes:
+        """Answer ``queued`` and generate in a task: ``await launch()`` starts the generation and gives the
+        coroutine that collects the final response and what closes the generation."""
         queued = self.response("queued", [])
         await self.save(queued, background=True)
-        task = asyncio.ensure_future(self._background(chat, llm))
+        task = asyncio.ensure_future(self._background(launch))
         self.state.tasks[self.id] = task
         task.add_done_callback(lambda _: self.state.tasks.pop(self.id, None))
         return orjson.dumps(queued)
 
-    async def _background(self, chat, llm) -> None:
+    async def _background(self, launch) -> None:
         store = self.state.store
         blocking = self.server.run_blocking
         try:
             if not await blocking(store.update, self.response("in_progress", []), _RUNNING):
                 return  # cancelled (or deleted) before it started
-            run = await start(self.server, chat, llm, stream=True, request_id=self.id,
-                              max_tokens_field="max_output_tokens")
-            work = asyncio.ensure_future(self._collect(run))
+            collect, close = await launch()
+            work = asyncio.ensure_future(collect)
             try:
                 while not work.done():
                     await asyncio.wait([work], timeout=CANCEL_POLL_S)
@@ -200,7 +240,7 @@ class _Job:
             finally:
                 if not work.done():
                     work.cancel()
-                await run.close()
+                await close()
             final = work.result()
         except asyncio.CancelledError:
             return  # cancel already wrote the stored status
@@ -214,7 +254,13 @@ class _Job:
                                                        "message": f"internal error: {type(exc).__name__}: {exc}"})
         await blocking(store.update, final, _RUNNING)
 
-    async def _collect(self, run: ChatRun) -> dict:
+    async def collect_rounds(self, rounds: mcp.ToolRounds) -> dict:
+        """The response of a run with MCP tools, its events dropped."""
+        async for _ in rounds.events():
+            pass
+        return self.answer(rounds.items, rounds.reason, rounds.usage)
+
+    async def collect(self, run: ChatRun) -> dict:
         """The response of a run streamed from the model (so a cancel stops it between two pieces)."""
         stream = output.OutputStream()
         usage = run.usage()
@@ -225,7 +271,21 @@ class _Job:
                 reasoning.append(delta["reasoning"])
             stream.feed(delta)
         stream.finish(reason)
-        return self.answer(stream.items, reason or "stop", _usage(run, usage, "".join(reasoning)))
+        return self.answer(stream.items, reason or "stop", output.usage_doc(run, usage, "".join(reasoning)))
+
+
+class _Numbered:
+    """Server-sent events of the Responses API, numbered from 0 (``sequence_number``)."""
+
+    __slots__ = ("sequence",)
+
+    def __init__(self) -> None:
+        self.sequence = 0
+
+    def __call__(self, event: dict) -> bytes:
+        event["sequence_number"] = self.sequence
+        self.sequence += 1
+        return b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
 
 
 # -- the stored responses ---------------------------------------------------------------------------------
