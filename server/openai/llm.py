@@ -173,6 +173,8 @@ class LLMModel:
             if value is None or (key == "n" and value == 1):
                 continue
             name = next((n for n in _KNOBS.get(key, ()) if n in self.input_types), None)
+            if name is None and key == "max_tokens":
+                continue  # always set (16 by default): a model without a length input decides the length itself
             if name is None:
                 raise BadRequest(f"model '{self.name}' does not take '{key}' (it has no sampling_parameters input "
                                  f"and no input for it)", key)

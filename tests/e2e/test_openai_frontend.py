@@ -259,6 +259,8 @@ def _repository(root: Path) -> Path:
             config = config.replace("dims: [ 1 ]", "dims: [ 1, 1 ]").replace("dims: [ -1 ]", "dims: [ 1, -1 ]")
         (repository / name / "config.pbtxt").write_text(f'name: "{name}"\n' + config + extra)
     shutil.copytree(TEST_MODELS / "add_sub", repository / "add_sub")
+    shutil.copytree(TEST_MODELS / "mock_llm", repository / "mock_llm")
+    (repository / "mock_llm" / "config.pbtxt").write_text((TEST_MODELS / "mock_llm" / "config.pbtxt").read_text() + chat)
     return repository
 
 
@@ -293,7 +295,7 @@ def _sse(server, path: str, body: dict) -> list[str]:
 
 
 def test_models_lists_only_text_models(client):
-    assert sorted(m.id for m in client.models.list().data) == ["words", "words_2d", "words_chat"]
+    assert sorted(m.id for m in client.models.list().data) == ["mock_llm", "words", "words_2d", "words_chat"]
     model = client.models.retrieve("words")
     assert (model.id, model.object, model.owned_by) == ("words", "model", "tideserve")
     for name in ("nope", "add_sub"):
@@ -327,6 +329,18 @@ def test_inputs_take_the_shape_the_model_declares(client):
         chunks = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
                                                      max_tokens=3, stream=True))
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "w0 w1 w2", model
+
+
+def test_triton_mock_llm_is_served(client):
+    """Triton's mock_llm interface: [1, 1] inputs and no length input (max_tokens, always set, is not sent)."""
+    assert client.completions.create(model="mock_llm", prompt="hello there").choices[0].text == "hello there"
+    assert client.completions.create(model="mock_llm", prompt="abc", max_tokens=5).choices[0].text == "abc"
+    chunks = list(client.completions.create(model="mock_llm", prompt="hello there", stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == "hello there"
+    chat = client.chat.completions.create(model="mock_llm", messages=[{"role": "user", "content": "hi"}])
+    assert chat.choices[0].message.content == "user: hi\nassistant:"
+    with pytest.raises(openai.BadRequestError, match="temperature"):  # other fields still need an input
+        client.completions.create(model="mock_llm", prompt="x", temperature=0.5)
 
 
 def test_the_shape_rule_between_models():
