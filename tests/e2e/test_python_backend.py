@@ -119,7 +119,7 @@ async def test_add_sub_batches_concurrent_requests(core):
     responses = await asyncio.gather(*(core.infer("add_sub", **r) for r in requests))
     for inputs, response in zip(requests, responses):
         np.testing.assert_allclose(response.output("OUTPUT0").data, inputs["INPUT0"] + inputs["INPUT1"])
-    (stats,) = core.dataplane.model_statistics("add_sub")
+    (stats,) = await core.dataplane.statistics("add_sub")
     assert stats["inference_count"] == 64
     assert stats["execution_count"] < stats["inference_count"]
 
