@@ -7,6 +7,7 @@ from .base import Target, TargetOptions
 TARGETS = {
     "openai-chat": ("openai", "ChatTarget"),
     "openai-completions": ("openai", "CompletionsTarget"),
+    "openai-responses": ("responses", "ResponsesTarget"),
     "kserve-generate": ("kserve", "KServeTarget"),
     "grpc-stream": ("grpc", "GrpcStreamTarget"),
 }

@@ -22,7 +22,7 @@ from ..errors import BadRequest, OpenAIError
 from ..protocol import OpenAIModel, parse
 
 # vLLM's extensions passed on to the chat request as they are
-_PASSED_ON = ("top_k", "min_p", "repetition_penalty", "seed", "stop", "min_tokens", "priority",
+_PASSED_ON = ("top_k", "min_p", "repetition_penalty", "seed", "stop", "min_tokens", "priority", "ignore_eos",
               "chat_template_kwargs", "include_stop_str_in_output", "skip_special_tokens", "presence_penalty",
               "frequency_penalty", "structured_outputs")
 # chat request field -> the Responses field it came from (error messages name what the client sent)

