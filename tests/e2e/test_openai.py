@@ -484,3 +484,48 @@ def test_openai_traffic_shows_in_the_llm_metrics(llm_server, client):
     assert metric_value(text, "tideserve:request_success_total", **labels) == before + 2
     assert metric_value(text, "tideserve:time_to_first_token_seconds_count", **labels) > 0
     assert metric_value(text, "nv_inference_request_success", model=MODEL, version="1") > 0
+
+
+# -- the Responses and Messages APIs over the engine --------------------------------------------
+def test_responses_api_over_the_engine(client):
+    """``/v1/responses`` (whole and streamed) generates what chat completions does for the same conversation."""
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, **GREEDY)
+    response = client.responses.create(model=MODEL, instructions=MESSAGES[0]["content"], input=MESSAGES[1]["content"],
+                                       max_output_tokens=12, store=False, **GREEDY)
+    expected_status = "incomplete" if chat.choices[0].finish_reason == "length" else "completed"
+    assert response.status == expected_status and response.model == MODEL
+    assert response.output_text == chat.choices[0].message.content
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.usage.output_tokens == chat.usage.completion_tokens
+    with client.responses.stream(model=MODEL, instructions=MESSAGES[0]["content"], input=MESSAGES[1]["content"],
+                                 max_output_tokens=12, store=False, **GREEDY) as stream:
+        events = list(stream)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[-1].type == f"response.{expected_status}"
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert len(deltas) > 1 and "".join(deltas) == response.output_text  # streamed as the engine writes
+    final = events[-1].response
+    assert final.output_text == response.output_text and final.usage == response.usage
+
+
+def test_messages_api_over_the_engine(llm_server, client):
+    """``/v1/messages`` (the ``anthropic`` client, whole and streamed) generates what chat completions does."""
+    anthropic = pytest.importorskip("anthropic")
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, **GREEDY)
+    kwargs = {"model": MODEL, "system": MESSAGES[0]["content"], "max_tokens": 12,
+              "extra_body": {"temperature": 0},  # (this anthropic client has no temperature argument)
+              "messages": [{"role": "user", "content": MESSAGES[1]["content"]}]}
+    with anthropic.Anthropic(base_url=llm_server.base_url, api_key="unused", max_retries=0, timeout=120) as claude:
+        message = claude.messages.create(**kwargs)
+        with claude.messages.stream(**kwargs) as stream:
+            pieces = [event.delta.text for event in stream
+                      if event.type == "content_block_delta" and event.delta.type == "text_delta"]
+            streamed = stream.get_final_message()
+        counted = claude.messages.count_tokens(model=MODEL, system=kwargs["system"], messages=kwargs["messages"])
+    text = chat.choices[0].message.content
+    assert message.content[0].type == "text" and message.content[0].text == text
+    assert message.stop_reason == ("max_tokens" if chat.choices[0].finish_reason == "length" else "end_turn")
+    assert message.usage.input_tokens == chat.usage.prompt_tokens == counted.input_tokens
+    assert message.usage.output_tokens == chat.usage.completion_tokens
+    assert len(pieces) > 1 and "".join(pieces) == text
+    assert streamed.content[0].text == text and streamed.usage.output_tokens == message.usage.output_tokens
