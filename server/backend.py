@@ -186,6 +186,9 @@ class Model:
     """State shared by the instances of one model version."""
 
     instance_class: type[ModelInstance] = ModelInstance
+    # True: the model also takes typed LLM requests (``request.generation``, no input tensors) and answers them
+    # with ``response.generation`` (tideserve.generation); the OpenAI frontend then sends it those
+    takes_generation: bool = False
 
     def __init__(self, backend: "Backend", ctx: ModelContext) -> None:
         self.backend = backend

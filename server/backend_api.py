@@ -25,6 +25,12 @@ Backend, Model, ModelInstance
     LoRA adapters overrides ``lora_adapters``, ``load_lora_adapter`` and ``unload_lora_adapter``
     (the vllm backend does; the DataPlane lists and loads adapters through them).
 
+Typed LLM requests
+    :class:`GenerationRequest` (prompt or token ids, sampling parameters, LoRA, what to report) arrives as
+    ``request.generation`` (with no input tensors) at a model whose class sets ``takes_generation = True``; it
+    answers with :class:`GenerationDelta` in ``response.generation`` (text deltas, token counts, finish reasons,
+    logprobs, usage). See :mod:`tideserve.generation`.
+
 ModelContext: what the server hands a model at construction
     ``name``, ``version``, ``config`` (Triton's ``ModelConfig`` message), ``model_path``, helpers
     for the model's files (``local_path``, ``check_file``, ``parameter``), ``metrics`` (the
@@ -86,6 +92,7 @@ from .errors import (
     as_server_error,
     error_of_status,
 )
+from .generation import GenerationDelta, GenerationRequest
 from .responses import ResponseSender
 from .runtime import InstanceSlot, ModelRuntime
 from .schedulers import DirectScheduler, DynamicBatcher, PassThroughScheduler, Scheduler
@@ -96,6 +103,7 @@ from .validation import conform_shape
 __all__ = [
     # types and errors
     "Tensor", "InferenceRequest", "InferenceResponse", "RequestedOutput", "CancellationToken",
+    "GenerationRequest", "GenerationDelta",
     "ServerError", "Status", "InvalidArgument", "NotFound", "Unavailable", "QueueFull", "Unsupported", "Cancelled",
     "DeadlineExceeded", "InternalError", "as_server_error", "error_of_status",
     # backends

@@ -390,7 +390,12 @@ class DataPlane(ServingInterface):
                 if tensor.parameters and REGION in tensor.parameters:
                     self.shared_memory.resolve_inputs(request, shm_held)
                     break
-            runtime.validator.validate(request)
+            if request.generation is None:
+                runtime.validator.validate(request)
+            elif not runtime.takes_generation or request.inputs:
+                raise InvalidArgument(f"model '{runtime.name}' takes no typed generation requests; send its "
+                                      "input tensors" if not runtime.takes_generation else
+                                      "a typed generation request carries no input tensors")
             if request.outputs:
                 shm_outputs = self.shared_memory.output_targets(request, shm_held)
         except ServerError:
@@ -402,7 +407,8 @@ class DataPlane(ServingInterface):
         if self.tracer.active:
             request.trace = self.tracer.begin(request, runtime)
         cache_key, lookup_ns, cached = None, 0, None
-        if self.cache is not None and runtime.config.response_cache.enable and not runtime.decoupled:
+        if (self.cache is not None and runtime.config.response_cache.enable and not runtime.decoupled
+                and request.generation is None):
             start = time.monotonic_ns()
             cache_key = request_key(request, str(runtime.version))
             cached = self.cache.lookup(cache_key, request)

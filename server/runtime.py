@@ -93,6 +93,11 @@ class ModelRuntime:
     def decoupled(self) -> bool:
         return self.ctx.decoupled
 
+    @property
+    def takes_generation(self) -> bool:
+        """The model takes typed LLM requests (tideserve.generation)."""
+        return self.model.takes_generation
+
     # -- lifecycle -----------------------------------------------------------------------
     async def load(self) -> None:
         """Auto-complete and check the config, initialise the model and its instances in parallel."""

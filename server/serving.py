@@ -31,6 +31,7 @@ class ServedModel(Protocol):
     version: int
     config: mc.ModelConfig
     ctx: ModelContext  # its files (``ctx.version_path``, ``ctx.local_path``) for tokenizers and templates
+    takes_generation: bool  # it takes typed LLM requests (tideserve.generation) beside its tensors
 
 
 class ResponseStream(Protocol):

@@ -12,6 +12,7 @@ import numpy as np
 
 from .datatypes import datatype_of
 from .errors import ServerError
+from .generation import GenerationDelta, GenerationRequest
 
 
 @dataclass
@@ -83,12 +84,13 @@ class InferenceRequest:
 
     __slots__ = ("model_name", "model_version", "id", "inputs", "outputs", "parameters",
                  "priority", "timeout_us", "cancellation", "arrival_ns", "response_sender",
-                 "internal_id", "batch_size", "queue_start_ns", "streaming", "trace_context", "trace")
+                 "internal_id", "batch_size", "queue_start_ns", "streaming", "trace_context", "trace",
+                 "reschedule", "generation")
 
     def __init__(self, model_name: str, inputs: dict[str, Tensor], *, model_version: str = "",
                  id: str = "", outputs: list[RequestedOutput] | None = None,
                  parameters: dict[str, Any] | None = None, priority: int = 0,
-                 timeout_us: int = 0) -> None:
+                 timeout_us: int = 0, generation: GenerationRequest | None = None) -> None:
         self.model_name = model_name
         self.model_version = model_version
         self.id = id
@@ -110,6 +112,11 @@ class InferenceRequest:
         # of an ensemble step (its RequestTrace); None: none
         self.trace_context = None
         self.trace = None  # the request's own RequestTrace when it is traced (set by the DataPlane)
+        # set by a backend during execute to have the request run again in a later batch (Triton's
+        # TRITONSERVER_REQUEST_RELEASE_RESCHEDULE); only the sequence batcher of an iterative_sequence model does
+        self.reschedule = False
+        # a typed LLM request (no input tensors) for a model that takes them (tideserve.generation)
+        self.generation = generation
 
     def is_cancelled(self) -> bool:
         return self.cancellation.is_cancelled()
@@ -130,6 +137,7 @@ class InferenceResponse:
     error: ServerError | None = None
     final: bool = True
     empty: bool = False  # a bare FINAL flag with no response content (decoupled models)
+    generation: GenerationDelta | None = None  # the answer to a typed LLM request (tideserve.generation)
 
     def output(self, name: str) -> Tensor | None:
         for tensor in self.outputs:

@@ -71,6 +71,7 @@ class VllmInstance(ModelInstance):
 
 class VllmModel(Model):
     instance_class = VllmInstance
+    takes_generation = True  # typed requests from the OpenAI frontend (tideserve.generation) beside Triton's tensors
 
     def __init__(self, backend: Backend, ctx: ModelContext) -> None:
         super().__init__(backend, ctx)

@@ -117,7 +117,7 @@ class Generator:
         request.cancellation.add_callback(abort.on_cancel)
         last = None
         priority = request.priority if self.priority_scheduling else 0
-        cached = request.parameters.get(RETURN_CACHED_TOKENS) is True
+        cached = inputs.cached_tokens or request.parameters.get(RETURN_CACHED_TOKENS) is True
         try:
             async for output in self.engine.generate(prompt, params, request_id, lora_request=lora,
                                                      priority=priority):
@@ -183,7 +183,10 @@ class Generator:
 def _note_cached_tokens(response, output: Any) -> None:
     """The prompt tokens the engine's prefix cache served, as the response parameter ``num_cached_tokens``."""
     if output is not None and output.num_cached_tokens is not None:
-        response.parameters["num_cached_tokens"] = int(output.num_cached_tokens)
+        if response.generation is not None:
+            response.generation.cached_tokens = int(output.num_cached_tokens)
+        else:
+            response.parameters["num_cached_tokens"] = int(output.num_cached_tokens)
 
 
 def engine_error(exc: BaseException) -> ServerError:

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from tideserve.backend_api import InferenceResponse, InvalidArgument, Tensor
+from tideserve.backend_api import GenerationDelta, InferenceResponse, InvalidArgument, Tensor
 
 from .inputs import GenerateInputs
 
@@ -122,6 +122,8 @@ class ResponseBuilder:
             self.prompt_logprobs = prompt_logprobs(entries, self.prompt_ids, self.decode)
 
     def _response(self, parts: list[Completion], prepend: bool, whole: bool) -> InferenceResponse:
+        if self.inputs.typed:
+            return InferenceResponse(generation=self._delta(parts, whole))
         want = self.want
         tensors = []
         if "text_output" in want:
@@ -146,6 +148,17 @@ class ResponseBuilder:
         if "num_output_tokens" in want:
             tensors.append(_array("num_output_tokens", [len(p.token_ids) for p in parts], np.uint32))
         return InferenceResponse(outputs=tensors)
+
+    def _delta(self, parts: list[Completion], whole: bool) -> GenerationDelta:
+        """The answer to a typed request: the same fields as the tensors, as they are."""
+        prompt_logprobs = None
+        if "prompt_logprobs" in self.want and not self._prompt_logprobs_sent and (self.prompt_logprobs is not None
+                                                                                    or whole):
+            prompt_logprobs = self.prompt_logprobs
+            self._prompt_logprobs_sent = True
+        return GenerationDelta([p.text for p in parts], [p.finish_reason for p in parts],
+                               [len(p.token_ids) for p in parts], len(self.prompt_ids),
+                               [p.logprobs for p in parts] if self.want_logprobs else None, prompt_logprobs)
 
 
 def _bytes(name: str, values: list[str]) -> Tensor:

@@ -50,10 +50,9 @@ class Run:
                 raise as_server_error(response.error)
             if response.empty:
                 continue
-            cached = response.parameters.get("num_cached_tokens")
-            if cached is not None:
-                self.cached_tokens = int(cached)
             step = self.reader.read(response)
+            if step.cached_tokens is not None:
+                self.cached_tokens = step.cached_tokens
             if step.prompt_tokens is not None:
                 self.prompt_tokens = step.prompt_tokens
             if step.prompt_logprobs is not None:

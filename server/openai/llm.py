@@ -41,6 +41,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from ..datatypes import config_to_datatype, numpy_dtype
 from ..errors import InvalidArgument, NotFound, ServerError, Unavailable
+from ..generation import GenerationDelta, GenerationRequest
 from ..types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 from ..validation import conform_shape
 from . import chat_template
@@ -86,6 +87,7 @@ class LLMModel:
     base: str | None = None  # set when ``name`` is a LoRA adapter: the model that serves it (vLLM's parent)
     max_model_len: int | None = None  # the context length, where the config or the model files say it
     input_dims: dict[str, tuple[int, ...]] = field(default_factory=dict)  # input name -> its declared dims
+    typed: bool = False  # the model takes typed generation requests (tideserve.generation) instead of tensors
 
     @property
     def sampling_json(self) -> bool:
@@ -114,7 +116,25 @@ class LLMModel:
     def request(self, prompt: str | list[int], sampling: dict[str, Any], *, stream: bool, logprobs: bool,
                 add_special_tokens: bool = True, request_id: str = "", prompt_logprobs: bool = False
                 ) -> InferenceRequest:
-        """The DataPlane request of one prompt; raises BadRequest for what the model cannot take."""
+        """The request of one prompt; raises BadRequest for what the model cannot take."""
+        if prompt_logprobs and not self.prompt_logprobs:
+            raise BadRequest(f"model '{self.name}' does not return the prompt's log probabilities, which 'echo' with "
+                             "'logprobs' needs (a vLLM model has them)", "echo")
+        if logprobs and not self.logprobs:
+            raise BadRequest(f"model '{self.name}' does not return log probabilities", "logprobs")
+        max_tokens = sampling.get("max_tokens")
+        if self.max_model_len is not None and isinstance(max_tokens, int) and max_tokens > self.max_model_len:
+            # vLLM's OpenAI server refuses it (the engine, and Triton's tensor interface, stop at the context)
+            raise InvalidArgument(f"invalid sampling parameter 'max_tokens': This model's maximum context length "
+                                  f"is {self.max_model_len} tokens. However, you requested {max_tokens} output "
+                                  f"tokens ('max_tokens' cannot be greater than max_model_len={self.max_model_len})."
+                                  " Please request fewer output tokens.")
+        if self.typed:
+            generation = GenerationRequest(prompt, sampling, stream, add_special_tokens,
+                                           self.name if self.base else None, logprobs, prompt_logprobs)
+            request = InferenceRequest(self.base or self.name, {}, id=request_id, generation=generation)
+            request.streaming = stream
+            return request
         inputs: dict[str, Tensor] = {}
         outputs = None
         if isinstance(prompt, str):
@@ -136,18 +156,6 @@ class LLMModel:
                 inputs[flag] = self._array(flag, [True])
                 if outputs is not None:
                     outputs.append(output)
-        if prompt_logprobs and not self.prompt_logprobs:
-            raise BadRequest(f"model '{self.name}' does not return the prompt's log probabilities, which 'echo' with "
-                             "'logprobs' needs (a vLLM model has them)", "echo")
-        if logprobs and not self.logprobs:
-            raise BadRequest(f"model '{self.name}' does not return log probabilities", "logprobs")
-        max_tokens = sampling.get("max_tokens")
-        if self.max_model_len is not None and isinstance(max_tokens, int) and max_tokens > self.max_model_len:
-            # vLLM's OpenAI server refuses it (the engine, and Triton's tensor interface, stop at the context)
-            raise InvalidArgument(f"invalid sampling parameter 'max_tokens': This model's maximum context length "
-                                  f"is {self.max_model_len} tokens. However, you requested {max_tokens} output "
-                                  f"tokens ('max_tokens' cannot be greater than max_model_len={self.max_model_len})."
-                                  " Please request fewer output tokens.")
         if self.sampling_json:
             inputs["sampling_parameters"] = self._bytes("sampling_parameters", orjson.dumps(sampling))
         else:
@@ -164,7 +172,9 @@ class LLMModel:
         """Set the request's scheduling priority, and ask a vLLM model for its prefix-cache hits
         (``usage.prompt_tokens_details``)."""
         request.priority = priority
-        if cached_tokens and self.backend == "vllm":
+        if cached_tokens and request.generation is not None:
+            request.generation.cached_tokens = True
+        elif cached_tokens and self.backend == "vllm":
             request.parameters["return_num_cached_tokens"] = True
         return request
 
@@ -281,7 +291,8 @@ def describe(runtime, lookup, parsers: OutputParsers | None = None) -> LLMModel 
     return LLMModel(runtime.name, config.backend, config.max_batch_size > 0, _sampling_backend(runtime, lookup),
                     input_types, frozenset(outputs), template, directory,
                     max_model_len=_context_length(runtime, directory), tool_call_parser=tool_call_parser,
-                    reasoning_parser=reasoning_parser, input_dims={t.name: tuple(t.dims) for t in config.input})
+                    reasoning_parser=reasoning_parser, input_dims={t.name: tuple(t.dims) for t in config.input},
+                    typed=runtime.takes_generation)
 
 
 def _context_length(runtime, directory: Path | None) -> int | None:
@@ -408,16 +419,9 @@ def ready_models(dataplane, describe, kind: type) -> list:
 
 
 # -- responses ---------------------------------------------------------------------------------
-@dataclass(slots=True)
-class Step:
-    """What one response added, per choice (``n`` entries each)."""
-
-    texts: list[str]
-    finish: list[str | None]
-    tokens: list[int] | None        # new output tokens per choice (None: the model does not say)
-    prompt_tokens: int | None
-    logprobs: list[list[dict] | None] | None
-    prompt_logprobs: list[dict] | None = None  # the prompt's, once (the first token's logprob is null)
+# What one response added, per choice: a typed model's answer as it comes, a tensor model's read into the same
+# shape (``tokens`` None: the model does not say how many).
+Step = GenerationDelta
 
 
 class StepReader:
@@ -431,6 +435,8 @@ class StepReader:
         self._decoders: list | None = None
 
     def read(self, response: InferenceResponse) -> Step:
+        if response.generation is not None:
+            return response.generation
         n = self.n
         texts = [""] * n
         finish: list[str | None] = [None] * n
@@ -455,7 +461,9 @@ class StepReader:
             elif name == "prompt_logprobs":
                 values = tensor.data.reshape(-1)
                 prompt_logprobs = _logprobs(values[0]) if values.size else None
-        return Step(texts, finish, tokens, prompt_tokens, logprobs, prompt_logprobs)
+        cached = response.parameters.get("num_cached_tokens")
+        return Step(texts, finish, tokens, prompt_tokens, logprobs, prompt_logprobs,
+                    int(cached) if cached is not None else None)
 
     def _text(self, i: int, value) -> str:
         if isinstance(value, str):

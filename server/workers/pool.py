@@ -319,7 +319,8 @@ class FrontendWorkers:
                     link.known.add(uid)
                     fresh.append(p.RuntimeInfo(uid, runtime.name, runtime.version,
                                                runtime.config.SerializeToString(), str(runtime.ctx.model_path),
-                                               [str(r) for r in runtime.ctx.allowed_roots], versions))
+                                               [str(r) for r in runtime.ctx.allowed_roots], versions,
+                                               runtime.takes_generation))
             lookups[name] = table
         link.known &= seen
         try:

@@ -16,6 +16,7 @@ import msgspec
 import numpy as np
 
 from ..errors import ServerError, Status, as_server_error, error_of_status
+from ..generation import GenerationDelta, GenerationRequest
 from ..types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 
 if TYPE_CHECKING:
@@ -53,6 +54,7 @@ class ResponseData(msgspec.Struct, array_like=True, omit_defaults=True):
     error: Error | None = None
     final: bool = True
     empty: bool = False
+    generation: GenerationDelta | None = None
 
 
 # -- worker -> core -----------------------------------------------------------------------------------------
@@ -72,6 +74,7 @@ class Infer(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
     timeout_us: int = 0
     streaming: bool = True
     trace_context: str = ""  # a client's W3C traceparent (tracing)
+    generation: GenerationRequest | None = None  # a typed LLM request (then no inputs)
 
 
 class Cancel(msgspec.Struct, tag=True, array_like=True):
@@ -249,6 +252,7 @@ class RuntimeInfo(msgspec.Struct, array_like=True):
     model_path: str
     allowed_roots: list[str]
     versions: list[int]  # every loaded version of the model (model metadata lists them)
+    takes_generation: bool = False  # ServedModel.takes_generation
 
 
 class Snapshot(msgspec.Struct, tag=True, array_like=True):
@@ -435,7 +439,8 @@ def infer_message(rid: int, request: InferenceRequest, unary: bool) -> Infer:
                  [tensor_data(t) for t in request.inputs.values()],
                  [OutputSpec(o.name, o.parameters or {}) for o in request.outputs],
                  request.parameters or {}, request.arrival_ns, request.priority, request.timeout_us,
-                 request.streaming, request.trace_context if type(request.trace_context) is str else "")
+                 request.streaming, request.trace_context if type(request.trace_context) is str else "",
+                 request.generation)
 
 
 def request_of(message: Infer) -> InferenceRequest:
@@ -443,7 +448,7 @@ def request_of(message: Infer) -> InferenceRequest:
                                model_version=message.model_version, id=message.id,
                                outputs=[RequestedOutput(o.name, dict(o.parameters)) for o in message.outputs],
                                parameters=dict(message.parameters), priority=message.priority,
-                               timeout_us=message.timeout_us)
+                               timeout_us=message.timeout_us, generation=message.generation)
     request.arrival_ns = message.arrival_ns  # CLOCK_MONOTONIC: the same clock in every process
     request.streaming = message.streaming
     if message.trace_context:
@@ -455,10 +460,10 @@ def response_data(response: InferenceResponse) -> ResponseData:
     return ResponseData(response.model_name, response.model_version, response.id,
                         [tensor_data(t) for t in response.outputs], response.parameters or {},
                         error_data(response.error) if response.error is not None else None,
-                        response.final, response.empty)
+                        response.final, response.empty, response.generation)
 
 
 def response_of(data: ResponseData) -> InferenceResponse:
     return InferenceResponse(data.model_name, data.model_version, data.id, [tensor_of(t) for t in data.outputs],
                              dict(data.parameters), server_error(data.error) if data.error is not None else None,
-                             data.final, data.empty)
+                             data.final, data.empty, data.generation)

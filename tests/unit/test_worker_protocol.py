@@ -63,3 +63,18 @@ def test_results_carry_protobuf_messages():
     config = mc.ModelConfig(name="m", max_batch_size=8)
     got = roundtrip(p.Result(3, config), p.ToWorker)
     assert isinstance(got.value, mc.ModelConfig) and got.value == config
+
+
+def test_a_typed_generation_request_and_its_deltas_cross_as_they_are():
+    from tideserve.generation import GenerationDelta, GenerationRequest
+
+    generation = GenerationRequest("Once upon", {"max_tokens": 8, "temperature": 0.0, "n": 2}, stream=True,
+                                   add_special_tokens=False, lora_name="a", logprobs=True, cached_tokens=True)
+    request = InferenceRequest("llm", {}, id="c1", generation=generation)
+    got = p.request_of(roundtrip(p.infer_message(4, request, unary=False), p.ToCore))
+    assert got.generation == generation and got.inputs == {}
+    delta = GenerationDelta(["a", "b"], [None, "length"], [1, 1], 3,
+                            [[{"7": {"logprob": -0.5, "rank": 1, "decoded_token": "a"}}], None], None, 2)
+    response = p.response_of(roundtrip(p.Respond(4, p.response_data(InferenceResponse(generation=delta))),
+                                       p.ToWorker).response)
+    assert response.generation == delta and response.outputs == []

@@ -1,0 +1,43 @@
+"""The typed LLM request and its outputs: how a frontend asks an LLM backend for a generation without tensors.
+
+Triton's tensor interface (``text_input``, a ``sampling_parameters`` JSON string, ``return_*`` flags, one output
+tensor per field) stays for KServe clients and ensembles; a backend converts it once, at that edge. The OpenAI
+frontend instead hands a model that takes them (``Model.takes_generation``, published to frontends as
+``ServedModel.takes_generation``) an :class:`InferenceRequest` with no inputs and a :class:`GenerationRequest`,
+and reads each response's :class:`GenerationDelta`. Both are msgspec structs: they cross the frontend-worker link
+as they are, with no conversion.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class GenerationRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One prompt's generation."""
+
+    prompt: str | list[int]  # text, or token ids
+    sampling: dict[str, Any]  # vLLM ``SamplingParams`` field names (``n``, ``max_tokens``, ``structured_outputs``...)
+    stream: bool = True  # a response per engine step with what it added; else one response with the whole text
+    add_special_tokens: bool = True  # false for a prompt rendered from a chat template (it carries its own)
+    lora_name: str | None = None  # the LoRA adapter to generate with
+    logprobs: bool = False  # the log probabilities of the output tokens (``sampling["logprobs"]`` says how many)
+    prompt_logprobs: bool = False  # the prompt tokens' log probabilities (``echo`` with ``logprobs``)
+    cached_tokens: bool = False  # report how many prompt tokens the prefix cache served
+
+
+class GenerationDelta(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one response added, per choice (``n`` entries each; one response has everything when not streamed)."""
+
+    texts: list[str]
+    finish: list[str | None]  # the finish reason of each choice once it finished ("stop", "length", ...)
+    tokens: list[int] | None = None  # new output tokens per choice
+    prompt_tokens: int | None = None
+    logprobs: list[list[dict] | None] | None = None  # vLLM's entries: {token_id: {logprob, rank, decoded_token}}
+    prompt_logprobs: list[dict] | None = None  # the prompt's, once (the first token's logprob is null)
+    cached_tokens: int | None = None  # prompt tokens the prefix cache served (when asked for), on the last
+
+
+__all__ = ["GenerationDelta", "GenerationRequest"]
