@@ -62,6 +62,8 @@ Helpers
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from . import model_paths
 from .backend import (
     Backend,
@@ -94,11 +96,30 @@ from .errors import (
 )
 from .generation import GenerationDelta, GenerationRequest
 from .responses import ResponseSender
-from .runtime import InstanceSlot, ModelRuntime
-from .schedulers import DirectScheduler, DynamicBatcher, PassThroughScheduler, Scheduler
-from .schedulers.base import drop_cancelled
 from .types import CancellationToken, InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 from .validation import conform_shape
+
+if TYPE_CHECKING:
+    from .runtime import InstanceSlot, ModelRuntime
+    from .schedulers import DirectScheduler, DynamicBatcher, PassThroughScheduler, Scheduler
+    from .schedulers.base import drop_cancelled
+
+# The scheduler side of the API is imported when a backend first asks for it, so that a model process (which runs
+# instances, never schedulers) does not load the schedulers, the runtime and the statistics.
+_SCHEDULING = {"ModelRuntime": "runtime", "InstanceSlot": "runtime", "Scheduler": "schedulers",
+               "DirectScheduler": "schedulers", "DynamicBatcher": "schedulers", "PassThroughScheduler": "schedulers",
+               "drop_cancelled": "schedulers.base"}
+
+
+def __getattr__(name: str):
+    module = _SCHEDULING.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"{__package__}.{module}"), name)
+    globals()[name] = value
+    return value
 
 __all__ = [
     # types and errors

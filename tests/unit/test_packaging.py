@@ -130,3 +130,20 @@ def test_no_import_cycles():
     modules = _modules()
     graph = {name: _imports(name, path, modules) for name, path in modules.items()}
     assert _cycles(graph) == []
+
+
+def test_a_model_process_loads_no_scheduler_runtime_or_frontend():
+    """What a backend imports (tideserve.backend_api) and the Python backend's model process do not pull the
+    schedulers, the runtime, statistics or any frontend into the process; the scheduler names load on first use."""
+    code = ("import sys, tideserve.backend_api, tideserve.general_backends.python.stub; "
+            "print(' '.join(m for m in sys.modules if m.startswith('tideserve')))")
+    loaded = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+                 .stdout.split())
+    heavy = {m for m in loaded if m.startswith(("tideserve.schedulers", "tideserve.openai", "tideserve.http",
+                                               "tideserve.grpc", "tideserve.tool_parsers", "tideserve.reasoning_parsers"))
+             or m in ("tideserve.runtime", "tideserve.stats", "tideserve.dataplane", "tideserve.repository")}
+    assert heavy == set(), heavy
+    from tideserve import backend_api
+    from tideserve.schedulers import PassThroughScheduler
+
+    assert backend_api.PassThroughScheduler is PassThroughScheduler
