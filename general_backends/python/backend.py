@@ -327,9 +327,12 @@ class PythonInstance(ModelInstance):
                     with self._background_lock:
                         self._background.add(future)
                     future.add_done_callback(partial(self._background_done, pb_requests))
+                    self._release(pb_requests)
                     return None
                 result = self._submit(result).result()
-            return self._returned(pb_requests, result)
+            answers = self._returned(pb_requests, result)
+            self._release(pb_requests)
+            return answers
         except ModelExit:
             self._close_senders(pb_requests)
             raise
@@ -343,9 +346,8 @@ class PythonInstance(ModelInstance):
         """Triton's checks of what execute returned."""
         if result is None:  # the responses go (or went) through the response senders
             return None
-        name = self.model.ctx.name
         if self.decoupled:
-            raise TritonModelException(f"Python model '{name}' is using the decoupled mode and the execute "
+            raise TritonModelException(f"Python model '{self.ctx.name}' is using the decoupled mode and the execute "
                                        f"function must return None.")
         if not isinstance(result, (list, tuple)):
             raise TritonModelException(f"Expected a list in the execute return, found type '{type(result)}'.")
@@ -356,8 +358,11 @@ class PythonInstance(ModelInstance):
                 f"is:{len(result)}\n")
         answers = []
         for request, response in zip(pb_requests, result):
-            if response is None:  # sent (or to be sent) through the request's sender
+            if response is None:  # sent (or to be sent) through the request's sender, or rescheduled
                 continue
+            if request._rescheduled:
+                raise TritonModelException(f"Expected a None object in the execute function return list for "
+                                           f"reschduled request, found type '{type(response)}'.")
             if not isinstance(response, InferenceResponse):
                 raise TritonModelException(f"Expected an 'InferenceResponse' object in the execute function "
                                            f"return list, found type '{type(response)}'.")
@@ -366,6 +371,22 @@ class PythonInstance(ModelInstance):
                     request._sender._update_state(response, True)
             answers.append((request._core, response._core()))
         return answers
+
+    def _release(self, pb_requests: list[InferenceRequest]) -> None:
+        """After a successful execute: hand the requests the model released with
+        TRITONSERVER_REQUEST_RELEASE_RESCHEDULE back to the scheduler (``reschedule``), which only an
+        ``iterative_sequence`` model's sequence batcher takes; any other model's request is answered with
+        Triton's error instead of being left without an answer."""
+        for request in pb_requests:
+            if not request._rescheduled:
+                continue
+            if self.model.config.sequence_batching.iterative_sequence:
+                request._core.reschedule = True
+                continue
+            message = ("Request is released with TRITONSERVER_REQUEST_RELEASE_RESCHEDULE, while the model is not "
+                       "configured to handle such a flag.")
+            log.error("Failed to release request: %s", message)
+            request._core.response_sender.send_error(InvalidArgument(message))
 
     @staticmethod
     def _close_senders(pb_requests: list[InferenceRequest]) -> None:
@@ -399,8 +420,8 @@ class PythonInstance(ModelInstance):
         else:
             exc = future.exception()
             if exc is None and future.result() is not None:
-                exc = TritonModelException(f"Python model '{self.model.ctx.name}' is using the decoupled mode and "
-                                           f"the execute function must return None.")
+                exc = TritonModelException(f"Python model '{self.ctx.name}' is using the decoupled mode and the "
+                                           f"execute function must return None.")
             if exc is None:
                 return
             if isinstance(exc, ModelExit):

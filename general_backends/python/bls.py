@@ -54,7 +54,8 @@ async def _run_unary(link: ServerLink, request: InferenceRequest) -> InferenceRe
 
 
 async def _open_stream(link: ServerLink, request: InferenceRequest) -> ResponseIterator:
-    """On the server loop: start ``request`` and return the iterator over its responses."""
+    """On the server loop: start ``request`` and return the iterator over its responses once the first one
+    is there (as Triton's ``exec`` / ``async_exec`` do), so that iterating what has arrived never waits."""
     deadline = time.monotonic() + request._timeout / 1e6 if request._timeout > 0 else None
     try:
         stream = link.require_infer()(request._to_core())
@@ -62,7 +63,9 @@ async def _open_stream(link: ServerLink, request: InferenceRequest) -> ResponseI
         return ResponseIterator(link, None, deadline, InferenceResponse._from_error(from_server_error(exc)))
     except TritonModelException as exc:
         return ResponseIterator(link, None, deadline, InferenceResponse._from_error(TritonError(str(exc))))
-    return ResponseIterator(link, stream, deadline)
+    iterator = ResponseIterator(link, stream, deadline)
+    iterator._prefetch(await iterator._fetch())
+    return iterator
 
 
 def execute_blocking(request: InferenceRequest, decoupled: bool):
@@ -87,6 +90,10 @@ def execute_async(request: InferenceRequest, decoupled: bool) -> asyncio.Future:
 class ResponseIterator:
     """The responses of a BLS request to a decoupled model, iterated with ``for`` or ``async for``.
 
+    ``exec(decoupled=True)`` / ``async_exec(decoupled=True)`` hand it over once the first response has
+    arrived, as Triton does: an ``async def execute`` may then iterate a one-response stream with a plain
+    ``for`` without blocking its event loop (and the other requests it runs).
+
     Every response is yielded, the last one included (it may carry no outputs: only the end of
     the stream). ``cancel()`` cancels the called model's request, as Triton does: iteration goes on
     until the model's final response (a model that honours it answers with a CANCELLED error; one that
@@ -101,6 +108,8 @@ class ResponseIterator:
         self._responses: list[InferenceResponse] = [only] if only is not None else []
         self._finished = stream is None
         self._index = 0
+        self._next: tuple[InferenceResponse | None, bool] | None = None  # fetched, not yet handed out
+        self._stream_ended = stream is None  # the last response has been fetched
 
     # -- on the server loop ------------------------------------------------------------------
     async def _fetch(self) -> tuple[InferenceResponse | None, bool]:
@@ -128,11 +137,20 @@ class ResponseIterator:
         else:  # a DataPlane stream: flag its request, keep its responses coming
             stream.request.cancellation.cancel()
 
+    def _prefetch(self, fetched: tuple[InferenceResponse | None, bool]) -> None:
+        self._next = fetched
+        if fetched[1]:
+            self._stream_ended = True
+
     # -- the model's side ----------------------------------------------------------------------
+    def _prefetched(self) -> tuple[InferenceResponse | None, bool] | None:
+        fetched, self._next = self._next, None
+        return fetched
+
     def _take(self, fetched: tuple[InferenceResponse | None, bool]) -> InferenceResponse:
         response, last = fetched
         if last:
-            self._finished = True
+            self._finished = self._stream_ended = True
         if response is None:
             self._index = len(self._responses)
             raise StopIteration
@@ -154,6 +172,9 @@ class ResponseIterator:
     def __next__(self) -> InferenceResponse:
         if self._finished:
             return self._replay()
+        fetched = self._prefetched()
+        if fetched is not None:
+            return self._take(fetched)
         if self._link.on_loop():
             raise TritonModelException("iterating a BLS response stream with 'for' would block the server's "
                                        "event loop; use 'async for'")
@@ -169,9 +190,10 @@ class ResponseIterator:
                 return self._replay()
             except StopIteration:
                 raise StopAsyncIteration from None
-        if self._link.on_loop():
+        response = self._prefetched()
+        if response is None and self._link.on_loop():
             response = await self._fetch()
-        else:
+        elif response is None:
             response = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._fetch(), self._link.loop))
         try:
             return self._take(response)
@@ -180,7 +202,7 @@ class ResponseIterator:
 
     def cancel(self) -> None:
         """Cancel the request if it is still running."""
-        if self._finished or self._stream is None:
+        if self._finished or self._stream_ended:
             return
         if self._link.on_loop():
             self._cancel_on_loop()
@@ -190,7 +212,7 @@ class ResponseIterator:
     def __del__(self) -> None:
         # Like Triton, let an abandoned stream run to its end (its responses are dropped).
         stream = self._stream
-        if stream is None or self._finished:
+        if stream is None or self._stream_ended:
             return
         try:
             self._link.loop.call_soon_threadsafe(_drain_soon, stream)

@@ -116,9 +116,14 @@ class InferenceResponseSender:
         return self._request.is_cancelled()
 
     def _close(self) -> None:
+        """Close the sender after a failed execute. A default-mode model's response that is held for its FINAL
+        flag goes out now as the request's answer: Triton would already have sent it, and a non-decoupled client
+        takes the first response and nothing after it (the batch's error is then dropped for this request)."""
         with self._lock:
             self._closed = True
-            self._held = None
+            held, self._held = self._held, None
+        if held is not None:
+            self._request.response_sender.send(held._core(), final=True)
 
     @property
     def _is_closed(self) -> bool:
@@ -247,10 +252,16 @@ class InferenceRequest:
         return self._sender
 
     def set_release_flags(self, flags: int) -> None:
-        if flags & TRITONSERVER_REQUEST_RELEASE_RESCHEDULE:
-            raise TritonModelException(
-                "request rescheduling (TRITONSERVER_REQUEST_RELEASE_RESCHEDULE) is not supported")
+        """``TRITONSERVER_REQUEST_RELEASE_RESCHEDULE``: once ``execute`` returns, the request is run again in a
+        later batch (a model whose config has ``sequence_batching { iterative_sequence: true }``); its response
+        in the returned list must then be None. ``TRITONSERVER_REQUEST_RELEASE_ALL`` (the default): it is done."""
+        if isinstance(flags, bool) or not isinstance(flags, int):
+            raise TypeError(f"set_release_flags() takes an int, got {type(flags).__name__}")
         self._release_flags = flags
+
+    @property
+    def _rescheduled(self) -> bool:
+        return self._release_flags == TRITONSERVER_REQUEST_RELEASE_RESCHEDULE
 
     def __repr__(self) -> str:
         return f"InferenceRequest(model_name={self.model_name!r}, request_id={self.request_id()!r})"

@@ -200,6 +200,7 @@ class ModelProcess:
         self.started_at = time.monotonic()
         self.failure: InternalError | None = None
         self.requests: dict[int, CoreRequest] = {}  # in the process, until their final response
+        self._rescheduled: set[int] = set()  # requests the model rescheduled, until they run again (or are cancelled)
         self._batches: dict[int, asyncio.Future] = {}
         self._calls: dict[int, asyncio.Future] = {}  # AutoComplete, CreateInstance, Finalize
         self._served: dict[int, asyncio.Task] = {}  # the process's BLS calls and model control
@@ -305,14 +306,22 @@ class ModelProcess:
             start += count
         self._send(wire.Execute(batch, metas, payload), fd)
         for request in requests:  # no response can arrive before this returns to the loop
-            self.requests[request.internal_id] = request
-            request.cancellation.add_callback(partial(self._cancel, request.internal_id))
+            rid = request.internal_id
+            self.requests[rid] = request
+            if rid in self._rescheduled:  # runs again: its cancellation already reaches the process
+                self._rescheduled.discard(rid)
+            else:
+                request.cancellation.add_callback(partial(self._cancel, rid))
         await done
 
     def _cancel(self, rid: int) -> None:
         if threading.get_ident() != self._loop_thread:
             self._soon(self._cancel, rid)
-        elif rid in self.requests and not self._closed:
+            return
+        if rid in self._rescheduled:  # waiting to run again: the scheduler answers it now
+            self._rescheduled.discard(rid)
+            self.requests.pop(rid, None)
+        if rid in self.requests and not self._closed:
             self._send(wire.Cancel(rid))
 
     def _deliver(self, rid: int, response: wire.Response, block) -> None:
@@ -422,7 +431,12 @@ class ModelProcess:
                 block = self._block(payload)
                 for answer in answers:
                     self._deliver(answer.rid, answer.response, block)
-            case wire.Executed(batch=batch):
+            case wire.Executed(batch=batch, rescheduled=rescheduled):
+                for rid in rescheduled:  # back to the scheduler, which runs them again (or answers them)
+                    request = self.requests.get(rid)
+                    if request is not None:
+                        request.reschedule = True
+                        self._rescheduled.add(rid)
                 future = self._batches.pop(batch, None)
                 if future is not None and not future.done():
                     future.set_result(None)

@@ -173,7 +173,7 @@ class Stub:
                 block = self.requests_in.block(payload, self._fd_of(payload))
                 cores = [self._request(meta, block) for meta in requests]
                 del block
-                self.instance.thread.post(self._run_batch, batch, cores)
+                self.instance.thread.post(self._run_batch, batch, cores, [meta.rid for meta in requests])
             case wire.Cancel(rid=rid):
                 request = self.requests.get(rid)
                 if request is not None:
@@ -259,8 +259,9 @@ class Stub:
                             error=None if response.error is None else wire.server_error(response.error),
                             final=response.final, empty=response.empty)
 
-    def _run_batch(self, batch: int, requests: list[CoreRequest]) -> None:
-        """On the instance's thread: run execute, then send its responses and the end of the batch at once."""
+    def _run_batch(self, batch: int, requests: list[CoreRequest], rids: list[int]) -> None:
+        """On the instance's thread: run execute, then send its responses and the end of the batch at once
+        (with the requests the model rescheduled)."""
         try:
             answers = self.instance.run_execute(requests)
         except ModelExit as exc:
@@ -273,11 +274,15 @@ class Stub:
             PythonInstance.answer(answers)
         finally:
             self._local.answers = None
+        rescheduled = [rid for rid, request in zip(rids, requests) if request.reschedule]
+        for rid in rescheduled:  # it comes back as a new request when it runs again
+            self.requests.pop(rid, None)
+        executed = wire.Executed(batch, rescheduled)
         if held:
             message, fd = self._answers(held)
-            self.send(message, wire.Executed(batch), fd=fd)
+            self.send(message, executed, fd=fd)
         else:
-            self.send(wire.Executed(batch))
+            self.send(executed)
 
     def exit_process(self, exc: ModelExit) -> None:
         """The model called sys.exit in execute: tell the server why, then exit with its code."""

@@ -181,7 +181,10 @@ class Respond(msgspec.Struct, tag=True, array_like=True):
 
 
 class Executed(msgspec.Struct, tag=True, array_like=True):
+    """The end of a batch; ``rescheduled``: the requests (by id) the model released to run again."""
+
     batch: int
+    rescheduled: list[int] = []
 
 
 class Call(msgspec.Struct, tag=True, array_like=True):

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from .base import Scheduler
 from .direct import DirectScheduler
 from .dynamic_batcher import DynamicBatcher
+from .iterative import IterativeSequenceBatcher
 from .passthrough import PassThroughScheduler
 from .sequence import SequenceBatcher
 
@@ -14,7 +15,7 @@ if TYPE_CHECKING:
     from ..runtime import ModelRuntime
 
 __all__ = ["Scheduler", "DirectScheduler", "DynamicBatcher", "PassThroughScheduler", "SequenceBatcher",
-           "make_scheduler"]
+           "IterativeSequenceBatcher", "make_scheduler"]
 
 
 def make_scheduler(runtime: "ModelRuntime") -> Scheduler:
@@ -23,6 +24,8 @@ def make_scheduler(runtime: "ModelRuntime") -> Scheduler:
     if custom is not None:
         return custom(runtime)
     if runtime.config.HasField("sequence_batching"):
+        if runtime.config.sequence_batching.iterative_sequence:
+            return IterativeSequenceBatcher(runtime)
         return SequenceBatcher(runtime)
     if runtime.config.HasField("dynamic_batching"):
         return DynamicBatcher(runtime)

@@ -111,8 +111,6 @@ def read_sequence_config(config: mc.ModelConfig, model_path: Path, check_file=No
     """Check ``config.sequence_batching``; raise InvalidArgument naming the field that is wrong."""
     batching = config.sequence_batching
     name = config.name
-    if batching.iterative_sequence:
-        raise InvalidArgument(f"model '{name}': sequence_batching iterative_sequence is not supported")
     if batching.HasField("oldest"):
         for size in batching.oldest.preferred_batch_size:
             if size < 1 or size > max(config.max_batch_size, 1):

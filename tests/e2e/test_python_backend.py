@@ -218,6 +218,49 @@ async def test_auto_complete_fills_the_config_and_initialize_gets_tritons_args(c
     assert model_config["instance_group"][0]["count"] == 1  # int64 fields as numbers, as Triton gives them
 
 
+def _countdown(responses) -> tuple[list[int], list[int], set[int]]:
+    """OUT, FLAGS and the correlation ids of iterative_countdown's responses."""
+    def values(name: str) -> list[int]:
+        return [int(r.output(name).data[0]) for r in responses]
+    return values("OUT"), values("FLAGS"), set(values("CORRID"))
+
+
+async def test_iterative_sequence_reschedules_a_request_until_it_is_done(core):
+    """iterative_sequence: a request with no correlation id starts a sequence of its own (an id, START); each
+    execution reschedules it (RELEASE_RESCHEDULE) until the last response; the next runs with neither flag."""
+    out, flags, ids = _countdown(await core.stream("iterative_countdown", IN=np.array([3], np.int32)))
+    assert out == [2, 1, 0] and flags == [1, 0, 0] and len(ids) == 1 and 0 not in ids
+    first, second = await asyncio.gather(core.stream("iterative_countdown", IN=np.array([4], np.int32)),
+                                         core.stream("iterative_countdown", IN=np.array([2], np.int32)))
+    assert _countdown(first)[0] == [3, 2, 1, 0] and _countdown(second)[0] == [1, 0]
+    assert _countdown(first)[2] != _countdown(second)[2]
+
+
+async def test_iterative_sequence_takes_a_given_correlation_id(core):
+    request = InferenceRequest("iterative_countdown", {"IN": Tensor.from_numpy("IN", np.array([2], np.int32))},
+                               parameters={"sequence_id": 77, "sequence_start": True})
+    out, flags, ids = _countdown([r async for r in core.dataplane.infer(request)])
+    assert out == [1, 0] and flags == [1, 0] and ids == {77}
+
+
+async def test_rescheduled_request_of_a_non_decoupled_model_is_answered_once(core):
+    inputs = add_sub_inputs()
+    inputs = {name: array[0] for name, array in inputs.items()}
+    response = await core.infer("iterative_add_sub", **inputs)
+    np.testing.assert_allclose(response.output("OUTPUT0").data, inputs["INPUT0"] + inputs["INPUT1"])
+    np.testing.assert_allclose(response.output("OUTPUT1").data, inputs["INPUT0"] - inputs["INPUT1"])
+    assert response.output("EXECUTIONS").data.tolist() == [2]
+
+
+async def test_iterative_sequence_in_the_servers_process(tmp_path, make_core):
+    source = TEST_MODELS / "iterative_countdown"
+    write_model(tmp_path, "iterative_countdown", (source / "1" / "model.py").read_text(),
+                (source / "config.pbtxt").read_text() + IN_PROCESS)
+    core = await make_core(tmp_path)
+    out, flags, _ = _countdown(await core.stream("iterative_countdown", IN=np.array([3], np.int32)))
+    assert out == [2, 1, 0] and flags == [1, 0, 0]
+
+
 # -- behaviours, with models written for the test ---------------------------------------------------
 async def test_every_model_gets_its_own_module_and_sibling_imports(tmp_path, make_core):
     model_py = """
@@ -779,7 +822,7 @@ def grpc_client(server):
 
 def test_e2e_every_test_model_is_ready(http_client):
     for name in ("add_sub", "repeat", "raise_error", "bls_add_sub", "bls_async", "bls_repeat", "identity_bytes",
-                 "auto_complete"):
+                 "auto_complete", "iterative_countdown", "iterative_add_sub"):
         assert http_client.is_model_ready(name), name
 
 
@@ -847,6 +890,48 @@ def test_e2e_decoupled_repeat_over_grpc_stream(server):
     finally:
         client.stop_stream()
         client.close()
+
+
+def test_e2e_iterative_sequence_over_grpc_stream(server):
+    """Triton's request_rescheduling test_grpc_decoupled, two requests at once on one stream."""
+    import tritonclient.grpc as grpcclient
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+
+    def counts():
+        (stats,) = client.get_inference_statistics("iterative_countdown", as_json=True)["model_stats"]
+        return int(stats.get("inference_count", 0)), int(stats.get("execution_count", 0))
+
+    before = counts()
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        for request_id, count in (("a", 3), ("b", 2)):
+            client.async_stream_infer("iterative_countdown",
+                                      client_inputs(grpcclient, {"IN": np.array([count], np.int32)}),
+                                      request_id=request_id)
+        seen: dict[str, list] = {"a": [], "b": []}
+        for _ in range(5):
+            result, error = results.get(timeout=30)
+            assert error is None
+            seen[result.get_response().id].append(int(result.as_numpy("OUT")[0]))
+        assert seen == {"a": [2, 1, 0], "b": [1, 0]}
+        assert counts()[1] - before[1] == 5  # one execution per response
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_e2e_rescheduled_request_of_a_non_decoupled_model(http_client, grpc_client, protocol):
+    """Triton's request_rescheduling test_grpc_non_decoupled: the model reschedules the request once."""
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+    client, module = (http_client, httpclient) if protocol == "http" else (grpc_client, grpcclient)
+    arrays = {name: array[0] for name, array in add_sub_inputs(seed=3).items()}
+    result = client.infer("iterative_add_sub", client_inputs(module, arrays))
+    np.testing.assert_allclose(result.as_numpy("OUTPUT0"), arrays["INPUT0"] + arrays["INPUT1"])
+    np.testing.assert_allclose(result.as_numpy("OUTPUT1"), arrays["INPUT0"] - arrays["INPUT1"])
+    assert result.as_numpy("EXECUTIONS").tolist() == [2]
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])

@@ -7,8 +7,11 @@ on a real tideserve process (Python models in their own processes, the default) 
   ``cancel()`` after the stream ended is harmless;
 - async ``execute`` requests and the async-BLS requests they make run concurrently;
 - a ``TritonError`` of each code reaches the gRPC client with that code and the model's message;
-- a non-decoupled model that sends its response through the response sender and then returns a response
-  or raises delivers the response it sent; FINAL with no response is an error;
+- async ``execute`` requests whose BLS calls are iterated with a plain ``for`` are in flight together;
+- a non-decoupled model that sends its response through the response sender and then returns a response,
+  raises or sends a second response delivers the response it sent (and only it); FINAL with no response is
+  an error; a decoupled model whose execute returns responses gets Triton's error;
+- request rescheduling outside an ``iterative_sequence`` model, or with a returned response, is an error;
 - response parameters take only bool, int and str values and str keys;
 - a generate request naming an input twice is refused.
 """
@@ -172,6 +175,84 @@ class TritonPythonModel:
         await asyncio.gather(*[self.one(r) for r in requests])
         return None
 '''
+GATE_CONFIG = """\
+name: "gate"
+backend: "python"
+max_batch_size: 8
+model_transaction_policy { decoupled: true }
+input [ { name: "WAIT_SECONDS" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "DUMMY_OUT" data_type: TYPE_FP32 dims: [ 1 ] } ]
+"""
+GATE = '''\
+import asyncio
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+GROUP = 4
+
+
+class TritonPythonModel:
+    """Answers nothing until GROUP requests are waiting, then all of them: it only ever answers requests that
+    are in flight together."""
+
+    def initialize(self, args):
+        self.waiting = []
+
+    async def execute(self, requests):
+        opened = asyncio.get_running_loop().create_future()
+        self.waiting.append(opened)
+        if len(self.waiting) == GROUP:
+            for waiter in self.waiting:
+                waiter.set_result(None)
+            self.waiting = []
+        await opened
+        for request in requests:
+            rows = pb_utils.get_input_tensor_by_name(request, "WAIT_SECONDS").as_numpy().shape[0]
+            request.get_response_sender().send(
+                pb_utils.InferenceResponse([pb_utils.Tensor("DUMMY_OUT", np.zeros((rows, 1), np.float32))]),
+                flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+'''
+GATE_BLS_CONFIG = SLEEPER_CONFIG.replace('"sleeper"', '"gate_bls"')
+GATE_BLS = SLEEPER_BLS.replace('model_name="sleeper"', 'model_name="gate"')
+DECOUPLED_RETURNS_CONFIG = """\
+name: "{name}"
+backend: "python"
+model_transaction_policy {{ decoupled: true }}
+input [ {{ name: "IN" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+output [ {{ name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+"""
+DECOUPLED_RETURNS = '''\
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    """A decoupled model that returns its responses instead of sending them."""
+
+    {prefix}def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.get_input_tensor_by_name(r, "IN")]) for r in requests]
+'''
+RESCHEDULE_CONFIG = """\
+name: "{name}"
+backend: "python"
+input [ {{ name: "IN" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+output [ {{ name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+{batching}
+"""
+RESCHEDULE = '''\
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    """Releases every request with RESCHEDULE; RETURN: returns a response for it too (which is wrong)."""
+
+    def execute(self, requests):
+        for request in requests:
+            request.set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)
+        if {returns}:
+            return [pb_utils.InferenceResponse([pb_utils.get_input_tensor_by_name(r, "IN")]) for r in requests]
+        return [None for _ in requests]
+'''
 ERROR_CODE_CONFIG = """\
 name: "error_code"
 backend: "python"
@@ -223,6 +304,11 @@ class TritonPythonModel:
         mode = pb_utils.get_input_tensor_by_name(request, "MODE").as_numpy()[0].decode()
         sender = request.get_response_sender()
         if mode == "final_only":
+            sender.send(flags=FINAL)
+            return None
+        if mode == "send_twice":  # the second send raises: the client gets the first response only
+            sender.send(answer(1))
+            sender.send(answer(2))
             sender.send(flags=FINAL)
             return None
         sender.send(answer(1), flags=FINAL)
@@ -287,6 +373,17 @@ MODELS = {
     "bls_cancel_async": (BLS_CANCEL_CONFIG.format(name="bls_cancel_async"), BLS_CANCEL_ASYNC),
     "sleeper": (SLEEPER_CONFIG, SLEEPER),
     "sleeper_bls": (SLEEPER_BLS_CONFIG, SLEEPER_BLS),
+    "gate": (GATE_CONFIG, GATE),
+    "gate_bls": (GATE_BLS_CONFIG, GATE_BLS),
+    "decoupled_returns": (DECOUPLED_RETURNS_CONFIG.format(name="decoupled_returns"),
+                          DECOUPLED_RETURNS.format(prefix="")),
+    "decoupled_returns_async": (DECOUPLED_RETURNS_CONFIG.format(name="decoupled_returns_async"),
+                                DECOUPLED_RETURNS.format(prefix="async ")),
+    "reschedule_not_iterative": (RESCHEDULE_CONFIG.format(name="reschedule_not_iterative", batching=""),
+                                 RESCHEDULE.format(returns=False)),
+    "reschedule_returns": (RESCHEDULE_CONFIG.format(name="reschedule_returns",
+                                                    batching="sequence_batching { iterative_sequence: true }"),
+                           RESCHEDULE.format(returns=True)),
     "error_code": (ERROR_CODE_CONFIG, ERROR_CODE),
     "sender": (SENDER_CONFIG, SENDER),
     "response_parameters": (PARAMS_CONFIG, PARAMS),
@@ -349,6 +446,52 @@ def test_async_execute_requests_run_concurrently(grpc, model):
     assert elapsed < 3.0, f"4 requests of 1 s took {elapsed:.1f}s: not concurrent"
 
 
+def test_async_execute_bls_calls_are_in_flight_together(grpc):
+    """Triton's async_execute test_concurrent_execute_multi_request_bls: each request's async execute awaits a BLS
+    call and iterates its responses with a plain ``for``; the called model answers only once all four calls are in
+    flight together, so a request that blocked the others would leave every one unanswered."""
+    answers: queue.Queue = queue.Queue()
+    grpc.start_stream(callback=lambda result, error: answers.put((result, error)))
+    inputs = [_tensor("WAIT_SECONDS", np.full((1, 1), 1.0, np.float32), "FP32")]
+    grpc.async_stream_infer("gate_bls", inputs)
+    time.sleep(0.5)  # the first request is already waiting on its call when the others come
+    for _ in range(3):
+        grpc.async_stream_infer("gate_bls", inputs)
+    got = [answers.get(timeout=30) for _ in range(4)]
+    grpc.stop_stream()
+    assert all(error is None and result.as_numpy("DUMMY_OUT").shape == (1, 1) for result, error in got)
+
+
+# -- decoupled models must return None -----------------------------------------------------------------------------
+@pytest.mark.parametrize("model", ["decoupled_returns", "decoupled_returns_async"])
+def test_decoupled_execute_returning_responses_is_an_error(grpc, model):
+    answers: queue.Queue = queue.Queue()
+    grpc.start_stream(callback=lambda result, error: answers.put((result, error)))
+    grpc.async_stream_infer(model, [_tensor("IN", np.array([7], np.int32), "INT32")])
+    result, error = answers.get(timeout=30)
+    grpc.stop_stream()
+    assert result is None
+    assert (f"Python model '{model}_0_0' is using the decoupled mode and the execute function must return None."
+            in error.message())
+
+
+# -- request rescheduling: the errors ----------------------------------------------------------------------------
+def test_rescheduling_a_request_of_a_model_that_is_not_iterative_is_an_error(grpc):
+    with pytest.raises(InferenceServerException) as info:
+        grpc.infer("reschedule_not_iterative", [_tensor("IN", np.array([1], np.int32), "INT32")], client_timeout=30)
+    assert str(info.value) == ("[StatusCode.INVALID_ARGUMENT] Request is released with "
+                               "TRITONSERVER_REQUEST_RELEASE_RESCHEDULE, while the model is not configured to handle "
+                               "such a flag.")
+
+
+def test_a_rescheduled_request_must_have_no_returned_response(grpc):
+    with pytest.raises(InferenceServerException) as info:
+        grpc.infer("reschedule_returns", [_tensor("IN", np.array([1], np.int32), "INT32")], client_timeout=30)
+    assert ("Expected a None object in the execute function return list for reschduled request, found type"
+            in str(info.value))
+    assert grpc.is_model_ready("reschedule_returns")
+
+
 # -- error codes ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("code, status", [
     ("UNKNOWN", "UNKNOWN"), ("INTERNAL", "INTERNAL"), ("NOT_FOUND", "NOT_FOUND"), ("INVALID_ARG", "INVALID_ARGUMENT"),
@@ -372,6 +515,22 @@ def test_unknown_error_code_over_http_is_400(server):
 def test_non_decoupled_sent_response_is_delivered(grpc, mode):
     result = grpc.infer("sender", [_tensor("MODE", np.array([mode], np.object_), "BYTES")])
     assert result.as_numpy("OUT").tolist() == [1]
+
+
+def test_non_decoupled_second_response_is_refused_and_the_first_delivered(server, grpc):
+    """Triton's response_sender test_non_decoupled_two_response_pre_return: the second send raises in the model;
+    the client gets the first response and nothing after it, on a stream as on a unary call."""
+    inputs = [_tensor("MODE", np.array(["send_twice"], np.object_), "BYTES")]
+    assert grpc.infer("sender", inputs).as_numpy("OUT").tolist() == [1]
+    answers: queue.Queue = queue.Queue()
+    grpc.start_stream(callback=lambda result, error: answers.put((result, error)))
+    grpc.async_stream_infer("sender", inputs)
+    grpc.async_stream_infer("sender", [_tensor("MODE", np.array(["then_return"], np.object_), "BYTES")])
+    got = [answers.get(timeout=30) for _ in range(2)]
+    grpc.stop_stream()
+    assert answers.empty()
+    assert [(result.as_numpy("OUT").tolist(), error) for result, error in got] == [([1], None), ([1], None)]
+    assert "Non-decoupled model cannot send more than one response" in server.log()
 
 
 def test_non_decoupled_final_without_response_is_an_error(grpc):

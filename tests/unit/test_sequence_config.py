@@ -69,7 +69,6 @@ def test_initial_state_from_file_and_default(tmp_path):
      '{ name: "x" data_type: TYPE_INT32 dims: [ 1 ] data_file: "absent" } } ]', "is not a file"),
     ('state [ { input_name: "INPUT" output_name: "O" data_type: TYPE_INT32 dims: [ 1 ] } ]', "is also a model input"),
     ('state [ { output_name: "O" data_type: TYPE_INT32 dims: [ 1 ] } ]', "must set input_name and output_name"),
-    ('iterative_sequence: true', "iterative_sequence is not supported"),
     ('oldest { preferred_batch_size: [ 9 ] }', "preferred_batch_size 9"),
     ('control_input [ { name: "S" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] }, '
      '{ name: "T" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] } ]', "more than once"),
