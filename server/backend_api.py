@@ -7,8 +7,9 @@ live elsewhere in the server; this module is the list of those that are public t
 Types
     :class:`Tensor` (``name``, ``datatype``, ``shape``, ``data``: a numpy array; BYTES tensors are
     object arrays of ``bytes``), :class:`InferenceRequest` (inputs, requested outputs as
-    :class:`RequestedOutput`, parameters, priority, timeout, a :class:`CancellationToken`, and its
-    :class:`ResponseSender`), :class:`InferenceResponse` (outputs, parameters, ``error``,
+    :class:`RequestedOutput`, parameters, priority, timeout, a :class:`CancellationToken`, its
+    :class:`ResponseSender`, and ``reschedule``: set during ``execute`` to have an ``iterative_sequence``
+    model's sequence batcher run the request again), :class:`InferenceResponse` (outputs, parameters, ``error``,
     ``final``). Errors are :class:`ServerError` subclasses, each with a :class:`Status` that the
     frontends map to HTTP and gRPC codes: :class:`InvalidArgument`, :class:`NotFound`,
     :class:`Unavailable` (:class:`QueueFull`: a queue at its bound), :class:`Unsupported`, :class:`Cancelled`,
@@ -94,7 +95,7 @@ from .errors import (
     as_server_error,
     error_of_status,
 )
-from .generation import GenerationDelta, GenerationRequest
+from .generation import EngineInfo, GenerationDelta, GenerationRequest
 from .responses import ResponseSender
 from .types import CancellationToken, InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 from .validation import conform_shape
@@ -124,7 +125,7 @@ def __getattr__(name: str):
 __all__ = [
     # types and errors
     "Tensor", "InferenceRequest", "InferenceResponse", "RequestedOutput", "CancellationToken",
-    "GenerationRequest", "GenerationDelta",
+    "GenerationRequest", "GenerationDelta", "EngineInfo",
     "ServerError", "Status", "InvalidArgument", "NotFound", "Unavailable", "QueueFull", "Unsupported", "Cancelled",
     "DeadlineExceeded", "InternalError", "as_server_error", "error_of_status",
     # backends
