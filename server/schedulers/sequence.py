@@ -117,6 +117,7 @@ class SequenceBatcher(Scheduler):
         self._reaper_wake = asyncio.Event()
         self._backlog_hold = held_until(BACKLOG_DELAY_SCHEDULER_ENV)
         self._held_counts: dict[int, int] = {}  # requests each held instance saw queued when it last looked
+        self._hold_met = False  # the delay hooks' counts were reached: every instance may run
 
     # -- admission -----------------------------------------------------------------------
     def enqueue(self, request: InferenceRequest) -> None:
@@ -242,11 +243,14 @@ class SequenceBatcher(Scheduler):
         """Triton's delay hooks: True while this instance must not run its first batch yet."""
         if self.oldest:  # the instance's own queue: sequences with a request ready
             held = sum(1 for s in batcher.slots if s is not None and s.queue) < batcher.hold
+        elif self._hold_met:  # another instance saw the counts reached (and may since have drained the backlog)
+            held = False
         else:  # requests in the slots of every instance (as each last saw them), then in the backlog
             self._held_counts[batcher.index] = sum(len(s.queue) for s in batcher.slots if s is not None)
             held = sum(self._held_counts.values()) < batcher.hold
             if not held and self._backlog_hold:
                 held = sum(len(s.queue) for s in self._backlog) < self._backlog_hold
+            self._hold_met = not held
         if not held:
             batcher.hold = 0
         return held
