@@ -27,6 +27,7 @@ from .errors import InvalidArgument, NotFound, Unavailable
 if TYPE_CHECKING:
     from tritonclient.grpc import model_config_pb2
 
+    from .generation import EngineInfo
     from .stats import Metrics
     from .types import InferenceRequest, InferenceResponse
 
@@ -186,10 +187,6 @@ class Model:
     """State shared by the instances of one model version."""
 
     instance_class: type[ModelInstance] = ModelInstance
-    # True: the model also takes typed LLM requests (``request.generation``, no input tensors) and answers them
-    # with ``response.generation`` (tideserve.generation); the OpenAI frontend then sends it those
-    takes_generation: bool = False
-
     def __init__(self, backend: "Backend", ctx: ModelContext) -> None:
         self.backend = backend
         self.ctx = ctx
@@ -206,6 +203,11 @@ class Model:
 
     def create_instance(self, ctx: InstanceContext) -> ModelInstance:
         return self.instance_class(self, ctx)
+
+    def engine_info(self) -> "EngineInfo | None":
+        """What an LLM backend tells frontends of its engine once initialized (tideserve.generation.EngineInfo:
+        typed requests, tokenizer files, context length, structured outputs); None for other models."""
+        return None
 
     def waiting_requests(self) -> int | None:
         """Requests waiting in the model's own engine (a backend that batches continuously), or None

@@ -95,7 +95,7 @@ from .errors import (
     as_server_error,
     error_of_status,
 )
-from .generation import GenerationDelta, GenerationRequest
+from .generation import EngineInfo, GenerationDelta, GenerationRequest
 from .responses import ResponseSender
 from .types import CancellationToken, InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 from .validation import conform_shape
@@ -125,7 +125,7 @@ def __getattr__(name: str):
 __all__ = [
     # types and errors
     "Tensor", "InferenceRequest", "InferenceResponse", "RequestedOutput", "CancellationToken",
-    "GenerationRequest", "GenerationDelta",
+    "GenerationRequest", "GenerationDelta", "EngineInfo",
     "ServerError", "Status", "InvalidArgument", "NotFound", "Unavailable", "QueueFull", "Unsupported", "Cancelled",
     "DeadlineExceeded", "InternalError", "as_server_error", "error_of_status",
     # backends

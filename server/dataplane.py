@@ -392,10 +392,10 @@ class DataPlane(ServingInterface):
                     break
             if request.generation is None:
                 runtime.validator.validate(request)
-            elif not runtime.takes_generation or request.inputs:
-                raise InvalidArgument(f"model '{runtime.name}' takes no typed generation requests; send its "
-                                      "input tensors" if not runtime.takes_generation else
-                                      "a typed generation request carries no input tensors")
+            elif request.inputs or runtime.engine is None or not runtime.engine.typed_requests:
+                raise InvalidArgument("a typed generation request carries no input tensors" if request.inputs else
+                                      f"model '{runtime.name}' takes no typed generation requests; send its input "
+                                      "tensors")
             if request.outputs:
                 shm_outputs = self.shared_memory.output_targets(request, shm_held)
         except ServerError:

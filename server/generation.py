@@ -2,8 +2,8 @@
 
 Triton's tensor interface (``text_input``, a ``sampling_parameters`` JSON string, ``return_*`` flags, one output
 tensor per field) stays for KServe clients and ensembles; a backend converts it once, at that edge. The OpenAI
-frontend instead hands a model that takes them (``Model.takes_generation``, published to frontends as
-``ServedModel.takes_generation``) an :class:`InferenceRequest` with no inputs and a :class:`GenerationRequest`,
+frontend instead hands a model that takes them (``Model.engine_info()``, published to frontends as
+``ServedModel.engine``, says ``typed_requests``) an :class:`InferenceRequest` with no inputs and a :class:`GenerationRequest`,
 and reads each response's :class:`GenerationDelta`. Both are msgspec structs: they cross the frontend-worker link
 as they are, with no conversion.
 """
@@ -13,6 +13,17 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+
+
+class EngineInfo(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What an LLM backend tells frontends about its engine (``Model.engine_info``): asked of the model, never read
+    from its files by a frontend."""
+
+    typed_requests: bool = False  # it takes GenerationRequest (``request.generation``) beside its tensors
+    tokenizer_dir: str | None = None  # local tokenizer files (chat template, token counts, echo of token ids)
+    max_model_len: int | None = None  # the context length
+    structured_outputs: bool = False  # ``sampling["structured_outputs"]`` (JSON schema, regex, choice, grammar)
+    token_prompts: bool = False  # prompts given as token ids
 
 
 class GenerationRequest(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -40,4 +51,4 @@ class GenerationDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     cached_tokens: int | None = None  # prompt tokens the prefix cache served (when asked for), on the last
 
 
-__all__ = ["GenerationDelta", "GenerationRequest"]
+__all__ = ["EngineInfo", "GenerationDelta", "GenerationRequest"]

@@ -15,6 +15,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from . import response_cache
 from .backend import Backend, InstanceContext, Model, ModelContext, ModelInstance, call_hook
 from .errors import InternalError, ServerError, Unavailable, as_server_error
+from .generation import EngineInfo
 from .stats import ModelStats
 from .types import InferenceRequest
 from .validation import RequestValidator
@@ -94,9 +95,9 @@ class ModelRuntime:
         return self.ctx.decoupled
 
     @property
-    def takes_generation(self) -> bool:
-        """The model takes typed LLM requests (tideserve.generation)."""
-        return self.model.takes_generation
+    def engine(self) -> EngineInfo | None:
+        """What the model's LLM backend tells of its engine (ServedModel.engine)."""
+        return self.model.engine_info()
 
     # -- lifecycle -----------------------------------------------------------------------
     async def load(self) -> None:

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from tritonclient.grpc import model_config_pb2 as mc
 
     from .backend import ModelContext
+    from .generation import EngineInfo
     from .types import InferenceRequest, InferenceResponse
 
 
@@ -31,7 +32,7 @@ class ServedModel(Protocol):
     version: int
     config: mc.ModelConfig
     ctx: ModelContext  # its files (``ctx.version_path``, ``ctx.local_path``) for tokenizers and templates
-    takes_generation: bool  # it takes typed LLM requests (tideserve.generation) beside its tensors
+    engine: EngineInfo | None  # what an LLM backend tells of its engine (tideserve.generation); None for others
 
 
 class ResponseStream(Protocol):

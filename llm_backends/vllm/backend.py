@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
@@ -25,6 +26,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from tideserve.llm_backends.metrics import EngineFamilies, LLMMetrics
 from tideserve.backend_api import (
     Backend,
+    EngineInfo,
     InferenceRequest,
     InvalidArgument,
     Model,
@@ -71,7 +73,6 @@ class VllmInstance(ModelInstance):
 
 class VllmModel(Model):
     instance_class = VllmInstance
-    takes_generation = True  # typed requests from the OpenAI frontend (tideserve.generation) beside Triton's tensors
 
     def __init__(self, backend: Backend, ctx: ModelContext) -> None:
         super().__init__(backend, ctx)
@@ -90,6 +91,7 @@ class VllmModel(Model):
         self.options = vllm_config.BackendOptions()  # ENABLE_VLLM_HEALTH_CHECK, REPORT_CUSTOM_METRICS
         self.failure: str | None = None  # why the engine is unhealthy, once it is
         self._unloading: asyncio.Task | None = None  # the unload a failed health check started
+        self._engine_info: EngineInfo | None = None
 
     def auto_complete_config(self) -> None:
         vllm_config.auto_complete(self.config)
@@ -97,6 +99,18 @@ class VllmModel(Model):
 
     def create_scheduler(self, runtime: ModelRuntime) -> Scheduler:
         return PassThroughScheduler(runtime)
+
+    def engine_info(self) -> EngineInfo | None:
+        """Typed requests from the OpenAI frontend beside Triton's tensors, and what the engine knows: its
+        tokenizer files (when local), context length, structured outputs, token-id prompts."""
+        if self._engine_info is None and self.engine is not None:
+            model_config = self.engine.model_config
+            tokenizer = model_config.tokenizer
+            self._engine_info = EngineInfo(typed_requests=True,
+                                           tokenizer_dir=tokenizer if tokenizer and os.path.isdir(tokenizer) else None,
+                                           max_model_len=model_config.max_model_len, structured_outputs=True,
+                                           token_prompts=True)
+        return self._engine_info
 
     def waiting_requests(self) -> int | None:
         """The engine's waiting requests, from its last reported state."""

@@ -9,7 +9,7 @@ Where the template comes from, first match wins:
    ``default``).
 
 The tokenizer directory (see :func:`tokenizer_dir`) is the config parameter ``tokenizer_dir`` /
-``tokenizer``; for a vLLM model, the ``tokenizer`` or ``model`` path of ``model.json``; for an
+``tokenizer``; for an LLM backend, the tokenizer directory its engine loaded (``ServedModel.engine``); for an
 ensemble, the first of its steps that has one.
 
 Rendering follows Hugging Face's ``apply_chat_template``: a sandboxed environment with
@@ -131,10 +131,9 @@ def tokenizer_dir(runtime, lookup=None) -> Path | None:
             found = _local_dir(config.parameters[key].string_value, ctx)
             if found is not None:
                 return found
-    if config.backend == "vllm":
-        found = _vllm_tokenizer_dir(ctx)
-        if found is not None:
-            return found
+    engine = runtime.engine
+    if engine is not None and engine.tokenizer_dir:  # the engine's own (a local directory it loaded)
+        return Path(engine.tokenizer_dir)
     if lookup is not None and config.HasField("ensemble_scheduling"):
         for step in config.ensemble_scheduling.step:
             try:
@@ -145,22 +144,6 @@ def tokenizer_dir(runtime, lookup=None) -> Path | None:
                 found = tokenizer_dir(inner, None)
                 if found is not None:
                     return found
-    return None
-
-
-def _vllm_tokenizer_dir(ctx) -> Path | None:
-    path = Path(ctx.version_path) / "model.json"
-    try:
-        args = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(args, dict):
-        return None
-    for key in ("tokenizer", "model"):
-        if isinstance(args.get(key), str):
-            found = _local_dir(args[key], ctx)
-            if found is not None:
-                return found
     return None
 
 

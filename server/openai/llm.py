@@ -18,9 +18,12 @@ interface. What else it declares decides what a request may ask for:
 * config parameters ``tool_call_parser`` / ``reasoning_parser`` (else the server's ``--tool-call-parser`` /
   ``--reasoning-parser``): tool calls with ``tool_choice: "auto"`` and reasoning parsed from the output
   text (:mod:`tideserve.tool_parsers`, :mod:`tideserve.reasoning_parsers`);
-* ``backend: "vllm"``: structured outputs (``response_format``, named tools; also through an ensemble
-  whose ``sampling_parameters`` go to a vLLM step), token-id prompts (``input_ids``), prompts rendered
-  from a chat template tokenized without special tokens.
+* what its backend tells of its engine (``ServedModel.engine``, :class:`tideserve.generation.EngineInfo`; the
+  vLLM backend's): typed requests (a :class:`~tideserve.generation.GenerationRequest`, no tensors; its
+  answers are :class:`~tideserve.generation.GenerationDelta` s), structured outputs (``response_format``, named
+  tools; also through an ensemble whose ``sampling_parameters`` go to such an engine), token-id prompts,
+  prompts rendered from a chat template tokenized without special tokens, the context length and the
+  tokenizer files. The frontend reads no engine's files.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from ..datatypes import config_to_datatype, numpy_dtype
 from ..errors import InvalidArgument, NotFound, ServerError, Unavailable
-from ..generation import GenerationDelta, GenerationRequest
+from ..generation import EngineInfo, GenerationDelta, GenerationRequest
 from ..types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 from ..validation import conform_shape
 from . import chat_template
@@ -76,7 +79,7 @@ class LLMModel:
     name: str
     backend: str
     batched: bool
-    sampling_backend: str            # the backend reading sampling_parameters (an ensemble's step's)
+    structured: bool                 # what reads sampling_parameters (its engine, an ensemble step's) constrains
     input_types: dict[str, str]      # input name -> datatype
     outputs: frozenset[str]
     template: chat_template.ChatTemplate | None
@@ -88,6 +91,7 @@ class LLMModel:
     max_model_len: int | None = None  # the context length, where the config or the model files say it
     input_dims: dict[str, tuple[int, ...]] = field(default_factory=dict)  # input name -> its declared dims
     typed: bool = False  # the model takes typed generation requests (tideserve.generation) instead of tensors
+    token_ids: bool = False  # its engine takes token-id prompts
 
     @property
     def sampling_json(self) -> bool:
@@ -95,11 +99,11 @@ class LLMModel:
 
     @property
     def structured_outputs(self) -> bool:
-        return self.sampling_backend == "vllm" and self.sampling_json
+        return self.structured and (self.typed or self.sampling_json)
 
     @property
     def token_prompts(self) -> bool:
-        return self.backend == "vllm" and "input_ids" in self.input_types
+        return self.typed and self.token_ids
 
     @property
     def logprobs(self) -> bool:
@@ -161,8 +165,6 @@ class LLMModel:
         else:
             self._sampling_inputs(sampling, inputs)
         parameters: dict[str, Any] = {"lora_name": self.name} if self.base else {}  # as Triton's vLLM backend
-        if not add_special_tokens and self.backend == "vllm":
-            parameters["add_special_tokens"] = False
         request = InferenceRequest(self.base or self.name, inputs, id=request_id, parameters=parameters,
                                    outputs=[RequestedOutput(o) for o in outputs] if outputs else None)
         request.streaming = stream
@@ -174,8 +176,6 @@ class LLMModel:
         request.priority = priority
         if cached_tokens and request.generation is not None:
             request.generation.cached_tokens = True
-        elif cached_tokens and self.backend == "vllm":
-            request.parameters["return_num_cached_tokens"] = True
         return request
 
     def _sampling_inputs(self, sampling: dict[str, Any], inputs: dict[str, Tensor]) -> None:
@@ -288,22 +288,26 @@ def describe(runtime, lookup, parsers: OutputParsers | None = None) -> LLMModel 
         template = None
     directory = chat_template.tokenizer_dir(runtime, lookup)
     tool_call_parser, reasoning_parser = (parsers or OutputParsers()).of(config)
-    return LLMModel(runtime.name, config.backend, config.max_batch_size > 0, _sampling_backend(runtime, lookup),
+    engine = runtime.engine
+    sampler = _sampling_engine(runtime, lookup)
+    return LLMModel(runtime.name, config.backend, config.max_batch_size > 0,
+                    sampler is not None and sampler.structured_outputs,
                     input_types, frozenset(outputs), template, directory,
                     max_model_len=_context_length(runtime, directory), tool_call_parser=tool_call_parser,
                     reasoning_parser=reasoning_parser, input_dims={t.name: tuple(t.dims) for t in config.input},
-                    typed=runtime.takes_generation)
+                    typed=engine is not None and engine.typed_requests,
+                    token_ids=engine is not None and engine.token_prompts)
 
 
 def _context_length(runtime, directory: Path | None) -> int | None:
-    """The model's context length: the ``max_model_len`` config parameter or engine argument (a vLLM model's
-    ``model.json``), else the ``max_position_embeddings`` of the model files' ``config.json``."""
+    """The model's context length: the ``max_model_len`` config parameter, else its engine's, else the
+    ``max_position_embeddings`` of the model files' ``config.json``."""
     config = runtime.config
     values: list[Any] = []
     if "max_model_len" in config.parameters:
         values.append(config.parameters["max_model_len"].string_value)
-    if config.backend == "vllm":
-        values.append(_json_file(Path(runtime.ctx.version_path) / "model.json").get("max_model_len"))
+    if runtime.engine is not None:
+        values.append(runtime.engine.max_model_len)
     if directory is not None:
         values.append(_json_file(directory / "config.json").get("max_position_embeddings"))
     for value in values:
@@ -324,19 +328,19 @@ def _json_file(path: Path) -> dict:
     return found if isinstance(found, dict) else {}
 
 
-def _sampling_backend(runtime, lookup) -> str:
-    """The backend that reads ``runtime``'s ``sampling_parameters``: its own, or for an ensemble the backend of
-    the step its ``sampling_parameters`` input goes to."""
+def _sampling_engine(runtime, lookup) -> EngineInfo | None:
+    """The engine that reads ``runtime``'s sampling parameters: its own, or for an ensemble the engine of the step
+    its ``sampling_parameters`` input goes to."""
     config = runtime.config
     if not config.HasField("ensemble_scheduling"):
-        return config.backend
+        return runtime.engine
     for step in config.ensemble_scheduling.step:
         if "sampling_parameters" in step.input_map.values():
             try:
-                return lookup(step.model_name).config.backend
+                return lookup(step.model_name).engine
             except ServerError:
-                return ""
-    return ""
+                return None
+    return None
 
 
 class Catalog:

@@ -320,7 +320,7 @@ class FrontendWorkers:
                     fresh.append(p.RuntimeInfo(uid, runtime.name, runtime.version,
                                                runtime.config.SerializeToString(), str(runtime.ctx.model_path),
                                                [str(r) for r in runtime.ctx.allowed_roots], versions,
-                                               runtime.takes_generation))
+                                               runtime.engine))
             lookups[name] = table
         link.known &= seen
         try:

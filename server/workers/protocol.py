@@ -16,7 +16,7 @@ import msgspec
 import numpy as np
 
 from ..errors import ServerError, Status, as_server_error, error_of_status
-from ..generation import GenerationDelta, GenerationRequest
+from ..generation import EngineInfo, GenerationDelta, GenerationRequest
 from ..types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 
 if TYPE_CHECKING:
@@ -252,7 +252,7 @@ class RuntimeInfo(msgspec.Struct, array_like=True):
     model_path: str
     allowed_roots: list[str]
     versions: list[int]  # every loaded version of the model (model metadata lists them)
-    takes_generation: bool = False  # ServedModel.takes_generation
+    engine: EngineInfo | None = None  # ServedModel.engine
 
 
 class Snapshot(msgspec.Struct, tag=True, array_like=True):

@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 class RemoteRuntime:
     """A loaded model version as frontends read it (``name``, ``version``, ``config``, ``ctx``)."""
 
-    __slots__ = ("uid", "name", "version", "config", "ctx", "versions", "takes_generation", "__weakref__")
+    __slots__ = ("uid", "name", "version", "config", "ctx", "versions", "engine", "__weakref__")
 
     def __init__(self, info: p.RuntimeInfo) -> None:
         config = mc.ModelConfig()
@@ -37,7 +37,7 @@ class RemoteRuntime:
         self.version = info.version
         self.config = config
         self.versions = list(info.versions)
-        self.takes_generation = info.takes_generation
+        self.engine = info.engine
         self.ctx = ModelContext(info.name, info.version, config, Path(info.model_path),
                                 allowed_roots=tuple(Path(r) for r in info.allowed_roots))
 
