@@ -17,6 +17,27 @@ def server(tmp_path_factory) -> RunningServer:
     running.stop()
 
 
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """The tiny random Llama (seeded weights, offline-trained tokenizer) the vLLM tests serve, made once."""
+    from tideserve.bench.examples.tiny_llama import make_model
+
+    return make_model(tmp_path_factory.mktemp("tiny_llama"), "tiny")
+
+
+@pytest.fixture(scope="session")
+def example_server(tmp_path_factory) -> RunningServer:
+    """One server over the example deployment (prepared as ``make serve`` prepares it) and the broken ensembles
+    of tests/example_fixtures.py, shared by the README's and the example deployment's tests: one engine start."""
+    from example_fixtures import prepare_repository, start_example_server, write_extra_repository
+
+    prepare_repository()
+    tmp = tmp_path_factory.mktemp("example")
+    running = start_example_server(tmp, (write_extra_repository(tmp / "extra"),))
+    yield running
+    running.stop()
+
+
 @pytest.fixture
 async def start_core():
     """``await start_core(repo, mode, load)``: a DataPlane over the toy backends, without a server; every

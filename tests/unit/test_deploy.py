@@ -7,25 +7,16 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import re
-import shlex
-import shutil
-import signal
-import subprocess
-import sys
-import time
 import tomllib
-import urllib.request
 from pathlib import Path
 
+import kubernetes_validate
 import pytest
-from support import REPO, TEST_MODELS, free_port
+import yaml  # comes with kubernetes-validate
+from support import REPO
 
 from tideserve.cli import build_parser, options_from_args
-
-kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install -e '.[test]'")
-yaml = pytest.importorskip("yaml")  # comes with kubernetes-validate
 
 KUBERNETES = REPO / "deploy" / "kubernetes"
 KSERVE = REPO / "deploy" / "kserve"
@@ -177,42 +168,3 @@ def test_the_image_installs_every_package_folder():
     package_dirs = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
     copied = set(re.findall(r"^COPY\s+(\S+)\s+\1\s*$", DOCKERFILE.read_text(), re.MULTILINE))
     assert set(package_dirs.values()) <= copied
-
-
-def test_the_image_command_starts_the_server_from_a_shell(tmp_path):
-    """ENTRYPOINT + CMD as the image runs them, through /bin/sh, with a small repository, free ports and
-    127.0.0.1 in place of the image's paths and addresses; ready, then SIGTERM drains and exits 0."""
-    command = _dockerfile_exec("ENTRYPOINT") + _dockerfile_exec("CMD")
-    _parse(command)
-    repository = tmp_path / "models"
-    shutil.copytree(TEST_MODELS / "add_sub", repository / "add_sub")
-    http, grpc, metrics = free_port(), free_port(), free_port()
-    swapped = {"--model-repository": str(repository), "--host": "127.0.0.1", "--metrics-address": "127.0.0.1"}
-    line = [shutil.which("tideserve", path=str(Path(sys.executable).parent)) or "tideserve"]
-    for arg in command[1:]:
-        flag, _, value = arg.partition("=")
-        assert flag in swapped, f"the test does not know what to put in place of {arg}"
-        line.append(f"{flag}={swapped[flag]}")
-    line += [f"--http-port={http}", f"--grpc-port={grpc}", f"--metrics-port={metrics}"]
-    log = tmp_path / "server.log"
-    with open(log, "wb") as out:
-        shell = subprocess.Popen(["/bin/sh", "-c", "exec " + shlex.join(line)], stdout=out, stderr=subprocess.STDOUT,
-                                 env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert shell.poll() is None, log.read_text()
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/health/ready", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
-        shell.send_signal(signal.SIGTERM)
-        assert shell.wait(30) == 0, log.read_text()
-    finally:
-        if shell.poll() is None:
-            shell.kill()
-            shell.wait()

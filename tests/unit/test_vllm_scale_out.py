@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import json
 
-import pytest
-from llm_fixtures import VLLM_INSTALLED
 from support import REPO
 
 from tideserve import config as config_module
 from tideserve.backend import ModelContext
 from tideserve.llm_backends.vllm import config as vllm_config
 
-needs_vllm = pytest.mark.skipif(not VLLM_INSTALLED, reason="vLLM is not installed")
 
 PARALLEL = {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "data_parallel_size": 1,
             "distributed_executor_backend": "mp"}
@@ -47,18 +44,19 @@ def test_config_parameters_set_parallel_arguments_with_their_types(tmp_path):
                       "distributed_executor_backend": "ray"}
 
 
-@needs_vllm
 def test_vllm_engine_args_and_config_carry_the_layout(tmp_path):
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     from tideserve.llm_backends.vllm.engine import engine_arg_defaults
 
-    if not (TINY_LLAMA / "config.json").is_file():
-        pytest.skip("the example's tiny Llama is not made (python -m tideserve.bench.examples.prepare)")
-    engine_args = {"model": str(TINY_LLAMA), "dtype": "float32", "max_model_len": 256, "enforce_eager": True,
+    model = TINY_LLAMA
+    if not (model / "config.json").is_file():  # the example's preparation (make serve) has not run: make one
+        from tideserve.bench.examples.tiny_llama import make_model
+
+        model = make_model(tmp_path / "tiny_llama")
+    engine_args = {"model": str(model), "dtype": "float32", "max_model_len": 256, "enforce_eager": True,
                    **PARALLEL}
-    kwargs = vllm_config.engine_kwargs(_context(tmp_path, engine_args, allowed=[TINY_LLAMA]),
-                                       engine_arg_defaults())
+    kwargs = vllm_config.engine_kwargs(_context(tmp_path, engine_args, allowed=[model]), engine_arg_defaults())
     args = AsyncEngineArgs(**kwargs)  # what engine.start_engine builds the engine from
     assert {key: getattr(args, key) for key in PARALLEL} == PARALLEL
     parallel = args.create_engine_config().parallel_config

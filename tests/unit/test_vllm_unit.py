@@ -9,7 +9,6 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from llm_fixtures import VLLM_INSTALLED
 from tritonclient.grpc import model_config_pb2 as mc
 
 from tideserve.llm_backends.vllm import config as vllm_config
@@ -20,7 +19,6 @@ from tideserve.backend import ModelContext
 from tideserve.errors import InvalidArgument, Unavailable
 from tideserve.types import InferenceRequest, RequestedOutput, Tensor
 
-needs_vllm = pytest.mark.skipif(not VLLM_INSTALLED, reason="vLLM is not installed")
 
 
 def _config(text: str = 'backend: "vllm"') -> mc.ModelConfig:
@@ -262,7 +260,6 @@ def test_response_builder_prompt_logprobs_once():
     assert whole.whole().output("prompt_logprobs").data.tolist() == [b"null"]
 
 # -- sampling parameters ------------------------------------------------------------------------
-@needs_vllm
 def test_sampling_parameters_convert_and_name_bad_fields():
     from vllm.sampling_params import RequestOutputKind
 
@@ -279,7 +276,6 @@ def test_sampling_parameters_convert_and_name_bad_fields():
             make_sampling_params(raw)
 
 
-@needs_vllm
 def test_max_tokens_beyond_the_context_window_is_cut_to_it():
     """Triton's tensor interface: no error (the engine stops at the context length), no huge value to the core."""
     from tideserve.llm_backends.vllm.sampling import fit_to_context, make_sampling_params
