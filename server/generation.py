@@ -3,9 +3,9 @@
 Triton's tensor interface (``text_input``, a ``sampling_parameters`` JSON string, ``return_*`` flags, one output
 tensor per field) stays for KServe clients and ensembles; a backend converts it once, at that edge. The OpenAI
 frontend instead hands a model that takes them (``Model.engine_info()``, published to frontends as
-``ServedModel.engine``, says ``typed_requests``) an :class:`InferenceRequest` with no inputs and a :class:`GenerationRequest`,
-and reads each response's :class:`GenerationDelta`. Both are msgspec structs: they cross the frontend-worker link
-as they are, with no conversion.
+``ServedModel.engine``, says ``typed_requests``) an :class:`InferenceRequest` with no inputs and a
+:class:`GenerationRequest`, and reads each response's :class:`GenerationDelta`. Both are msgspec structs: they
+cross the frontend-worker link as they are, with no conversion.
 """
 
 from __future__ import annotations

@@ -102,7 +102,25 @@ class ResponseBuilder:
     def delta(self, output: Any) -> InferenceResponse:
         """The response of one streamed step."""
         self._note_prompt(output)
+        if self.inputs.typed:  # straight from the engine's output: one representation per step
+            return InferenceResponse(generation=self._step_delta(output))
         return self._response(completions(output, self.n, self.want_logprobs), prepend=False, whole=False)
+
+    def _step_delta(self, output: Any) -> GenerationDelta:
+        n = self.n
+        texts, finish, tokens = [""] * n, [None] * n, [0] * n
+        logprobs = [None] * n if self.want_logprobs else None
+        for item in output.outputs:
+            i = item.index
+            if i >= n:
+                continue
+            texts[i] = item.text or ""
+            if item.finish_reason is not None:
+                finish[i] = str(item.finish_reason)
+            tokens[i] = len(item.token_ids)
+            if logprobs is not None and item.logprobs is not None:
+                logprobs[i] = _logprobs(item.logprobs)
+        return GenerationDelta(texts, finish, tokens, len(self.prompt_ids), logprobs, self._prompt_logprobs_once(False))
 
     def add(self, output: Any) -> None:
         """Keep one step for the whole (non-streamed) response."""
@@ -150,15 +168,19 @@ class ResponseBuilder:
         return InferenceResponse(outputs=tensors)
 
     def _delta(self, parts: list[Completion], whole: bool) -> GenerationDelta:
-        """The answer to a typed request: the same fields as the tensors, as they are."""
-        prompt_logprobs = None
-        if "prompt_logprobs" in self.want and not self._prompt_logprobs_sent and (self.prompt_logprobs is not None
-                                                                                    or whole):
-            prompt_logprobs = self.prompt_logprobs
-            self._prompt_logprobs_sent = True
+        """The whole answer to a typed request: the same fields as the tensors, as they are."""
         return GenerationDelta([p.text for p in parts], [p.finish_reason for p in parts],
                                [len(p.token_ids) for p in parts], len(self.prompt_ids),
-                               [p.logprobs for p in parts] if self.want_logprobs else None, prompt_logprobs)
+                               [p.logprobs for p in parts] if self.want_logprobs else None,
+                               self._prompt_logprobs_once(whole))
+
+    def _prompt_logprobs_once(self, whole: bool) -> list[dict] | None:
+        """The prompt's log probabilities with the first response that has them (a whole answer: always)."""
+        if "prompt_logprobs" in self.want and not self._prompt_logprobs_sent and (self.prompt_logprobs is not None
+                                                                                    or whole):
+            self._prompt_logprobs_sent = True
+            return self.prompt_logprobs
+        return None
 
 
 def _bytes(name: str, values: list[str]) -> Tensor:

@@ -297,7 +297,8 @@ def describe(runtime, lookup, parsers: OutputParsers | None = None) -> LLMModel 
                     sampler is not None and sampler.structured_outputs,
                     input_types, frozenset(outputs), template, directory,
                     max_model_len=_context_length(runtime, engine or sampler, directory),
-                    tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser, input_dims={t.name: tuple(t.dims) for t in config.input},
+                    tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
+                    input_dims={t.name: tuple(t.dims) for t in config.input},
                     typed=engine is not None and engine.typed_requests,
                     token_ids=engine is not None and engine.token_prompts)
 
