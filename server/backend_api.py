@@ -54,6 +54,11 @@ Schedulers
     subclass of the backend's own, which gets the :class:`ModelRuntime` it serves
     (:class:`InstanceSlot` is one of its instances) and may use :func:`drop_cancelled`.
 
+Process links
+    :mod:`wire` (the structs and framing every process link of the server shares: tensors, requests, responses,
+    errors that keep their status, HTTP code and Retry-After) and :mod:`arena` (tensors in shared memory), for a
+    backend that runs its models in processes of its own (the ``python`` backend does).
+
 Helpers
     Datatype conversion (:func:`numpy_dtype`, :func:`datatype_of`, :func:`config_to_datatype`,
     :func:`datatype_to_config`), the config as Triton's JSON (:func:`config_to_dict`,
@@ -65,7 +70,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from . import model_paths
+from . import arena, model_paths, wire
 from .backend import (
     Backend,
     Infer,
@@ -139,4 +144,6 @@ __all__ = [
     # helpers
     "numpy_dtype", "datatype_of", "config_to_datatype", "datatype_to_config", "config_to_dict", "config_to_json",
     "model_paths", "conform_shape",
+    # process links
+    "wire", "arena",
 ]

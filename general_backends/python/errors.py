@@ -54,6 +54,7 @@ class TritonError(Exception):
         super().__init__(message)
         self._message = str(message)
         self._code = ErrorCode(code)
+        self._server_error: ServerError | None = None  # the server's error this one reports (a BLS response's)
 
     def message(self) -> str:
         return self._message
@@ -89,7 +90,12 @@ _CODE_OF_STATUS = {
 
 
 def to_server_error(error: TritonError) -> ServerError:
+    """The server error a model's TritonError stands for: the very error it was made from (a BLS response's, with
+    its HTTP code and Retry-After) where its code says the same, else one of the class its code has."""
     code = error.code()
+    origin = error._server_error
+    if origin is not None and _CODE_OF_STATUS.get(origin.status) == code:
+        return origin
     if code == ErrorCode.ALREADY_EXISTS:
         return ServerError(error.message(), Status.ALREADY_EXISTS)
     if code == ErrorCode.UNKNOWN:
@@ -98,4 +104,6 @@ def to_server_error(error: TritonError) -> ServerError:
 
 
 def from_server_error(error: ServerError) -> TritonError:
-    return TritonError(error.message, _CODE_OF_STATUS.get(error.status, ErrorCode.INTERNAL))
+    found = TritonError(error.message, _CODE_OF_STATUS.get(error.status, ErrorCode.INTERNAL))
+    found._server_error = error
+    return found

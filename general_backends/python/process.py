@@ -47,12 +47,13 @@ from tideserve.backend_api import (
     Model,
     ModelContext,
     ModelInstance,
-    RequestedOutput,
     ServerError,
     Unavailable,
+    arena,
+    wire,
 )
 
-from . import metrics, shm, wire
+from . import metrics, protocol
 from .zygote import Zygote
 
 log = logging.getLogger(__name__)
@@ -124,8 +125,8 @@ class ProcessModel(Model):
         self.arena_bytes = arena_bytes(ctx)
         self._spare: ModelProcess | None = None  # started for auto-complete, kept for the first instance
 
-    def spec(self) -> wire.ModelSpec:
-        return wire.ModelSpec(self.ctx.name, self.ctx.version, str(self.ctx.model_path),
+    def spec(self) -> protocol.ModelSpec:
+        return protocol.ModelSpec(self.ctx.name, self.ctx.version, str(self.ctx.model_path),
                               self.config.SerializeToString())
 
     async def auto_complete_config(self) -> None:
@@ -219,10 +220,10 @@ class ModelProcess:
         self.sock, theirs = socket.socketpair()
         response_fd = -1
         try:
-            self.outbox = shm.Outbox(shm.Arena(size, f"tideserve-{label}-requests"))
-            response_fd = shm.create_file(size, f"tideserve-{label}-responses")
-            self.inbox = shm.Inbox(response_fd, size, self._released)
-            spec = wire.ProcessSpec(label, size, size, _log_level(model.ctx.name))
+            self.outbox = arena.Outbox(arena.Arena(size, f"tideserve-{label}-requests"))
+            response_fd = arena.create_file(size, f"tideserve-{label}-responses")
+            self.inbox = arena.Inbox(response_fd, size, self._released)
+            spec = protocol.ProcessSpec(label, size, size, _log_level(model.ctx.name))
             self._spawned = Zygote.get().spawn(spec, [theirs.fileno(), self.outbox.arena.fd, response_fd],
                                                self._exit_status)
         finally:
@@ -232,7 +233,7 @@ class ModelProcess:
             if hasattr(self, "outbox"):
                 self.outbox.arena.close_fd()
         self.sock.setblocking(False)
-        self.reader = wire.FrameReader(wire.ToServer)
+        self.reader = wire.FrameReader(protocol.ToServer)
         self.loop.add_reader(self.sock.fileno(), self._on_readable)
 
     @classmethod
@@ -247,12 +248,12 @@ class ModelProcess:
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def auto_complete(self) -> mc.ModelConfig:
-        reply = await self._call(lambda call: wire.AutoComplete(call, self.model.spec()))
+        reply = await self._call(lambda call: protocol.AutoComplete(call, self.model.spec()))
         return mc.ModelConfig.FromString(reply.config)
 
     async def create_instance(self, ctx: InstanceContext) -> None:
-        instance = wire.InstanceSpec(ctx.name, ctx.kind, ctx.device_id, ctx.index, ctx.group_name)
-        await self._call(lambda call: wire.CreateInstance(call, self.model.spec(), instance))
+        instance = protocol.InstanceSpec(ctx.name, ctx.kind, ctx.device_id, ctx.index, ctx.group_name)
+        await self._call(lambda call: protocol.CreateInstance(call, self.model.spec(), instance))
         self.label = ctx.name
         self.serves_instance = True
 
@@ -261,7 +262,7 @@ class ModelProcess:
         self._stopping = True
         if not self._closed and self.failure is None:
             try:
-                await asyncio.wait_for(self._call(wire.Finalize), FINALIZE_TIMEOUT_S)
+                await asyncio.wait_for(self._call(protocol.Finalize), FINALIZE_TIMEOUT_S)
             except TimeoutError:
                 log.warning("instance '%s': finalize did not end within %.0fs; its process is killed", self.label,
                             FINALIZE_TIMEOUT_S)
@@ -282,7 +283,7 @@ class ModelProcess:
             except ProcessLookupError:
                 pass
 
-    async def _call(self, make: Callable[[int], object]) -> wire.Reply:
+    async def _call(self, make: Callable[[int], object]) -> protocol.Reply:
         if self.failure is not None:
             raise self.failure
         call = next(self._ids)
@@ -302,9 +303,9 @@ class ModelProcess:
         metas, start = [], 0
         for request in requests:
             count = len(request.inputs)
-            metas.append(_request_meta(request, request.internal_id, refs[start:start + count]))
+            metas.append(wire.request_message(request.internal_id, request, refs[start:start + count]))
             start += count
-        self._send(wire.Execute(batch, metas, payload), fd)
+        self._send(protocol.Execute(batch, metas, payload), fd)
         for request in requests:  # no response can arrive before this returns to the loop
             rid = request.internal_id
             self.requests[rid] = request
@@ -337,7 +338,7 @@ class ModelProcess:
             elif response.error is not None and response.final:
                 sender.send_error(wire.server_error(response.error))
             else:
-                sender.send(_core_response(response, block), final=response.final)
+                sender.send(wire.core_response(response, block), final=response.final)
         except ServerError as exc:  # the request was already answered (e.g. the server gave up on it)
             log.debug("instance '%s': response to a finished request dropped: %s", self.label, exc)
 
@@ -367,7 +368,7 @@ class ModelProcess:
 
     def _write(self, data: memoryview, fd: int | None) -> int:
         try:
-            sent = socket.send_fds(self.sock, [data], [fd]) if fd is not None else self.sock.send(data)
+            sent = wire.send_frames(self.sock, data, fd) if fd is not None else self.sock.send(data)
         except (BlockingIOError, InterruptedError):
             return 0
         except OSError:  # the process is gone; the reader hears of it
@@ -394,9 +395,9 @@ class ModelProcess:
         if not self._release_scheduled and not self._closed and not self.loop.is_closed():
             self._release_scheduled = True
             if threading.get_ident() == self._loop_thread:
-                self.loop.call_later(shm.RELEASE_DELAY_S, self._send_releases)
+                self.loop.call_later(arena.RELEASE_DELAY_S, self._send_releases)
             else:
-                self._soon(self.loop.call_later, shm.RELEASE_DELAY_S, self._send_releases)
+                self._soon(self.loop.call_later, arena.RELEASE_DELAY_S, self._send_releases)
 
     def _send_releases(self) -> None:
         self._release_scheduled = False
@@ -422,16 +423,16 @@ class ModelProcess:
         return True
 
     def _block(self, payload: wire.Payload | None):
-        fd = self.reader.take_fd() if payload is not None and payload.offset == shm.OWN_FILE else None
+        fd = self.reader.take_fd() if payload is not None and payload.offset == arena.OWN_FILE else None
         return self.inbox.block(payload, fd)
 
     def _handle(self, message) -> None:
         match message:
-            case wire.Respond(answers=answers, payload=payload):
+            case protocol.Respond(answers=answers, payload=payload):
                 block = self._block(payload)
                 for answer in answers:
                     self._deliver(answer.rid, answer.response, block)
-            case wire.Executed(batch=batch, rescheduled=rescheduled):
+            case protocol.Executed(batch=batch, rescheduled=rescheduled):
                 for rid in rescheduled:  # back to the scheduler, which runs them again (or answers them)
                     request = self.requests.get(rid)
                     if request is not None:
@@ -440,7 +441,7 @@ class ModelProcess:
                 future = self._batches.pop(batch, None)
                 if future is not None and not future.done():
                     future.set_result(None)
-            case wire.Reply(call=call, error=error):
+            case protocol.Reply(call=call, error=error):
                 future = self._calls.pop(call, None)
                 if future is not None and not future.done():
                     if error is None:
@@ -450,27 +451,27 @@ class ModelProcess:
             case wire.Release(offsets=offsets):
                 for offset in offsets:
                     self.outbox.arena.release(offset)
-            case wire.Call(call=call, request=request, payload=payload, unary=unary):
-                core = _core_request(request, self._block(payload))
+            case protocol.Call(call=call, request=request, payload=payload, unary=unary):
+                core = wire.core_request(request, self._block(payload))
                 self._serve(call, self._run_call(call, core, unary))
-            case wire.CancelCall(call=call, request_only=True):
+            case protocol.CancelCall(call=call, request_only=True):
                 stream = self._streams.get(call)
                 if stream is not None:
                     stream.request.cancellation.cancel()
-            case wire.CancelCall(call=call):
+            case protocol.CancelCall(call=call):
                 stream = self._streams.pop(call, None)
                 if stream is not None:
                     stream.cancel()
                 task = self._served.get(call)
                 if task is not None:
                     task.cancel()
-            case wire.LoadModel() | wire.UnloadModel() | wire.ModelReady():
+            case protocol.LoadModel() | protocol.UnloadModel() | protocol.ModelReady():
                 self._serve(message.call, self._run_control(message))
-            case wire.Log():
+            case protocol.Log():
                 self._log(message)
-            case wire.Series():
+            case protocol.Series():
                 self._series(message)
-            case wire.Exiting(reason=reason):
+            case protocol.Exiting(reason=reason):
                 self._exit_reason = reason
 
     # -- what the process asks of the server ----------------------------------------------------------
@@ -502,28 +503,27 @@ class ModelProcess:
         if self._closed:
             return
         refs, payload, fd = self.outbox.put(response.outputs)
-        self._send(wire.CallResponse(call, wire.Response(refs, response.parameters, wire.error_of(response.error),
-                                                         response.final, response.empty), payload), fd)
+        self._send(protocol.CallResponse(call, wire.response_message(response, refs), payload), fd)
 
     async def _run_control(self, message) -> None:
         control = self.model.ctx.control
-        result = wire.ControlResult(message.call)
+        result = protocol.ControlResult(message.call)
         try:
             if control is None:
                 raise InternalError("this server has no data plane: models cannot control other models")
             match message:
-                case wire.LoadModel(name=name, config=config):
+                case protocol.LoadModel(name=name, config=config):
                     await control.load(name, config or None)
-                case wire.UnloadModel(name=name, unload_dependents=dependents):
+                case protocol.UnloadModel(name=name, unload_dependents=dependents):
                     await control.unload(name, unload_dependents=dependents)
-                case wire.ModelReady(name=name, version=version):
+                case protocol.ModelReady(name=name, version=version):
                     result.ready = control.ready(name, version)
         except ServerError as exc:
-            result.error = wire.error_of(exc)
+            result.error = wire.error_data(exc)
         if not self._closed:
             self._send(result)
 
-    def _log(self, message: wire.Log) -> None:
+    def _log(self, message: protocol.Log) -> None:
         logger = logging.getLogger(message.name)
         if not logger.isEnabledFor(message.level):
             return
@@ -534,11 +534,11 @@ class ModelProcess:
         record.exc_text = message.exc_text or None
         logger.handle(record)
 
-    def _series(self, message: wire.Series) -> None:
+    def _series(self, message: protocol.Series) -> None:
         if message.page not in self._pages:  # its first series brings the page
             fd = self.reader.take_fd()
             try:
-                self._pages[message.page] = shm.map_file(fd, message.page_size)
+                self._pages[message.page] = arena.map_file(fd, message.page_size)
             finally:
                 os.close(fd)
         registry = getattr(self.model.ctx.metrics, "registry", None)
@@ -630,24 +630,3 @@ def _drain(queue: collections.deque[int]) -> list[int]:
             items.append(queue.popleft())
         except IndexError:
             return items
-
-
-def _request_meta(request: CoreRequest, rid: int, refs: list[wire.TensorRef]) -> wire.Request:
-    return wire.Request(rid, request.model_name, request.model_version, request.id, refs,
-                        [wire.OutputRef(o.name, o.parameters) for o in request.outputs], request.parameters,
-                        request.priority, request.timeout_us, request.streaming)
-
-
-def _core_request(meta: wire.Request, block) -> CoreRequest:
-    request = CoreRequest(meta.model_name, {t.name: t for t in shm.read_tensors(block, meta.inputs)},
-                          model_version=meta.model_version, id=meta.id,
-                          outputs=[RequestedOutput(o.name, dict(o.parameters)) for o in meta.outputs],
-                          parameters=meta.parameters, priority=meta.priority, timeout_us=meta.timeout_us)
-    request.streaming = meta.streaming
-    return request
-
-
-def _core_response(response: wire.Response, block) -> CoreResponse:
-    return CoreResponse(outputs=shm.read_tensors(block, response.outputs), parameters=response.parameters,
-                        error=None if response.error is None else wire.server_error(response.error),
-                        final=response.final, empty=response.empty)

@@ -42,12 +42,13 @@ from tideserve.backend_api import (
     InferenceResponse as CoreResponse,
     InstanceContext,
     ModelContext,
-    RequestedOutput,
     ResponseSender,
+    arena,
     as_server_error,
+    wire,
 )
 
-from . import metrics, shm, wire
+from . import metrics, protocol
 from .backend import ModelExit, PythonBackend, PythonInstance, PythonModel
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ log = logging.getLogger(__name__)
 METRICS_PAGE = 64 * 1024  # bytes of shared memory per page of custom metric values
 
 
-def run(spec: wire.ProcessSpec, sock_fd: int, request_fd: int, response_fd: int) -> int:
+def run(spec: protocol.ProcessSpec, sock_fd: int, request_fd: int, response_fd: int) -> int:
     """The life of a model process (in the child the zygote forked); its exit code."""
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -100,14 +101,14 @@ def _flush_output() -> None:
 class Stub:
     """The model process's end of the connection, and the model and instance it hosts."""
 
-    def __init__(self, spec: wire.ProcessSpec, sock: socket.socket, request_fd: int, response_fd: int) -> None:
+    def __init__(self, spec: protocol.ProcessSpec, sock: socket.socket, request_fd: int, response_fd: int) -> None:
         self.spec = spec
         self.sock = sock
         self.sock.setblocking(True)
-        self.reader = wire.FrameReader(wire.ToProcess)
-        self.requests_in = shm.Inbox(request_fd, spec.request_arena, self._released)
+        self.reader = wire.FrameReader(protocol.ToProcess)
+        self.requests_in = arena.Inbox(request_fd, spec.request_arena, self._released)
         os.close(request_fd)
-        self.responses_out = shm.Outbox(shm.Arena(spec.response_arena, "", fd=response_fd))
+        self.responses_out = arena.Outbox(arena.Arena(spec.response_arena, "", fd=response_fd))
         self.responses_out.arena.close_fd()
         self.loop: asyncio.AbstractEventLoop | None = None
         self._write_lock = threading.Lock()
@@ -143,7 +144,7 @@ class Stub:
             if fd is None:
                 self.sock.sendall(data)
             else:
-                sent = socket.send_fds(self.sock, [data], [fd])
+                sent = wire.send_frames(self.sock, data, fd)
                 if sent < len(data):
                     self.sock.sendall(data[sent:])
         if fd is not None:
@@ -169,7 +170,7 @@ class Stub:
     def _handle(self, message) -> None:
         loop = self.loop
         match message:
-            case wire.Execute(batch=batch, requests=requests, payload=payload):
+            case protocol.Execute(batch=batch, requests=requests, payload=payload):
                 block = self.requests_in.block(payload, self._fd_of(payload))
                 cores = [self._request(meta, block) for meta in requests]
                 del block
@@ -178,25 +179,25 @@ class Stub:
                 request = self.requests.get(rid)
                 if request is not None:
                     request.cancellation.cancel()
-            case wire.CallResponse(call=call, response=response, payload=payload):
+            case protocol.CallResponse(call=call, response=response, payload=payload):
                 block = self.requests_in.block(payload, self._fd_of(payload))
                 remote = self.calls.get(call)
                 if remote is not None:
-                    loop.call_soon_threadsafe(remote.deliver, self._response(response, block))
-            case wire.ControlResult():
+                    loop.call_soon_threadsafe(remote.deliver, wire.core_response(response, block))
+            case protocol.ControlResult():
                 loop.call_soon_threadsafe(self._control_result, message)
             case wire.Release(offsets=offsets):
                 for offset in offsets:
                     self.responses_out.arena.release(offset)
-            case wire.AutoComplete(call=call, model=model):
+            case protocol.AutoComplete(call=call, model=model):
                 loop.call_soon_threadsafe(self._spawn, self._reply(call, self._auto_complete(model)))
-            case wire.CreateInstance(call=call, model=model, instance=instance):
+            case protocol.CreateInstance(call=call, model=model, instance=instance):
                 loop.call_soon_threadsafe(self._spawn, self._reply(call, self._create_instance(model, instance)))
-            case wire.Finalize(call=call):
+            case protocol.Finalize(call=call):
                 loop.call_soon_threadsafe(self._spawn, self._finalize(call))
 
     def _fd_of(self, payload: wire.Payload | None) -> int | None:
-        return self.reader.take_fd() if payload is not None and payload.offset == shm.OWN_FILE else None
+        return self.reader.take_fd() if payload is not None and payload.offset == arena.OWN_FILE else None
 
     def _spawn(self, coro) -> None:
         task = self.loop.create_task(coro)
@@ -210,7 +211,7 @@ class Stub:
         if not self._release_scheduled:
             self._release_scheduled = True
             try:
-                self.loop.call_soon_threadsafe(self.loop.call_later, shm.RELEASE_DELAY_S, self._send_releases)
+                self.loop.call_soon_threadsafe(self.loop.call_later, arena.RELEASE_DELAY_S, self._send_releases)
             except RuntimeError:  # the loop is closed: the process is exiting
                 pass
 
@@ -221,11 +222,7 @@ class Stub:
 
     # -- requests and responses ---------------------------------------------------------------------------
     def _request(self, meta: wire.Request, block) -> CoreRequest:
-        inputs = {t.name: t for t in shm.read_tensors(block, meta.inputs)}
-        request = CoreRequest(meta.model_name, inputs, model_version=meta.model_version, id=meta.id,
-                              outputs=[RequestedOutput(o.name, dict(o.parameters)) for o in meta.outputs],
-                              parameters=meta.parameters, priority=meta.priority, timeout_us=meta.timeout_us)
-        request.streaming = meta.streaming
+        request = wire.core_request(meta, block)
         request.response_sender = ResponseSender(request, partial(self._respond, meta.rid))
         self.requests[meta.rid] = request
         return request
@@ -241,23 +238,15 @@ class Stub:
             message, fd = self._answers([(rid, response)])
             self.send(message, fd=fd)
 
-    def _answers(self, items: list[tuple[int, CoreResponse]]) -> tuple[wire.Respond, int | None]:
+    def _answers(self, items: list[tuple[int, CoreResponse]]) -> tuple[protocol.Respond, int | None]:
         """The Respond message for ``items`` (their tensors in one block) and the descriptor to send with it."""
         refs, payload, fd = self.responses_out.put([t for _, response in items for t in response.outputs])
         answers, start = [], 0
         for rid, response in items:
             end = start + len(response.outputs)
-            answers.append(wire.Answer(rid, wire.Response(refs[start:end], response.parameters,
-                                                          wire.error_of(response.error), response.final,
-                                                          response.empty)))
+            answers.append(protocol.Answer(rid, wire.response_message(response, refs[start:end])))
             start = end
-        return wire.Respond(answers, payload), fd
-
-    @staticmethod
-    def _response(response: wire.Response, block) -> CoreResponse:
-        return CoreResponse(outputs=shm.read_tensors(block, response.outputs), parameters=response.parameters,
-                            error=None if response.error is None else wire.server_error(response.error),
-                            final=response.final, empty=response.empty)
+        return protocol.Respond(answers, payload), fd
 
     def _run_batch(self, batch: int, requests: list[CoreRequest], rids: list[int]) -> None:
         """On the instance's thread: run execute, then send its responses and the end of the batch at once
@@ -277,7 +266,7 @@ class Stub:
         rescheduled = [rid for rid, request in zip(rids, requests) if request.reschedule]
         for rid in rescheduled:  # it comes back as a new request when it runs again
             self.requests.pop(rid, None)
-        executed = wire.Executed(batch, rescheduled)
+        executed = protocol.Executed(batch, rescheduled)
         if held:
             message, fd = self._answers(held)
             self.send(message, executed, fd=fd)
@@ -287,7 +276,7 @@ class Stub:
     def exit_process(self, exc: ModelExit) -> None:
         """The model called sys.exit in execute: tell the server why, then exit with its code."""
         try:
-            self.send(wire.Exiting(exc.reason))
+            self.send(protocol.Exiting(exc.reason))
         finally:
             _flush_output()
             os._exit(exc.code)
@@ -298,11 +287,11 @@ class Stub:
             config = await coro
         except Exception as exc:  # noqa: BLE001 - the server reports it as the load's failure
             error = as_server_error(exc)
-            self.send(wire.Reply(call, error=wire.error_of(error)))
+            self.send(protocol.Reply(call, error=wire.error_data(error)))
         else:
-            self.send(wire.Reply(call, config=config or b""))
+            self.send(protocol.Reply(call, config=config or b""))
 
-    def _model(self, spec: wire.ModelSpec) -> PythonModel:
+    def _model(self, spec: protocol.ModelSpec) -> PythonModel:
         config = mc.ModelConfig.FromString(spec.config)
         if self.model is None:
             ctx = ModelContext(spec.name, spec.version, config, Path(spec.model_path), infer=self.remote_infer,
@@ -312,12 +301,12 @@ class Stub:
             self.model.ctx.config.CopyFrom(config)
         return self.model
 
-    async def _auto_complete(self, spec: wire.ModelSpec) -> bytes:
+    async def _auto_complete(self, spec: protocol.ModelSpec) -> bytes:
         model = self._model(spec)
         await asyncio.to_thread(model.auto_complete_config)
         return model.config.SerializeToString()
 
-    async def _create_instance(self, spec: wire.ModelSpec, instance: wire.InstanceSpec) -> None:
+    async def _create_instance(self, spec: protocol.ModelSpec, instance: protocol.InstanceSpec) -> None:
         model = self._model(spec)
         await asyncio.to_thread(model.initialize)
         ctx = InstanceContext(instance.name, instance.kind, instance.device_id, instance.index, instance.group_name)
@@ -336,7 +325,7 @@ class Stub:
             log.exception("instance '%s' failed to finalize", self.spec.label)
         if self.model is not None:
             self.model.finalize()
-        self.send(wire.Reply(call))
+        self.send(protocol.Reply(call))
         self._done.set_result(None)
 
     # -- calls to the server ----------------------------------------------------------------------------
@@ -345,18 +334,16 @@ class Stub:
         call = next(self._ids)
         remote = self.calls[call] = RemoteCall(self, call)
         refs, payload, fd = self.responses_out.put(list(request.inputs.values()))
-        meta = wire.Request(call, request.model_name, request.model_version, request.id, refs,
-                            [wire.OutputRef(o.name, o.parameters) for o in request.outputs], request.parameters,
-                            request.priority, request.timeout_us, request.streaming)
-        self.send(wire.Call(call, meta, payload, unary), fd=fd)
+        meta = wire.request_message(call, request, refs)
+        self.send(protocol.Call(call, meta, payload, unary), fd=fd)
         return remote
 
-    def _control_result(self, result: wire.ControlResult) -> None:
+    def _control_result(self, result: protocol.ControlResult) -> None:
         future = self.controls.pop(result.call, None)
         if future is not None and not future.done():
             future.set_result(result)
 
-    async def control(self, make) -> wire.ControlResult:
+    async def control(self, make) -> protocol.ControlResult:
         call = next(self._ids)
         future = self.controls[call] = self.loop.create_future()
         self.send(make(call))
@@ -417,7 +404,7 @@ class RemoteCall:
             return
         self._done = True
         if self._stub.calls.pop(self._call, None) is not None:
-            self._stub.send(wire.CancelCall(self._call))
+            self._stub.send(protocol.CancelCall(self._call))
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
@@ -427,7 +414,7 @@ class RemoteCall:
     def cancel_request(self) -> None:
         """Flag the called model's request as cancelled; its responses keep coming until its final one."""
         if not self._done and self._call in self._stub.calls:
-            self._stub.send(wire.CancelCall(self._call, True))
+            self._stub.send(protocol.CancelCall(self._call, True))
 
 
 class RemoteInfer:
@@ -459,13 +446,13 @@ class RemoteControl:
         self._stub = stub
 
     async def load(self, name: str, config_json: str | None = None) -> None:
-        await self._stub.control(lambda call: wire.LoadModel(call, name, config_json or ""))
+        await self._stub.control(lambda call: protocol.LoadModel(call, name, config_json or ""))
 
     async def unload(self, name: str, unload_dependents: bool = False) -> None:
-        await self._stub.control(lambda call: wire.UnloadModel(call, name, unload_dependents))
+        await self._stub.control(lambda call: protocol.UnloadModel(call, name, unload_dependents))
 
     async def ready(self, name: str, version: str = "") -> bool:
-        return (await self._stub.control(lambda call: wire.ModelReady(call, name, version))).ready
+        return (await self._stub.control(lambda call: protocol.ModelReady(call, name, version))).ready
 
 
 class ProcessMetrics(metrics.Collector):
@@ -488,13 +475,13 @@ class ProcessMetrics(metrics.Collector):
         with self._pages_lock:
             if not self._pages or self._used + size > self._page_size:
                 self._page_size = max(METRICS_PAGE, size)
-                fd = shm.create_file(self._page_size, "tideserve-metrics")
-                self._pages.append(shm.map_file(fd, self._page_size))
+                fd = arena.create_file(self._page_size, "tideserve-metrics")
+                self._pages.append(arena.map_file(fd, self._page_size))
                 self._used = 0
             page, offset = len(self._pages) - 1, self._used
             self._used += size
             cells = memoryview(self._pages[page])[offset:offset + size].cast("d")
-        self._stub.send(wire.Series(family._name, family._description, int(family._kind), labels, buckets, page,
+        self._stub.send(protocol.Series(family._name, family._description, int(family._kind), labels, buckets, page,
                                     self._page_size, offset, count), fd=fd)
         return cells
 
@@ -516,7 +503,7 @@ class LogForwarder(logging.Handler):
                 text = record.exc_text
             if record.stack_info:
                 text = (text + "\n" if text else "") + record.stack_info
-            self._stub.send(wire.Log(record.name, record.levelno, record.getMessage(), record.pathname,
+            self._stub.send(protocol.Log(record.name, record.levelno, record.getMessage(), record.pathname,
                                      record.lineno, record.funcName or "", record.created, record.threadName or "",
                                      text))
         except Exception:  # noqa: BLE001 - logging's own way: report on stderr, never raise

@@ -27,7 +27,9 @@ from collections.abc import Callable
 
 import msgspec
 
-from . import loader, wire
+from tideserve.backend_api import wire
+
+from . import loader, protocol
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +38,7 @@ FDS_PER_PROCESS = 3  # the process's socket, the request arena, the response are
 
 class Spawn(msgspec.Struct, tag=True, array_like=True):
     request: int
-    spec: wire.ProcessSpec
+    spec: protocol.ProcessSpec
 
 
 class Started(msgspec.Struct, tag=True, array_like=True):
@@ -82,7 +84,7 @@ class Zygote:
         self._watchers: dict[int, Callable[[int], None]] = {}
         threading.Thread(target=self._read, name="tideserve-zygote", daemon=True).start()
 
-    def spawn(self, spec: wire.ProcessSpec, fds: list[int], on_exit: Callable[[int], None]) -> concurrent.futures.Future:
+    def spawn(self, spec: protocol.ProcessSpec, fds: list[int], on_exit: Callable[[int], None]) -> concurrent.futures.Future:
         """Fork a model process with ``fds`` (duplicated: the caller closes its own). The future gives its
         pid; ``on_exit(returncode)`` is called, from another thread, when it exits (negative: a signal)."""
         future: concurrent.futures.Future = concurrent.futures.Future()

@@ -14,7 +14,8 @@ import signal
 import socket
 import traceback
 
-from . import wire
+from tideserve.backend_api import wire
+
 from .zygote import FDS_PER_PROCESS, Exited, Spawn, Started
 
 

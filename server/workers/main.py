@@ -20,7 +20,7 @@ from .remote import CoreLink, RemoteDataPlane
 log = logging.getLogger("tideserve.workers")
 
 
-async def serve(link_fd: int, http_fd: int | None) -> int:
+async def serve(link_fd: int, http_fd: int | None, arena: tuple[int, int, int] | None = None) -> int:
     from ..access import AccessPolicy
     from ..app import Frontends
 
@@ -29,6 +29,11 @@ async def serve(link_fd: int, http_fd: int | None) -> int:
         loop.add_signal_handler(sig, lambda: None)
     sock = socket.socket(fileno=link_fd)
     _, link = await loop.connect_accepted_socket(CoreLink, sock)
+    if arena is not None:  # (this side's arena, the core's, their size)
+        send_fd, receive_fd, size = arena
+        link.attach(send_fd, receive_fd, size)
+        os.close(send_fd)
+        os.close(receive_fd)
     start = await link.started
     options = pickle.loads(start.options)
     logging.getLogger().setLevel(logging.DEBUG if options.log_verbose > 0 else logging.INFO)
@@ -60,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tideserve-frontend-worker")
     parser.add_argument("--link-fd", type=int, required=True)
     parser.add_argument("--http-fd", type=int, default=None)
+    parser.add_argument("--arena", default=None, help="SEND_FD,RECEIVE_FD,BYTES: the link's shared-memory arenas")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s %(levelname)s %(name)s[worker {os.getpid()}]: %(message)s")
@@ -68,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         run = uvloop.run
     except ImportError:
         run = asyncio.run
-    return run(serve(args.link_fd, args.http_fd))
+    arena = tuple(int(x) for x in args.arena.split(",")) if args.arena else None
+    return run(serve(args.link_fd, args.http_fd, arena))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from .. import arena, wire
 from ..errors import InternalError, ServerError
 from . import protocol as p
 
@@ -95,7 +96,9 @@ class _Link(p.FramedLink):
             kind = type(message)
             if kind is p.Infer:
                 self._infer(message)
-            elif kind is p.Cancel:
+            elif kind is wire.Release:
+                self.release(message)
+            elif kind is wire.Cancel:
                 entry = self.tasks.pop(message.rid, None)
                 if entry is not None:  # the stream too: a task cancelled before it ran never reaches its finally
                     entry[0].cancel()
@@ -109,38 +112,38 @@ class _Link(p.FramedLink):
 
     # -- inference ---------------------------------------------------------------------------------------
     def _infer(self, message: p.Infer) -> None:
-        rid = message.rid
+        rid = message.request.rid
         try:
-            request = p.request_of(message)
+            request = p.request_of(message, self.inbox)
             if message.unary:
                 request.streaming = False
             stream = self.pool.dataplane.infer(request)
         except Exception as exc:
-            self.send(p.Respond(rid, p.ResponseData(error=p.error_data(exc)), rejected=True))
+            self.send(p.error_respond(rid, exc, rejected=True))
             return
         task = asyncio.get_running_loop().create_task(self._relay(rid, stream, message.unary))
         self.tasks[rid] = (task, stream)
 
     async def _relay(self, rid: int, stream: "InferenceStream", unary: bool) -> None:
-        send = self.send
+        send, outbox = self.send, self.outbox
         uid = self.pool.describe(self, stream.runtime)
         try:
             if unary:
                 response = await self.pool.dataplane.collect_unary(stream)
-                send(p.Respond(rid, p.response_data(response), uid))
+                send(p.respond_message(rid, response, uid, outbox))
                 return
             async for response in stream:
                 try:
-                    data = p.response_data(response)
+                    message = p.respond_message(rid, response, uid, outbox)
                 except Exception as exc:  # an output the link cannot carry
                     log.exception("model '%s': a response cannot be sent to the frontend", stream.request.model_name)
-                    send(p.Respond(rid, p.ResponseData(error=p.error_data(exc)), uid))
+                    send(p.error_respond(rid, exc, uid))
                     return
-                send(p.Respond(rid, data, uid))
+                send(message)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            send(p.Respond(rid, p.ResponseData(error=p.error_data(exc)), uid))
+            send(p.error_respond(rid, exc, uid))
         finally:
             self.tasks.pop(rid, None)
             await stream.aclose()
@@ -152,14 +155,14 @@ class _Link(p.FramedLink):
         except Exception as exc:
             if not isinstance(exc, ServerError):
                 log.exception("frontend call %s failed", type(message).__name__)
-            result = p.Result(message.cid, error=p.error_data(exc))
+            result = p.Result(message.cid, error=wire.error_data(exc))
         if message.changes_repository:
             self.pool.push_all()  # every worker sees the change before the answer
         try:
             self.send(result)
         except Exception as exc:  # a value msgpack cannot carry
             log.exception("frontend call %s: the result cannot be sent", type(message).__name__)
-            self.send(p.Result(message.cid, error=p.error_data(exc)))
+            self.send(p.Result(message.cid, error=wire.error_data(exc)))
 
 
 class FrontendWorkers:
@@ -199,17 +202,29 @@ class FrontendWorkers:
     async def _spawn(self, index: int) -> _Link:
         loop = asyncio.get_running_loop()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        fds = [theirs.fileno()]
-        args = [sys.executable, "-m", "tideserve.workers.main", "--link-fd", str(theirs.fileno())]
-        if self._http is not None:
-            fds.append(self._http.fileno())
-            args += ["--http-fd", str(self._http.fileno())]
+        requests = responses = -1
         try:
-            process = subprocess.Popen(args, pass_fds=fds, start_new_session=False,
-                                       preexec_fn=_worker_preexec)
+            requests = arena.create_file(p.ARENA_BYTES, f"tideserve-worker{index}-requests")
+            responses = arena.create_file(p.ARENA_BYTES, f"tideserve-worker{index}-responses")
+            fds = [theirs.fileno(), requests, responses]
+            args = [sys.executable, "-m", "tideserve.workers.main", "--link-fd", str(theirs.fileno()),
+                    "--arena", f"{requests},{responses},{p.ARENA_BYTES}"]
+            if self._http is not None:
+                fds.append(self._http.fileno())
+                args += ["--http-fd", str(self._http.fileno())]
+            process = subprocess.Popen(args, pass_fds=fds, start_new_session=False, preexec_fn=_worker_preexec)
+
+            def new_link() -> _Link:
+                link = _Link(self, index)
+                link.attach(responses, requests, p.ARENA_BYTES)
+                return link
+
+            _, link = await loop.connect_accepted_socket(new_link, ours)
         finally:
             theirs.close()
-        _, link = await loop.connect_accepted_socket(lambda: _Link(self, index), ours)
+            for fd in (requests, responses):
+                if fd >= 0:
+                    os.close(fd)
         link.process = process
         self.links[index] = link
         link.send(p.Start(pickle.dumps(self.options), index))
@@ -310,7 +325,7 @@ class FrontendWorkers:
                 try:
                     runtime = repository.get(name, version)
                 except ServerError as exc:
-                    table[version] = p.error_data(exc)
+                    table[version] = wire.error_data(exc)
                     continue
                 uid = runtime.uid
                 table[version] = uid

@@ -1,84 +1,38 @@
-"""The messages between the core process and its frontend workers, and their framing.
+"""The messages between the core process and its frontend workers: this link's envelopes around the structs every
+process link shares (:mod:`tideserve.wire`: requests, responses, tensors, errors, framing).
 
-Each frame is a 4-byte little-endian length and a MessagePack body (msgspec structs, tagged). Tensor
-bytes travel in the message itself: for the tensors of an HTTP or gRPC request (already in memory,
-read from a socket) one copy into the frame and one out of it cost less than a shared-memory block's
-allocation and hand-back (measured in docs/performance.md).
+A message's tensors cross inline, or, from :data:`tideserve.arena.SHARED_MEMORY_MIN_BYTES` bytes on, in a block of
+the sender's arena (one per direction and worker, made by the core when it starts the worker); a message that finds
+no room there goes inline (this link passes no descriptors).
 """
 
 from __future__ import annotations
 
 import asyncio
-import struct
+import collections
+import threading
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgspec
-import numpy as np
 
-from ..errors import ServerError, Status, as_server_error, error_of_status
-from ..generation import EngineInfo, GenerationDelta, GenerationRequest
-from ..types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
+from .. import arena, wire
+from ..generation import EngineInfo
+from ..types import InferenceRequest, InferenceResponse
 
 if TYPE_CHECKING:
     from ..serving import ServingInterface
 
-
-# -- parts ----------------------------------------------------------------------------------------------------
-class TensorData(msgspec.Struct, array_like=True, omit_defaults=True):
-    name: str
-    datatype: str
-    dtype: str  # numpy's dtype string; "|O" for BYTES (then ``data`` is a list of the elements)
-    shape: tuple[int, ...]
-    data: Any  # bytes (raw, C order) or list[bytes]
-    parameters: dict[str, Any] = {}
-
-
-class Error(msgspec.Struct, array_like=True, omit_defaults=True):
-    status: str  # a tideserve.errors.Status value
-    message: str
-    retry_after_s: int | None = None  # ServerError.retry_after_s (a queue at its bound: Retry-After)
-    http_code: int = 0  # where the error's class answers another HTTP status than its status's (e.g. 415)
-
-
-class OutputSpec(msgspec.Struct, array_like=True, omit_defaults=True):
-    name: str
-    parameters: dict[str, Any] = {}
-
-
-class ResponseData(msgspec.Struct, array_like=True, omit_defaults=True):
-    model_name: str = ""
-    model_version: str = ""
-    id: str = ""
-    outputs: list[TensorData] = []
-    parameters: dict[str, Any] = {}
-    error: Error | None = None
-    final: bool = True
-    empty: bool = False
-    generation: GenerationDelta | None = None
+ARENA_BYTES = 64 * 1024 * 1024  # each direction's arena, per worker (virtual: pages are backed as they are written)
 
 
 # -- worker -> core -----------------------------------------------------------------------------------------
-class Infer(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
-    """A request to run: ``unary`` asks for exactly one response (``DataPlane.infer_unary``)."""
+class Infer(msgspec.Struct, tag=True, array_like=True):
+    """A request to run: ``unary`` asks for exactly one response (``DataPlane.infer_unary``); ``payload``: where its
+    input tensors lie in the worker's arena, when they do."""
 
-    rid: int
+    request: wire.Request
     unary: bool
-    model_name: str
-    model_version: str
-    id: str
-    inputs: list[TensorData]
-    outputs: list[OutputSpec]
-    parameters: dict[str, Any]
-    arrival_ns: int
-    priority: int = 0
-    timeout_us: int = 0
-    streaming: bool = True
-    trace_context: str = ""  # a client's W3C traceparent (tracing)
-    generation: GenerationRequest | None = None  # a typed LLM request (then no inputs)
-
-
-class Cancel(msgspec.Struct, tag=True, array_like=True):
-    rid: int
+    payload: wire.Payload | None = None
 
 
 # The serving interface's methods that the core answers (tideserve.serving.ServingInterface), one message
@@ -229,9 +183,10 @@ class Respond(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
     (what ``DataPlane.infer`` raises); ``runtime``: the uid of the model version that served it."""
 
     rid: int
-    response: ResponseData
+    response: wire.Response
     runtime: int = 0
     rejected: bool = False
+    payload: wire.Payload | None = None  # where its output tensors lie in the core's arena, when they do
 
 
 class Result(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
@@ -239,7 +194,7 @@ class Result(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
 
     cid: int
     value: Any = None
-    error: Error | None = None
+    error: wire.Error | None = None
 
 
 class RuntimeInfo(msgspec.Struct, array_like=True):
@@ -265,7 +220,7 @@ class Snapshot(msgspec.Struct, tag=True, array_like=True):
     ready: bool
     healthy: bool
     index: list[dict[str, Any]]
-    lookups: dict[str, dict[str, int | Error]]
+    lookups: dict[str, dict[str, int | wire.Error]]
     runtimes: list[RuntimeInfo]  # those the worker has not been sent yet
     lora_adapters: list[dict[str, str]]
 
@@ -274,89 +229,44 @@ class Stop(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
-ToCore = Infer | Cancel | Ready | Call
-ToWorker = Start | Respond | Result | Snapshot | Stop
+ToCore = Infer | wire.Cancel | wire.Release | Ready | Call
+ToWorker = Start | Respond | Result | Snapshot | Stop | wire.Release
 
-# -- framing --------------------------------------------------------------------------------------------------
-_HEADER = struct.Struct("<I")
-_PB_EXT = 1  # a protobuf message in a Result: its full name, NUL, its bytes
-
-
-def _enc_hook(value: Any) -> Any:
-    serialize = getattr(value, "SerializeToString", None)
-    if serialize is not None:
-        return msgspec.msgpack.Ext(_PB_EXT, value.DESCRIPTOR.full_name.encode() + b"\0" + serialize())
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    raise TypeError(f"cannot send a {type(value).__name__} between processes")
-
-
-def _ext_hook(code: int, data: memoryview) -> Any:
-    if code == _PB_EXT:
-        from google.protobuf import symbol_database
-
-        name, _, body = bytes(data).partition(b"\0")
-        message = symbol_database.Default().GetSymbol(name.decode())()
-        message.ParseFromString(body)
-        return message
-    raise TypeError(f"unknown extension type {code}")
-
-
-_encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
-
-
-def frame(message: msgspec.Struct) -> bytes:
-    body = _encoder.encode(message)
-    return _HEADER.pack(len(body)) + body
-
-
-class FrameSplitter:
-    """Turns the bytes a stream delivers into messages of type ``kind``."""
-
-    def __init__(self, kind: Any) -> None:
-        self._decoder = msgspec.msgpack.Decoder(kind, ext_hook=_ext_hook)
-        self._buffer = bytearray()
-
-    def feed(self, data: bytes) -> list:
-        buffer = self._buffer
-        if buffer:
-            buffer += data
-            data = buffer
-        messages, position, total = [], 0, len(data)
-        with memoryview(data) as view:
-            while total - position >= 4:
-                (length,) = _HEADER.unpack_from(view, position)
-                end = position + 4 + length
-                if end > total:
-                    break
-                messages.append(self._decoder.decode(view[position + 4:end]))
-                position = end
-        if buffer:
-            del buffer[:position]
-        elif position < total:
-            buffer += data[position:]
-        return messages
-
-
+# -- the link ---------------------------------------------------------------------------------------------------
 class FramedLink(asyncio.Protocol):
     """One end of a core-worker socket: splits what arrives into ``kind`` messages (``data_received`` of the
     subclass reads ``self.splitter``); ``send`` queues a message and what one turn of the event loop sends
-    leaves in one write (fewer system calls and wake-ups of the other side when many requests are in flight)."""
+    leaves in one write (fewer system calls and wake-ups of the other side when many requests are in flight).
+
+    With its arenas (``attach``), ``outbox`` puts the large tensors of what this end sends in shared memory and
+    ``inbox`` reads those of the other end; the blocks read go back (``Release``) with the next write, or
+    ``RELEASE_DELAY_S`` later when nothing goes out."""
 
     def __init__(self, kind: Any) -> None:
         self.transport: asyncio.Transport | None = None
-        self.splitter = FrameSplitter(kind)
+        self.splitter = wire.FrameReader(kind)
         self.loop = asyncio.get_running_loop()
+        self.outbox: arena.Outbox | None = None
+        self.inbox: arena.Inbox | None = None
         self._outbox: list[bytes] = []
         self._flush_scheduled = False
+        self._releases: collections.deque[int] = collections.deque()
+        self._release_scheduled = False
+        self._loop_thread = threading.get_ident()
+
+    def attach(self, send_fd: int, receive_fd: int, size: int, min_bytes: int = arena.SHARED_MEMORY_MIN_BYTES,
+               ) -> None:
+        """Use the arena file ``send_fd`` for what this end sends and map ``receive_fd``, the other end's (both of
+        ``size`` bytes; the descriptors stay the caller's)."""
+        self.outbox = arena.Outbox(arena.Arena(size, "", fd=send_fd), min_bytes, own_files=False)
+        self.outbox.arena.fd = -1  # the caller's to close
+        self.inbox = arena.Inbox(receive_fd, size, self._released)
 
     def connection_made(self, transport) -> None:
         self.transport = transport
 
     def send(self, message: msgspec.Struct) -> None:
-        self._outbox.append(frame(message))
+        self._outbox.append(wire.frame(message))
         if not self._flush_scheduled:
             self._flush_scheduled = True
             self.loop.call_soon(self._flush)
@@ -364,106 +274,76 @@ class FramedLink(asyncio.Protocol):
     def _flush(self) -> None:
         self._flush_scheduled = False
         outbox, transport = self._outbox, self.transport
+        if self._releases:
+            outbox.insert(0, wire.frame(wire.Release(_drain(self._releases))))
         if outbox and transport is not None and not transport.is_closing():
             transport.write(outbox[0] if len(outbox) == 1 else b"".join(outbox))
         outbox.clear()
 
+    def release(self, message: wire.Release) -> None:
+        """The other end no longer reads these blocks of ours."""
+        if self.outbox is not None:
+            for offset in message.offsets:
+                self.outbox.arena.release(offset)
 
-# -- tensors, requests, responses, errors -------------------------------------------------------------------
+    def _released(self, offset: int) -> None:
+        """A block of the other end's arena is no longer read here (from whatever thread dropped its last array)."""
+        self._releases.append(offset)
+        if self._release_scheduled:
+            return
+        self._release_scheduled = True
+        try:
+            if threading.get_ident() == self._loop_thread:
+                self.loop.call_later(arena.RELEASE_DELAY_S, self._send_releases)
+            else:
+                self.loop.call_soon_threadsafe(self.loop.call_later, arena.RELEASE_DELAY_S, self._send_releases)
+        except RuntimeError:  # the loop is closed: the process is exiting
+            pass
 
-
-def error_data(error: BaseException) -> Error:
-    error = as_server_error(error)
-    code = error.http_code
-    return Error(error.status.value, error.message, error.retry_after_s,
-                 0 if code == error.status.http_code else code)
-
-
-_KINDS: dict[tuple[type, int], type] = {}
-
-
-def server_error(error: Error) -> ServerError:
-    status = Status(error.status)
-    found = error_of_status(status, error.message)
-    if error.http_code:  # a class of its own that answers that HTTP status, as the core's error did
-        kind = type(found)
-        kind = _KINDS.get((kind, error.http_code)) or _KINDS.setdefault(
-            (kind, error.http_code), type(kind.__name__, (kind,), {"http_code": error.http_code}))
-        found = kind(error.message, status)
-    found.retry_after_s = error.retry_after_s
-    return found
-
-
-def _element(item: Any) -> bytes:
-    if type(item) is bytes:
-        return item
-    if isinstance(item, str):
-        return item.encode("utf-8")
-    return bytes(item)
+    def _send_releases(self) -> None:
+        self._release_scheduled = False
+        if self._releases and not self._flush_scheduled:
+            self._flush()
 
 
-def tensor_data(tensor: Tensor) -> TensorData:
-    if tensor.data is None:  # data in a shared memory region (an input to read, an output written): none here
-        return TensorData(tensor.name, tensor.datatype, "", tuple(tensor.shape), None, tensor.parameters or {})
-    array = np.asarray(tensor.data)
-    if array.dtype == np.object_ or tensor.datatype == "BYTES":
-        return TensorData(tensor.name, tensor.datatype, "|O", tuple(array.shape),
-                          [_element(x) for x in array.reshape(-1)], tensor.parameters or {})
-    if not array.flags.c_contiguous:
-        array = np.ascontiguousarray(array)
-    data = memoryview(array).cast("B") if array.ndim and array.size else array.tobytes()
-    return TensorData(tensor.name, tensor.datatype, array.dtype.str, tuple(array.shape), data,
-                      tensor.parameters or {})
+def _drain(queue: collections.deque[int]) -> list[int]:
+    items = []
+    while True:
+        try:
+            items.append(queue.popleft())
+        except IndexError:
+            return items
 
 
-_DTYPES: dict[str, np.dtype] = {}
+# -- requests and responses ---------------------------------------------------------------------------------------
+def infer_message(rid: int, request: InferenceRequest, unary: bool, outbox: arena.Outbox | None = None) -> Infer:
+    """``request`` to send (its inputs in ``outbox``'s arena when they are large enough and fit)."""
+    if outbox is None:
+        return Infer(wire.request_message(rid, request), unary)
+    inputs, payload, _ = outbox.put(list(request.inputs.values()))
+    return Infer(wire.request_message(rid, request, inputs), unary, payload)
 
 
-def tensor_of(data: TensorData) -> Tensor:
-    if not data.dtype:
-        return Tensor(data.name, data.datatype, tuple(data.shape), None, dict(data.parameters))
-    if data.dtype == "|O":
-        array = np.empty(len(data.data), np.object_)
-        array[:] = data.data
-        array = array.reshape(data.shape)
-    else:
-        dtype = _DTYPES.get(data.dtype)
-        if dtype is None:
-            dtype = _DTYPES[data.dtype] = np.dtype(data.dtype)
-        array = np.frombuffer(data.data, dtype).reshape(data.shape)
-    return Tensor(data.name, data.datatype, tuple(data.shape), array, dict(data.parameters))
+def request_of(message: Infer, inbox: arena.Inbox | None = None) -> InferenceRequest:
+    block = inbox.block(message.payload) if message.payload is not None else None
+    return wire.core_request(message.request, block)
 
 
-def infer_message(rid: int, request: InferenceRequest, unary: bool) -> Infer:
-    return Infer(rid, unary, request.model_name, request.model_version, request.id,
-                 [tensor_data(t) for t in request.inputs.values()],
-                 [OutputSpec(o.name, o.parameters or {}) for o in request.outputs],
-                 request.parameters or {}, request.arrival_ns, request.priority, request.timeout_us,
-                 request.streaming, request.trace_context if type(request.trace_context) is str else "",
-                 request.generation)
+def respond_message(rid: int, response: InferenceResponse, runtime: int = 0,
+                    outbox: arena.Outbox | None = None) -> Respond:
+    """One response of request ``rid`` to send (its outputs in ``outbox``'s arena when large enough and they fit)."""
+    if outbox is None or not response.outputs:
+        return Respond(rid, wire.response_message(response), runtime)
+    outputs, payload, _ = outbox.put(response.outputs)
+    return Respond(rid, wire.response_message(response, outputs), runtime, False, payload)
 
 
-def request_of(message: Infer) -> InferenceRequest:
-    request = InferenceRequest(message.model_name, {t.name: tensor_of(t) for t in message.inputs},
-                               model_version=message.model_version, id=message.id,
-                               outputs=[RequestedOutput(o.name, dict(o.parameters)) for o in message.outputs],
-                               parameters=dict(message.parameters), priority=message.priority,
-                               timeout_us=message.timeout_us, generation=message.generation)
-    request.arrival_ns = message.arrival_ns  # CLOCK_MONOTONIC: the same clock in every process
-    request.streaming = message.streaming
-    if message.trace_context:
-        request.trace_context = message.trace_context
-    return request
+def error_respond(rid: int, error: BaseException, runtime: int = 0, rejected: bool = False) -> Respond:
+    """The final answer to request ``rid``: ``error`` (``rejected``: refused before it was scheduled)."""
+    return Respond(rid, wire.Response(error=wire.error_data(error)), runtime, rejected)
 
 
-def response_data(response: InferenceResponse) -> ResponseData:
-    return ResponseData(response.model_name, response.model_version, response.id,
-                        [tensor_data(t) for t in response.outputs], response.parameters or {},
-                        error_data(response.error) if response.error is not None else None,
-                        response.final, response.empty, response.generation)
+def response_of(message: Respond, inbox: arena.Inbox | None = None) -> InferenceResponse:
+    block = inbox.block(message.payload) if message.payload is not None else None
+    return wire.core_response(message.response, block)
 
-
-def response_of(data: ResponseData) -> InferenceResponse:
-    return InferenceResponse(data.model_name, data.model_version, data.id, [tensor_of(t) for t in data.outputs],
-                             dict(data.parameters), server_error(data.error) if data.error is not None else None,
-                             data.final, data.empty, data.generation)

@@ -14,6 +14,7 @@ from typing import Any
 
 from tritonclient.grpc import model_config_pb2 as mc
 
+from .. import wire
 from ..backend import ModelContext
 from ..dataplane import model_metadata, server_metadata
 from ..errors import InvalidArgument, NotFound, ServerError, Unavailable
@@ -83,15 +84,14 @@ class RemoteInferenceStream:
             finally:
                 self._waiter = None
         message = pending.popleft()
-        response = message.response
         if message.runtime:
             self.runtime = self._link.runtimes.get(message.runtime, self.runtime)
         if message.rejected:
             self._finish()
-            raise p.server_error(response.error)
-        if response.final:
+            raise wire.server_error(message.response.error)
+        if message.response.final:
             self._finish()
-        return p.response_of(response)
+        return p.response_of(message, self._link.inbox)
 
     def _finish(self) -> None:
         self._done = True
@@ -103,7 +103,7 @@ class RemoteInferenceStream:
         self._finish()
         self.request.cancellation.cancel()
         try:
-            self._link.send(p.Cancel(self.rid))
+            self._link.send(wire.Cancel(self.rid))
         except ServerError:  # the core is gone: nothing left to cancel
             pass
 
@@ -146,9 +146,11 @@ class CoreLink(p.FramedLink):
                 future = self.calls.pop(message.cid, None)
                 if future is not None and not future.done():
                     if message.error is not None:
-                        future.set_exception(p.server_error(message.error))
+                        future.set_exception(wire.server_error(message.error))
                     else:
                         future.set_result(message.value)
+            elif kind is wire.Release:
+                self.release(message)
             elif kind is p.Snapshot:
                 self._apply(message)
             elif kind is p.Start:
@@ -217,15 +219,15 @@ class RemoteDataPlane(ServingInterface):
         found = table.get(version)
         if found is None:
             first = table.get("")
-            if len(table) == 1 and isinstance(first, p.Error):  # no version loaded: that error for any
-                raise p.server_error(first)
+            if len(table) == 1 and isinstance(first, wire.Error):  # no version loaded: that error for any
+                raise wire.server_error(first)
             try:
                 int(version)
             except ValueError:
                 raise InvalidArgument(f"invalid model version '{version}': versions are integers") from None
             raise NotFound(f"unknown version {version} of model '{name}'")
-        if isinstance(found, p.Error):
-            raise p.server_error(found)
+        if isinstance(found, wire.Error):
+            raise wire.server_error(found)
         runtime = self.link.runtimes.get(found)
         if runtime is None:  # pushed in the same snapshot: cannot happen; say so plainly if it does
             raise Unavailable(f"model '{name}' is changing; try again")
@@ -275,7 +277,7 @@ class RemoteDataPlane(ServingInterface):
         stream = RemoteInferenceStream(link, rid, request)
         link.streams[rid] = stream
         try:
-            link.send(p.infer_message(rid, request, unary))
+            link.send(p.infer_message(rid, request, unary, link.outbox))
         except BaseException:
             link.streams.pop(rid, None)
             raise

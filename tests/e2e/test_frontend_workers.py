@@ -131,6 +131,22 @@ def test_statistics_and_metrics_count_every_worker(server):
     assert success_count(server, "add_sub") - before_metrics == 20
 
 
+@pytest.mark.parametrize("module", [httpclient, grpcclient], ids=["http", "grpc"])
+def test_large_tensors_cross_the_worker_link_in_shared_memory_exactly(server, module):
+    """Tensors past the link's threshold go both ways through its arenas (a block reused once the last array over it
+    is gone, request after request); what comes back is what went."""
+    rng = np.random.default_rng(3)
+    url = f"127.0.0.1:{server.grpc_port if module is grpcclient else server.http_port}"
+    with module.InferenceServerClient(url) as client:
+        for count in (1, 3, 8, 2) * 5:  # 64 KiB to 512 KiB per message, in blocks of changing sizes
+            elements = [rng.bytes(64 * 1024 - 7 * i) for i in range(count)]
+            data = np.array([elements], dtype=np.object_)
+            tensor = module.InferInput("INPUT0", list(data.shape), "BYTES")
+            tensor.set_data_from_numpy(data)
+            out = client.infer("identity_bytes", [tensor]).as_numpy("OUTPUT0")
+            assert out.shape == data.shape and list(out[0]) == elements
+
+
 def test_a_worker_that_dies_is_replaced(server):
     first, second = workers(server.process.pid)
     os.kill(first, signal.SIGKILL)

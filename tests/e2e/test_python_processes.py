@@ -9,16 +9,19 @@ nothing outlives the server, whether it stops on SIGTERM (after finalize) or is 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import textwrap
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from support import start_server
 from tritonclient.utils import InferenceServerException
@@ -91,6 +94,39 @@ class TritonPythonModel:
         self.requests.increment(len(requests))
         return [pb_utils.InferenceResponse([pb_utils.Tensor("PID", np.array([os.getpid()], np.int64))])
                 for _ in requests]
+"""
+BUSY = """
+import time
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        time.sleep(0.5)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", pb_utils.get_input_tensor_by_name(r, "IN")
+                                                            .as_numpy())]) for r in requests]
+"""
+BUSY_IO = """
+backend: "python"
+max_batch_size: 1
+input [ { name: "IN" data_type: TYPE_FP32 dims: [ -1 ] } ]
+output [ { name: "OUT" data_type: TYPE_FP32 dims: [ -1 ] } ]
+dynamic_batching { default_queue_policy { max_queue_size: 1 } }
+"""
+BLS_TO_BUSY = """
+import asyncio
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    async def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
+            calls = [pb_utils.InferenceRequest(model_name="busy", inputs=[pb_utils.Tensor("IN", x[None])],
+                                               requested_output_names=["OUT"]).async_exec() for _ in range(4)]
+            failed = [answer for answer in await asyncio.gather(*calls) if answer.has_error()]
+            responses.append(pb_utils.InferenceResponse(error=failed[0].error()) if failed
+                             else pb_utils.InferenceResponse([pb_utils.Tensor("OUT", x)]))
+        return responses
 """
 FINALIZER = """
 import json, os, time
@@ -176,6 +212,8 @@ def server(tmp_path_factory):
     write_model(repo, "spin", SPIN, FP32_IO)
     write_model(repo, "whoami", WHOAMI, PID_IO + "instance_group [ { kind: KIND_CPU count: 2 } ]\n")
     write_model(repo, "whoami_in_server", WHOAMI, PID_IO + parameters(process_isolation="false"))
+    write_model(repo, "busy", BUSY, BUSY_IO)
+    write_model(repo, "bls_to_busy", BLS_TO_BUSY, FP32_IO)
     running = start_server([repo], "--model-control-mode", "explicit", "--load-model", "*",
                            tmp_dir=tmp_path_factory.mktemp("process-server"))
     yield running
@@ -309,6 +347,29 @@ def test_a_large_tensor_crosses_shared_memory_exactly(client, model):
         out = result.as_numpy("OUT")
         assert out.dtype == np.float32 and out.shape == data.shape
         assert out.tobytes() == data.tobytes()
+
+
+def test_a_bls_error_reaches_the_client_with_its_status_and_retry_after(server, client):
+    """A BLS call refused by a full queue (503 + Retry-After, gRPC UNAVAILABLE) comes back to the calling model
+    with its codes and advice, and the model's response with that error reaches the client the same way."""
+    data = np.ones(4, np.float32)
+    with pytest.raises(InferenceServerException) as refused:
+        client.infer("bls_to_busy", fp32(httpclient, data))
+    assert refused.value.status() == "503"
+    assert "exceeds maximum queue size for model 'busy'" in refused.value.message()
+    body = json.dumps({"inputs": [{"name": "IN", "shape": [4], "datatype": "FP32", "data": data.tolist()}]})
+    request = urllib.request.Request(f"{server.base_url}/v2/models/bls_to_busy/infer", body.encode(),
+                                     {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as answered:
+        urllib.request.urlopen(request, timeout=30)
+    assert answered.value.code == 503 and answered.value.headers["Retry-After"] == "1"
+    assert "exceeds maximum queue size for model 'busy'" in json.loads(answered.value.read())["error"]
+    tensor = grpcclient.InferInput("IN", [4], "FP32")
+    tensor.set_data_from_numpy(data)
+    with grpcclient.InferenceServerClient(server.grpc_url) as grpc:
+        with pytest.raises(InferenceServerException) as refused:
+            grpc.infer("bls_to_busy", [tensor])
+    assert refused.value.status() == "StatusCode.UNAVAILABLE"
 
 
 # -- stopping the server ----------------------------------------------------------------------------------

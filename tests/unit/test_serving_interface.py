@@ -9,6 +9,7 @@ import inspect
 
 import pytest
 
+from tideserve import wire
 from tideserve.dataplane import DataPlane
 from tideserve.serving import ServingInterface, interface_methods
 from tideserve.workers import protocol as p
@@ -100,7 +101,7 @@ def test_every_call_to_the_core_is_one_message_that_runs_the_same_method():
         assert type(message) in p.CALLS
         used.add(type(message))
         message.cid = 7
-        received = p.FrameSplitter(p.ToCore).feed(p.frame(message))[0]
+        received = wire.FrameReader(p.ToCore).feed(wire.frame(message))[0]
         assert received == message
         recorder = _Recorder()
         asyncio.run(received.run(recorder))

@@ -1,5 +1,5 @@
-"""The messages between the core and its frontend workers (server/workers/protocol.py): what crosses
-comes out as it went in."""
+"""The messages between the core and its frontend workers (server/workers/protocol.py, on the shared wire of
+server/wire.py): what crosses comes out as it went in, inline or through the link's shared-memory arenas."""
 
 from __future__ import annotations
 
@@ -7,14 +7,15 @@ import numpy as np
 import pytest
 from tritonclient.grpc import model_config_pb2 as mc
 
+from tideserve import wire
 from tideserve.errors import InvalidArgument, NotFound, QueueFull, Unavailable, UnsupportedMediaType
 from tideserve.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 from tideserve.workers import protocol as p
 
 
 def roundtrip(message, kind):
-    splitter = p.FrameSplitter(kind)
-    data = p.frame(message) + p.frame(message)
+    splitter = wire.FrameReader(kind)
+    data = wire.frame(message) + wire.frame(message)
     first = splitter.feed(data[:7])  # a frame split anywhere is reassembled
     rest = splitter.feed(data[7:])
     assert first == [] and len(rest) == 2
@@ -52,8 +53,8 @@ def test_tensors_cross_unchanged(array):
                                    QueueFull("queue full")])
 def test_errors_keep_class_status_http_code_and_retry_advice(error):
     response = InferenceResponse("m", "1", "r", error=error)
-    message = roundtrip(p.Respond(4, p.response_data(response), 17), p.ToWorker)
-    got = p.response_of(message.response).error
+    message = roundtrip(p.respond_message(4, response, 17), p.ToWorker)
+    got = p.response_of(message).error
     assert isinstance(got, {QueueFull: Unavailable, UnsupportedMediaType: InvalidArgument}.get(type(error), type(error)))
     assert (got.status, got.message, got.http_code, got.retry_after_s) == \
         (error.status, error.message, error.http_code, error.retry_after_s)
@@ -75,6 +76,5 @@ def test_a_typed_generation_request_and_its_deltas_cross_as_they_are():
     assert got.generation == generation and got.inputs == {}
     delta = GenerationDelta(["a", "b"], [None, "length"], [1, 1], 3,
                             [[{"7": {"logprob": -0.5, "rank": 1, "decoded_token": "a"}}], None], None, 2)
-    response = p.response_of(roundtrip(p.Respond(4, p.response_data(InferenceResponse(generation=delta))),
-                                       p.ToWorker).response)
+    response = p.response_of(roundtrip(p.respond_message(4, InferenceResponse(generation=delta)), p.ToWorker))
     assert response.generation == delta and response.outputs == []
