@@ -29,11 +29,12 @@ from .types import Tensor
 
 RELEASE_DELAY_S = 0.005  # blocks read go back with the next message, or after this long when none goes out
 OWN_FILE = -1  # Payload.offset of a message whose tensors came in a file of their own
-# A message's tensors of at least this many bytes cross the frontend-worker link in shared memory, smaller ones
-# inline: measured with bench/wire_bench.py (docs/performance.md, "One wire: tensors inline or in shared memory"):
-# from 64 KiB on a round trip through shared memory took 0.04-0.82x the time of one inline in every run; below, the
-# two were within the noise of each other (0.85-1.32x). The model link puts every tensor in shared memory (a
-# model reads, and may write, its inputs in place).
+# A message's tensors of at least this many bytes in all cross a process link (both links, both directions) in
+# shared memory, smaller ones inline. Measured (docs/performance.md, "One wire: tensors inline or in shared
+# memory"): across the worker link (bench/wire_bench.py) from 64 KiB on a round trip through shared memory took
+# 0.04-0.82x the time of one inline in every run, below the two were within the noise of each other (0.85-1.32x);
+# across the model link, add_sub's 16-byte tensors inline cut a request's hop (bench/python_processes.py) from
+# about 160 to 122 us of wall time.
 SHARED_MEMORY_MIN_BYTES = 64 * 1024
 
 
@@ -114,7 +115,7 @@ class Outbox:
     ``min_bytes``: tensors of fewer bytes in all go inline (0: always shared memory). ``own_files``: a message
     that finds no room in the arena gets a file of its own (the link passes descriptors); else it goes inline."""
 
-    def __init__(self, arena: Arena, min_bytes: int = 0, own_files: bool = True) -> None:
+    def __init__(self, arena: Arena, min_bytes: int = SHARED_MEMORY_MIN_BYTES, own_files: bool = True) -> None:
         self.arena = arena
         self.min_bytes = min_bytes
         self.own_files = own_files

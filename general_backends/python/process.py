@@ -5,10 +5,10 @@ instance owns a :class:`ModelProcess`, the server's end of one model process (:m
 by the zygote (:mod:`.zygote`). The process that runs ``auto_complete_config`` at load goes on to serve
 the first instance.
 
-- Requests: ``execute`` sends the batch (metadata on a socket, input tensors in the request arena) and
-  returns once the process has run it; responses come back as they are sent (output tensors in the
-  response arena, read in place) and go to each request's ResponseSender. Cancelling a request
-  reaches the process's copy of it.
+- Requests: ``execute`` sends the batch (metadata on a socket, input tensors in the request arena, or
+  inline when they are small) and returns once the process has run it; responses come back as they are
+  sent (output tensors in the response arena, read in place, or inline) and go to each request's
+  ResponseSender. Cancelling a request reaches the process's copy of it.
 - BLS and model control from the process come in as calls, run through the DataPlane on the server's
   loop, their responses streamed back.
 - Custom metrics: the process registers each series with a page of shared memory the server reads

@@ -1,9 +1,10 @@
 """The messages between the server and a model process: the envelopes of this link around the structs every
 process link shares (:mod:`tideserve.wire`: requests, responses, tensors, errors, framing).
 
-They carry metadata only: tensor bytes lie in shared memory (:mod:`tideserve.arena`), each tensor described by its
-offset in the message's block and the message's ``Payload``. A file descriptor that travels with a message (a block
-of its own, a metrics page) rides on the first byte of its frame (``SCM_RIGHTS``).
+A message's tensors lie in shared memory (:mod:`tideserve.arena`) from ``SHARED_MEMORY_MIN_BYTES`` in all, each
+described by its offset in the message's block and the message's ``Payload``; smaller ones travel inline. A file
+descriptor that travels with a message (a block of its own, a metrics page) rides on the first byte of its frame
+(``SCM_RIGHTS``).
 """
 
 from __future__ import annotations
