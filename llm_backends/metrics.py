@@ -70,13 +70,14 @@ class LLMMetrics:
 class GenerationTracker:
     """Timings of one generation; call :meth:`tokens` as increments arrive, :meth:`finish` at the end."""
 
-    __slots__ = ("_metrics", "_labels", "arrival", "_last", "generated", "prompt_tokens")
+    __slots__ = ("_metrics", "_labels", "arrival", "_last", "_itl", "generated", "prompt_tokens")
 
     def __init__(self, metrics: LLMMetrics, model: str, version: str, arrival: float | None = None) -> None:
         self._metrics = metrics
         self._labels = (model, version)
         self.arrival = arrival if arrival is not None else time.monotonic()
         self._last: float | None = None
+        self._itl = None  # the inter-token latency histogram's child of these labels, once the first gap comes
         self.generated = 0
         self.prompt_tokens = 0
 
@@ -90,7 +91,9 @@ class GenerationTracker:
             m.time_to_first_token.labels(*self._labels).observe(now - self.arrival)
         else:  # an increment of several tokens spreads its gap evenly over them
             gap = (now - self._last) / count
-            hist = m.inter_token_latency.labels(*self._labels)
+            hist = self._itl
+            if hist is None:
+                hist = self._itl = m.inter_token_latency.labels(*self._labels)
             for _ in range(count):
                 hist.observe(gap)
         self._last = now
