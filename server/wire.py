@@ -274,6 +274,8 @@ def core_tensor(tensor: Tensor, block: np.ndarray | None = None) -> CoreTensor:
             data = np.frombuffer(tensor.data, _dtype(tensor.dtype)).reshape(shape)
     elif tensor.dtype == "|O":
         count = int(np.prod(shape)) if shape else 1
+        if not count:  # no elements: nothing in the block (there may be no block)
+            return CoreTensor(tensor.name, tensor.datatype, shape, np.empty(shape, np.object_), dict(tensor.parameters))
         start = tensor.offset
         lengths = block[start:start + 4 * count].view(np.uint32)
         body = block[start + 4 * count:start + tensor.nbytes].tobytes()

@@ -254,8 +254,7 @@ class FramedLink(asyncio.Protocol):
         self._release_scheduled = False
         self._loop_thread = threading.get_ident()
 
-    def attach(self, send_fd: int, receive_fd: int, size: int, min_bytes: int = arena.SHARED_MEMORY_MIN_BYTES,
-               ) -> None:
+    def attach(self, send_fd: int, receive_fd: int, size: int, min_bytes: int = arena.SHARED_MEMORY_MIN_BYTES) -> None:
         """Use the arena file ``send_fd`` for what this end sends and map ``receive_fd``, the other end's (both of
         ``size`` bytes; the descriptors stay the caller's)."""
         self.outbox = arena.Outbox(arena.Arena(size, "", fd=send_fd), min_bytes, own_files=False)

@@ -55,6 +55,7 @@ ARRAYS = [
     np.zeros((0, 4), np.float16),
     np.array(7, np.int32),
     np.array([[b"a", b""], [b"\xc3\xa9", b"\x00\xff"]], dtype=np.object_),
+    np.empty((0, 2), dtype=np.object_),  # BYTES with no elements
 ]
 
 
