@@ -167,7 +167,9 @@ def test_chat_template_errors_are_template_errors():
 
 
 class _Runtime:
-    def __init__(self, tmp_path: Path, config_text: str, name: str = "m") -> None:
+    """A ServedModel as frontends read it; ``engine``: what its LLM backend tells of its engine."""
+
+    def __init__(self, tmp_path: Path, config_text: str, name: str = "m", engine=None) -> None:
         from tideserve import config as config_module
         from tideserve.backend import ModelContext
 
@@ -176,6 +178,7 @@ class _Runtime:
         self.name = name
         self.ctx = ModelContext(name, 1, config, tmp_path / name)
         self.config = config
+        self.engine = engine
 
 
 def test_chat_template_found_in_tokenizer_files_and_config(tmp_path):
@@ -193,9 +196,10 @@ def test_chat_template_found_in_tokenizer_files_and_config(tmp_path):
     (tokenizer / "chat_template.jinja").write_text("J{{ eos_token }}")
     assert load_template(runtime).render([]) == "J</s>"
 
-    vllm = _Runtime(tmp_path, 'backend: "vllm"', "llm")
-    (vllm.ctx.version_path / "model.json").write_text(json.dumps({"model": str(tokenizer)}))
-    assert load_template(vllm).render([]) == "J</s>"
+    from tideserve.generation import EngineInfo
+
+    vllm = _Runtime(tmp_path, 'backend: "vllm"', "llm", EngineInfo(typed_requests=True, tokenizer_dir=str(tokenizer)))
+    assert load_template(vllm).render([]) == "J</s>"  # the tokenizer files its engine loaded
 
     inline = _Runtime(tmp_path, 'backend: "python"\nparameters { key: "chat_template" value { string_value: '
                                 '"{% for m in messages %}{{ m.content }}{% endfor %}" } }', "inline")
@@ -213,10 +217,16 @@ def test_llm_models_are_told_by_their_interface(tmp_path):
             'value: "text_input" } output_map { key: "ids" value: "_ids" } }, { model_name: "engine" ' \
             'model_version: -1 input_map { key: "input_ids" value: "_ids" } input_map { key: "sampling_parameters" ' \
             'value: "sampling_parameters" } output_map { key: "text_output" value: "text_output" } } ] }'
+    from tideserve.generation import EngineInfo
+
+    engine = EngineInfo(typed_requests=True, structured_outputs=True, token_prompts=True, max_model_len=512)
     steps_runtimes = {"pre": _Runtime(tmp_path, 'backend: "python"', "pre"),
-                      "engine": _Runtime(tmp_path, 'backend: "vllm"', "engine")}
+                      "engine": _Runtime(tmp_path, 'backend: "vllm"', "engine", engine)}
     ensemble = describe(_Runtime(tmp_path, 'platform: "ensemble"\n' + text + steps, "ens"), steps_runtimes.__getitem__)
     assert ensemble.sampling_json and ensemble.structured_outputs and not ensemble.token_prompts
+    assert not ensemble.typed and ensemble.max_model_len == 512  # tensors to the ensemble; its engine's context
+    direct = describe(_Runtime(tmp_path, 'backend: "vllm"\n' + text, "direct", engine), None)
+    assert direct.typed and direct.structured_outputs and direct.token_prompts
     generic = describe(_Runtime(tmp_path, 'backend: "python"\n' + text, "py"), None)
     assert generic.sampling_json and not generic.structured_outputs
     assert describe(_Runtime(tmp_path, 'backend: "python"\ninput [{ name: "x" data_type: TYPE_FP32 dims: [1] }]',
