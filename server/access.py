@@ -62,6 +62,8 @@ def _http_routes() -> dict[str, str]:
         "/v2/repository/models/{model_name}/load": MODEL_REPOSITORY,
         "/v2/repository/models/{model_name}/unload": MODEL_REPOSITORY,
         "/v2/trace/setting": TRACE, "/v2/models/{model_name}/trace/setting": TRACE,
+        # for routers: the replica's load (vLLM's GET /load), and vLLM's prefix-cache reset (an engine change)
+        "/load": STATISTICS, "/reset_prefix_cache": MODEL_REPOSITORY,
     }
     for kind in ("system", "cuda"):  # Triton's shared-memory extension
         for path in ("/status", "/unregister", "/region/{region_name}/status", "/region/{region_name}/register",

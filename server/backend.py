@@ -219,6 +219,17 @@ class Model:
         the pass-through scheduler's ``max_queue_size`` bounds the requests in flight beyond it."""
         return None
 
+    def engine_load(self) -> dict[str, float] | None:
+        """The engine's load after its last step, ``{"num_requests_running", "num_requests_waiting",
+        "kv_cache_usage_perc"}`` (vLLM's names; the usage a fraction 0 to 1), or None when the model has no
+        engine of its own (GET /load and the ORCA load header report the server's in-flight count for it)."""
+        return None
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool | None:
+        """Drop the engine's prefix cache (vLLM's ``reset_prefix_cache``): True when done, False when blocks are
+        still held (retry later), None when the model has no prefix cache."""
+        return None
+
     # -- LoRA adapters (a model that serves adapters on one base model overrides these three) --
     def lora_adapters(self) -> list[dict[str, str]] | None:
         """The LoRA adapters the model serves now, ``{"name", "path"}`` each; None when it takes none."""

@@ -12,7 +12,7 @@ from typing import Any
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from . import __version__
+from . import __version__, load_report
 from .backend import ServerHandles
 from .datatypes import config_to_datatype
 from .errors import InvalidArgument, NotFound, ServerError, Status, Unavailable, Unsupported
@@ -308,6 +308,22 @@ class DataPlane(ServingInterface):
         if updates:
             return self.tracer.update(model_name, updates)
         return self.tracer.settings(model_name)
+
+    # -- load and caches (GET /load, the ORCA header, POST /reset_prefix_cache) ------------------
+    async def load_report(self, model_name: str = "") -> dict[str, Any]:
+        runtimes = [self.repository.get(model_name)] if model_name else self._ready_runtimes()
+        return load_report.report(runtimes)
+
+    async def reset_prefix_cache(self, model_name: str = "", reset_running_requests: bool = False) -> dict[str, Any]:
+        runtimes = [self.repository.get(model_name)] if model_name else self._ready_runtimes()
+        results = [await r.model.reset_prefix_cache(reset_running_requests) for r in runtimes]
+        done = [result for result in results if result is not None]
+        if model_name and not done:
+            raise InvalidArgument(f"model '{model_name}' has no prefix cache to reset")
+        return {"success": all(done)}
+
+    def _ready_runtimes(self) -> list[ModelRuntime]:
+        return [r for r in self.repository.runtimes() if r.state is ModelState.READY]
 
     # -- LoRA adapters (vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter) -------------
     def lora_adapters(self) -> list[dict[str, str]]:

@@ -162,6 +162,17 @@ class ServingInterface(abc.ABC):
     async def trace_setting(self, model_name: str = "", updates: dict | None = None) -> dict[str, Any]:
         """The trace settings, global or of ``model_name``, after applying ``updates`` (None clears one)."""
 
+    # -- load and caches, for routers (GET /load, the ORCA header, POST /reset_prefix_cache) -------------
+    @abc.abstractmethod
+    async def load_report(self, model_name: str = "") -> dict[str, Any]:
+        """The load of the ready models, or of model ``model``: requests in flight, the engines' running and
+        waiting requests and KV-cache usage (tideserve.load_report)."""
+
+    @abc.abstractmethod
+    async def reset_prefix_cache(self, model_name: str = "", reset_running_requests: bool = False) -> dict[str, Any]:
+        """vLLM's ``reset_prefix_cache`` on the engine of model ``model``, or of every ready model that has a
+        prefix cache: ``{"success": bool}`` (false while blocks are still held: retry)."""
+
     # -- LoRA adapters (vLLM's adapter administration) --------------------------------------------------
     @abc.abstractmethod
     def lora_adapters(self) -> list[dict[str, str]]:

@@ -92,6 +92,7 @@ class VllmModel(Model):
         self.failure: str | None = None  # why the engine is unhealthy, once it is
         self._unloading: asyncio.Task | None = None  # the unload a failed health check started
         self._engine_info: EngineInfo | None = None
+        self._kv_endpoints: list = []  # the KV-event endpoints this version's engine holds (config.KV_EVENT_ENDPOINTS)
 
     def auto_complete_config(self) -> None:
         vllm_config.auto_complete(self.config)
@@ -116,6 +117,23 @@ class VllmModel(Model):
         """The engine's waiting requests, from its last reported state."""
         return self.state.waiting if self.state is not None else None
 
+    def engine_load(self) -> dict[str, float] | None:
+        """The engine's running and waiting requests and KV-cache usage after its last step (GET /load)."""
+        state = self.state
+        if self.engine is None or state is None:
+            return None
+        return {"num_requests_running": state.running, "num_requests_waiting": state.waiting,
+                "kv_cache_usage_perc": state.kv_cache_usage}
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool | None:
+        """vLLM's ``reset_prefix_cache``: the engine drops its cached blocks (with KV events on, subscribers see
+        them removed); False while running requests still hold blocks."""
+        engine = self.engine
+        if engine is None or not engine.vllm_config.cache_config.enable_prefix_caching:
+            return None
+        log.info("model '%s' version %s: resetting the prefix cache", self.ctx.name, self.ctx.version)
+        return bool(await engine.reset_prefix_cache(reset_running_requests))
+
     def engine_capacity(self) -> int | None:
         """The engine's ``max_num_seqs``: requests past it wait (and count against ``max_queue_size``)."""
         engine = self.engine
@@ -137,7 +155,7 @@ class VllmModel(Model):
         dtypes = {t.name: numpy_dtype(config_to_datatype(mc.DataType.Name(t.data_type)))
                   for t in self.config.output if t.data_type != mc.TYPE_STRING}
         self.generator = Generator(self.engine, self.ctx.name, str(self.ctx.version), self.metrics, dtypes,
-                                   self.adapters)
+                                   self.adapters, max_queue_delay_ms=self.options.max_queue_delay_ms)
         self._set_state_gauges(running=0, waiting=0, kv_cache_usage=0.0)
         self._watchdog = asyncio.get_running_loop().create_task(self._watch_engine(), name=f"{self.ctx.name}-watchdog")
 
@@ -196,16 +214,23 @@ class VllmModel(Model):
         self._declared = vllm_lora.declared_adapters(self.ctx, kwargs)  # takes 'lora_modules' out of kwargs
         self.adapters = vllm_lora.Adapters(self.ctx.name, vllm_lora.lora_enabled(kwargs))
         kwargs.setdefault("served_model_name", self.ctx.name)  # the model_name label of the vllm:* metrics
+        owner = f"model '{self.ctx.name}' version {self.ctx.version}"
+        self._kv_endpoints = vllm_config.KV_EVENT_ENDPOINTS.claim(kwargs, owner)
         log.info("model '%s' version %s: starting the vLLM engine with %s", self.ctx.name, self.ctx.version, kwargs)
         # vLLM's own stat logger always runs (tideserve:* reads the same statistics); REPORT_CUSTOM_METRICS
         # "false" (or a server without metrics) gives it a registry no scrape reads
         families = self.engine_families if self.options.report_metrics else None
-        registry = families.add(*self._labels) if families is not None else CollectorRegistry(auto_describe=False)
+        registry = CollectorRegistry(auto_describe=False)
+        if families is not None:  # the scrape sees the engine's families with model_name on every sample
+            served = kwargs["served_model_name"]
+            label = served if isinstance(served, str) else (list(served) or [self.ctx.name])[0]
+            families.add(*self._labels).register(engine.ModelLabelled(registry, label))
         try:
             return engine.start_engine(kwargs, self._on_engine_state, registry)
         except BaseException:
             if families is not None:
                 families.remove(*self._labels)
+            vllm_config.KV_EVENT_ENDPOINTS.release(self._kv_endpoints)
             raise
 
     def lora_adapters(self) -> list[dict[str, str]] | None:
@@ -250,6 +275,8 @@ class VllmModel(Model):
             self._set_state_gauges(running=0, waiting=0, kv_cache_usage=0.0)
         if self.engine_families is not None:
             self.engine_families.remove(*self._labels)
+        vllm_config.KV_EVENT_ENDPOINTS.release(self._kv_endpoints)
+        self._kv_endpoints = []
 
 
 class VllmBackend(Backend):

@@ -56,6 +56,10 @@ PATH_ARGS = ("model", "tokenizer")
 # The config parameters of Triton's vLLM backend that this backend reads (see BackendOptions).
 HEALTH_CHECK = "ENABLE_VLLM_HEALTH_CHECK"
 REPORT_METRICS = "REPORT_CUSTOM_METRICS"
+# tideserve's own: how long a request may wait for its first token before it is refused (milliseconds, 0: no limit)
+MAX_QUEUE_DELAY = "max_queue_delay_ms"
+KV_EVENTS = "kv_events_config"  # vLLM's engine argument: the KV-cache event publisher
+KV_EVENTS_DEFAULT_ENDPOINT = "tcp://*:5557"  # vLLM's default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,12 +75,92 @@ class BackendOptions:
     """``REPORT_CUSTOM_METRICS``: export vLLM's own ``vllm:*`` families. On by default (routers and
     autoscalers read them); Triton's default is off. An explicit ``"false"`` turns them off."""
 
+    max_queue_delay_ms: int = 0
+    """``max_queue_delay_ms``: a request that has not started generating (no token yet) this long after it
+    arrived is refused (503 + ``Retry-After``, gRPC UNAVAILABLE) and aborted in the engine; a request's own
+    deadline (Triton's ``timeout`` parameter, ``x-request-timeout-ms`` on ``/v1``) applies when sooner. 0: none."""
+
 
 def backend_options(config: mc.ModelConfig) -> BackendOptions:
     """The switches the config sets; a value other than true / false (any case) or 1 / 0 is refused."""
     defaults = BackendOptions()
     return BackendOptions(health_check=_flag(config, HEALTH_CHECK, defaults.health_check),
-                          report_metrics=_flag(config, REPORT_METRICS, defaults.report_metrics))
+                          report_metrics=_flag(config, REPORT_METRICS, defaults.report_metrics),
+                          max_queue_delay_ms=_milliseconds(config, MAX_QUEUE_DELAY))
+
+
+def _milliseconds(config: mc.ModelConfig, key: str) -> int:
+    if key not in config.parameters or not config.parameters[key].string_value.strip():
+        return 0
+    text = config.parameters[key].string_value.strip()
+    if not text.isdigit():
+        raise InvalidArgument(f"model '{config.name}': config parameter '{key}' must be an integer >= 0 "
+                              f"(milliseconds; 0: no limit), got '{text}'")
+    return int(text)
+
+
+class KvEventEndpoints:
+    """The ZMQ endpoints the KV-event publishers of this server's engines bind, so that two models (or two
+    versions) never claim one port: the second is refused at load, naming the first, instead of failing inside
+    the engine. One per server process (the ports are the process's)."""
+
+    def __init__(self) -> None:
+        self._owners: dict[tuple[str, str], str] = {}  # (scheme, port or path) -> "model version N"
+
+    def claim(self, kwargs: dict[str, Any], owner: str) -> list[tuple[str, str]]:
+        """Check and take the endpoints ``kwargs``' ``kv_events_config`` publishes on (none when events are off);
+        returns the keys to :meth:`release`."""
+        config = kwargs.get(KV_EVENTS)
+        if config is None:
+            return []
+        if not isinstance(config, dict):
+            raise InvalidArgument(f"{owner}: engine argument '{KV_EVENTS}' must be a JSON object, got "
+                                  f"{type(config).__name__}")
+        if not config.get("enable_kv_cache_events") or config.get("publisher", "zmq") != "zmq":
+            return []
+        endpoints = [("endpoint", config.get("endpoint", KV_EVENTS_DEFAULT_ENDPOINT))]
+        if config.get("replay_endpoint"):
+            endpoints.append(("replay_endpoint", config["replay_endpoint"]))
+        keys: list[tuple[str, str]] = []
+        for field, endpoint in endpoints:
+            key = _endpoint_key(endpoint, owner, field)
+            if key is None or (field == "endpoint" and not _binds(str(endpoint))):
+                continue  # the publisher connects to a subscriber that binds (several engines may), or port 0
+            holder = self._owners.get(key) or (owner if key in keys else None)
+            if holder is not None:
+                raise InvalidArgument(f"{owner}: {KV_EVENTS}.{field} '{endpoint}' is already used by {holder}'s KV "
+                                      "event publisher; give each model its own endpoint (port)")
+            keys.append(key)
+        for key in keys:
+            self._owners[key] = owner
+        return keys
+
+    def release(self, keys: list[tuple[str, str]]) -> None:
+        for key in keys:
+            self._owners.pop(key, None)
+
+
+def _binds(endpoint: str) -> bool:
+    """vLLM's publisher binds a wildcard or IPC endpoint and connects to any other (its replay endpoint binds)."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def _endpoint_key(endpoint: Any, owner: str, field: str) -> tuple[str, str] | None:
+    """What makes two bound ZMQ endpoints collide: a TCP port (whatever the host), an IPC path; None for TCP port
+    0 (the system picks a free one)."""
+    scheme, sep, rest = str(endpoint).partition("://")
+    if not sep or not rest:
+        raise InvalidArgument(f"{owner}: {KV_EVENTS}.{field} must be a ZMQ endpoint such as 'tcp://*:5557', "
+                              f"got '{endpoint}'")
+    if scheme == "tcp":
+        port = rest.rsplit(":", 1)[-1]
+        if not port.isdigit():
+            raise InvalidArgument(f"{owner}: {KV_EVENTS}.{field} '{endpoint}' names no port")
+        return (scheme, str(int(port))) if int(port) else None
+    return scheme, rest
+
+
+KV_EVENT_ENDPOINTS = KvEventEndpoints()
 
 
 def _flag(config: mc.ModelConfig, key: str, default: bool) -> bool:

@@ -15,15 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry
+from tideserve.backend_api import InvalidArgument, ServerError, Unavailable
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.loggers import StatLoggerBase
 
-from tideserve.backend_api import InvalidArgument, ServerError, Unavailable
-
 from .config import field_defaults
-from .prometheus import prometheus_logger
+from .prometheus import ModelLabelled, prometheus_logger  # noqa: F401 (ModelLabelled: for the backend)
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +68,10 @@ def start_engine(kwargs: dict[str, Any], on_state: Callable[[EngineState], None]
     if registry is not None:
         loggers.append(prometheus_logger(registry))
     try:
+        if isinstance(kwargs.get("kv_events_config"), dict):  # model.json's object, as vLLM's --kv-events-config
+            from vllm.config import KVEventsConfig
+
+            kwargs = {**kwargs, "kv_events_config": KVEventsConfig(**kwargs["kv_events_config"])}
         args = AsyncEngineArgs(**kwargs)
         return AsyncLLM.from_engine_args(args, stat_loggers=loggers)
     except ServerError:

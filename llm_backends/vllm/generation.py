@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from typing import Any
 
 import numpy as np
@@ -74,11 +75,54 @@ class _Abort:
         log.info("[vllm] Successfully cancelled the request '%s'", self.request_id)
 
 
+class DeadlineExpired(QueueFull):
+    """A request that had not started generating by its deadline: refused (503 + Retry-After, gRPC UNAVAILABLE,
+    counted as REJECTED) so that a router or client retries it elsewhere."""
+
+
+class _Deadline:
+    """Refuses a request whose first token has not come by its deadline: answers it at once and aborts it in the
+    engine. A request that has started generating is left to run on."""
+
+    __slots__ = ("abort", "expired", "handle", "limit_ms", "model_name", "request", "started")
+
+    def __init__(self, request: InferenceRequest, deadline_ns: int, limit_ms: float, abort: _Abort,
+                 model_name: str) -> None:
+        self.request = request
+        self.abort = abort
+        self.limit_ms = limit_ms
+        self.model_name = model_name
+        self.started = False
+        self.expired = False
+        delay = max(0.0, (deadline_ns - time.monotonic_ns()) / 1e9)
+        self.handle = asyncio.get_running_loop().call_later(delay, self._expire)
+
+    def _expire(self) -> None:
+        if self.started or self.request.is_cancelled():
+            return
+        self.expired = True
+        self.request.response_sender.send_error(deadline_error(self.model_name, self.limit_ms))
+        self.abort.on_cancel()
+
+    def cancel(self) -> None:
+        self.handle.cancel()
+
+
+def deadline_error(model_name: str, limit_ms: float) -> DeadlineExpired:
+    return DeadlineExpired(f"model '{model_name}': the request did not start generating within its deadline of "
+                           f"{limit_ms:g} ms; retry later or on another replica")
+
+
 class Generator:
-    """Serves requests on one engine; :meth:`run` is one request, start to FINAL."""
+    """Serves requests on one engine; :meth:`run` is one request, start to FINAL.
+
+    ``max_queue_delay_ms``: the model's limit on a request's wait for its first token (0: none); a request's own
+    ``timeout_us`` (Triton's ``timeout`` parameter, ``x-request-timeout-ms``) applies when it is sooner."""
 
     def __init__(self, engine: AsyncLLM, model_name: str, version: str, metrics: LLMMetrics,
-                 output_dtypes: dict[str, np.dtype], adapters: Adapters | None = None) -> None:
+                 output_dtypes: dict[str, np.dtype], adapters: Adapters | None = None,
+                 max_queue_delay_ms: int = 0) -> None:
+        self.max_queue_delay_ms = max_queue_delay_ms
         self.engine = engine
         self.adapters = adapters or Adapters(model_name, enabled=False)  # LoRA adapters a request may select
         self.model_name = model_name
@@ -105,6 +149,10 @@ class Generator:
         if request.is_cancelled():
             sender.send_error(Cancelled("the request was cancelled before generation started"))
             return
+        deadline_ns, limit_ms = self._deadline(request)
+        if deadline_ns and time.monotonic_ns() >= deadline_ns:
+            sender.send_error(deadline_error(self.model_name, limit_ms))
+            return
         streaming = inputs.stream and request.streaming
         try:
             prompt = await self._render(inputs.prompt, inputs.add_special_tokens)
@@ -115,6 +163,7 @@ class Generator:
         tracker = GenerationTracker(self.metrics, self.model_name, self.version, arrival=request.arrival_ns / 1e9)
         abort = _Abort(self.engine, request_id, asyncio.get_running_loop())
         request.cancellation.add_callback(abort.on_cancel)
+        deadline = _Deadline(request, deadline_ns, limit_ms, abort, self.model_name) if deadline_ns else None
         last = None
         priority = request.priority if self.priority_scheduling else 0
         cached = inputs.cached_tokens or request.parameters.get(RETURN_CACHED_TOKENS) is True
@@ -123,6 +172,11 @@ class Generator:
                                                      priority=priority):
                 last = output
                 tracker.tokens(sum(len(c.token_ids) for c in output.outputs))
+                if deadline is not None and not deadline.started:
+                    if deadline.expired:  # answered already; the abort is under way
+                        continue
+                    deadline.started = True
+                    deadline.cancel()
                 if request.is_cancelled():
                     if not output.finished:
                         await abort.now()  # the engine answers with a final 'abort' output
@@ -135,14 +189,23 @@ class Generator:
                 else:
                     builder.add(output)
         except asyncio.CancelledError:  # the model is unloading
+            if deadline is not None:
+                deadline.cancel()
             self._finish(tracker, last, aborted=True)
             sender.send_error(Unavailable(f"model '{self.model_name}' was unloaded while the request ran"))
             raise
         except Exception as exc:
+            if deadline is not None:
+                deadline.cancel()
             if last is not None:
                 self._finish(tracker, last, aborted=True)
             sender.send_error(engine_error(exc))
             return
+        if deadline is not None:
+            deadline.cancel()
+            if deadline.expired:  # answered at the deadline (503); the engine has aborted it
+                self._finish(tracker, last, aborted=True)
+                return
         aborted = request.is_cancelled() or last is None or any(
             c.finish_reason == "abort" for c in last.outputs)
         self._finish(tracker, last, aborted)
@@ -153,6 +216,14 @@ class Generator:
             if cached:
                 _note_cached_tokens(response, last)
             sender.send(response, final=True)
+
+    def _deadline(self, request: InferenceRequest) -> tuple[int, float]:
+        """When the request must have started generating (monotonic ns; 0: never) and the limit in ms."""
+        limits = [ms for ms in (self.max_queue_delay_ms, request.timeout_us / 1000) if ms > 0]
+        if not limits:
+            return 0, 0.0
+        limit_ms = min(limits)
+        return request.arrival_ns + int(limit_ms * 1_000_000), limit_ms
 
     def _decode_token(self, token_id: int) -> str:
         return self.engine.renderer.get_tokenizer().decode([token_id])

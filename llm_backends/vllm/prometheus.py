@@ -14,6 +14,7 @@ from __future__ import annotations
 from functools import partial
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import Metric
 from vllm.v1.metrics.loggers import PrometheusStatLogger
 
 _METRIC_CLASSES = {"_gauge_cls": Gauge, "_counter_cls": Counter, "_histogram_cls": Histogram}
@@ -37,3 +38,26 @@ def prometheus_logger(registry: CollectorRegistry) -> type[PrometheusStatLogger]
         if isinstance(base, type):
             overrides[helper] = _registering_in(base, registry)
     return type("ModelPrometheusStatLogger", (PrometheusStatLogger,), overrides)
+
+
+class ModelLabelled:
+    """The families of an engine's registry with the ``model_name`` label on every sample.
+
+    vLLM's ``vllm:cache_config_info`` and ``vllm:lora_requests_info`` carry no ``model_name`` (its server serves
+    one model); with several models on one server their samples would be indistinguishable (and one model's
+    would hide another's). This collector adds ``model_name`` where a sample lacks it; the other families pass
+    unchanged. Register it in the registry the server scrapes, in place of the engine's own."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self.registry = registry
+        self.model_name = model_name
+
+    def collect(self):
+        for family in self.registry.collect():
+            if all("model_name" in sample.labels for sample in family.samples):
+                yield family
+                continue
+            labelled = Metric(family.name, family.documentation, family.type, family.unit)
+            labelled.samples = [sample._replace(labels={"model_name": self.model_name, **sample.labels})
+                                for sample in family.samples]
+            yield labelled

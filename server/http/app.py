@@ -9,6 +9,7 @@ FastAPI app, every route behind the access checks of its API group.
 * ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` and ``/health`` (:mod:`tideserve.openai`);
 * ``GET /openapi.json``, the description of all of them (:mod:`tideserve.openapi`);
 * ``GET /metrics``, the same Prometheus text as the metrics port (``DataPlane.metrics_text``);
+* ``GET /load`` (the replica's load, :mod:`tideserve.load_report`) and vLLM's ``POST /reset_prefix_cache``;
 * the access checks (:mod:`tideserve.access`): :func:`~tideserve.access.guard_routes` puts every route
   behind its group's Guard, and the fast infer path asks the inference group's Guard itself.
 
@@ -21,24 +22,26 @@ from __future__ import annotations
 
 import logging
 
+import orjson
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .. import load_report
 from .. import openapi as openapi_document
 from ..access import INFERENCE, METRICS_PATH, AccessPolicy, Guard, Refusal, admit, guard_routes, kserve_body
 from ..asgi import ClientGone
 from ..errors import ServerError
 from ..limits import TensorLimits
 from ..openai import mount as mount_openai
-from ..openai.messages import refusal_body as anthropic_refusal
-from ..openai.responses import StoreSettings
-from ..openai.responses.mcp import McpSettings
 from ..openai.errors import OpenAIError
 from ..openai.limits import OpenAILimits
 from ..openai.llm import OutputParsers
+from ..openai.messages import refusal_body as anthropic_refusal
+from ..openai.responses import StoreSettings
+from ..openai.responses.mcp import McpSettings
 from ..serving import ServingInterface
 from . import codec, generate, kserve
 from .body import DEFAULT_MAX_INPUT_SIZE, BodyReader
@@ -88,6 +91,15 @@ def create_app(dataplane: ServingInterface, *, max_input_size: int = DEFAULT_MAX
     @app.get(METRICS_PATH)
     async def metrics():  # the metrics port's registry, for routers and autoscalers that scrape this port
         return Response(await dataplane.metrics_text(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get(load_report.LOAD_PATH)
+    async def load(model: str = ""):  # the replica's load for routers (tideserve.load_report)
+        return Response(orjson.dumps(await dataplane.load_report(model)), media_type=JSON)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(model: str = "", reset_running_requests: bool = False):  # as vLLM's
+        return Response(orjson.dumps(await dataplane.reset_prefix_cache(model, reset_running_requests)),
+                        media_type=JSON)
 
     if openapi:
         @app.get(openapi_document.PATH)

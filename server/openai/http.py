@@ -17,14 +17,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
 
+from .. import load_report
 from ..asgi import JSON_HEADER, ClientGone, cancel_on_disconnect, send_response
 from ..errors import ServerError
 from .errors import BadRequest, OpenAIError, from_server_error
 from .limits import OpenAILimits
 
 if TYPE_CHECKING:
-    from ..serving import ServingInterface
     from ..http.body import BodyReader
+    from ..serving import ServingInterface
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -112,7 +113,7 @@ class OpenAIRoute:
                 reply = await self.handler(server, doc, scope)
                 if isinstance(reply, bytes):
                     header = _TEXT_HEADER if isinstance(reply, PlainText) else JSON_HEADER
-                    await send_response(send, 200, reply, [header])
+                    await send_response(send, 200, reply, [header, *await _load_header(server, scope, doc)])
                     return
                 await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
                 try:  # from here on an error is an event of the stream
@@ -135,6 +136,37 @@ class OpenAIRoute:
             if isinstance(reply, EventStream):
                 await reply.events.aclose()  # a generator left at a yield (client gone) ends here
                 await reply.close()
+
+
+TIMEOUT_HEADER = b"x-request-timeout-ms"
+
+
+def request_timeout_us(scope) -> int:
+    """The request's deadline from ``x-request-timeout-ms`` (milliseconds from arrival until the model must have
+    started generating), in microseconds; 0 when absent. A value that is not a non-negative integer is a 400."""
+    for key, value in scope["headers"]:
+        if key.lower() == TIMEOUT_HEADER:
+            text = value.decode("latin-1").strip()
+            if not text.isdigit():
+                raise BadRequest(f"header 'x-request-timeout-ms' must be a non-negative integer (milliseconds), got "
+                                 f"'{text[:40]}'")
+            return int(text) * 1000
+    return 0
+
+
+async def _load_header(server: OpenAIServer, scope, doc: Any) -> list[tuple[bytes, bytes]]:
+    """The ORCA ``endpoint-load-metrics`` header when the request asked for it (as vLLM's server answers), with the
+    load of the model it named (of the whole server when that is no loaded model)."""
+    metrics_format = load_report.requested_format(scope["headers"])
+    if not metrics_format:
+        return []
+    model = doc.get("model") if isinstance(doc, dict) else None
+    try:
+        figures = await server.dataplane.load_report(model if isinstance(model, str) else "")
+    except ServerError:  # an adapter's name, or a model that went away: the server's figures
+        figures = await server.dataplane.load_report()
+    header = load_report.orca_header(metrics_format, figures)
+    return [header] if header is not None else []
 
 
 def _require_json(scope) -> None:

@@ -160,9 +160,25 @@ class UnloadLoraAdapter(_Call, tag=True):
         return await plane.unload_lora_adapter(self.lora_name)
 
 
+class LoadReport(_Call, tag=True):
+    model_name: str
+
+    async def run(self, plane):
+        return await plane.load_report(self.model_name)
+
+
+class ResetPrefixCache(_Call, tag=True):
+    model_name: str
+    reset_running_requests: bool
+
+    async def run(self, plane):
+        return await plane.reset_prefix_cache(self.model_name, self.reset_running_requests)
+
+
 Call = (Statistics | MetricsText | Index | LoadModel | UnloadModel | RegisterSystemSharedMemory
         | UnregisterSystemSharedMemory | SystemSharedMemoryStatus | RegisterCudaSharedMemory
-        | UnregisterCudaSharedMemory | CudaSharedMemoryStatus | TraceSetting | LoadLoraAdapter | UnloadLoraAdapter)
+        | UnregisterCudaSharedMemory | CudaSharedMemoryStatus | TraceSetting | LoadLoraAdapter | UnloadLoraAdapter
+        | LoadReport | ResetPrefixCache)
 CALLS: tuple[type[_Call], ...] = Call.__args__  # every call message, for the conformance test
 
 

@@ -320,6 +320,13 @@ class RemoteDataPlane(ServingInterface):
     async def trace_setting(self, model_name: str = "", updates: dict | None = None) -> dict[str, Any]:
         return await self.link.call(p.TraceSetting(0, model_name, updates))
 
+    # -- load and caches ------------------------------------------------------------------------------------------
+    async def load_report(self, model_name: str = "") -> dict[str, Any]:
+        return await self.link.call(p.LoadReport(0, model_name))
+
+    async def reset_prefix_cache(self, model_name: str = "", reset_running_requests: bool = False) -> dict[str, Any]:
+        return await self.link.call(p.ResetPrefixCache(0, model_name, reset_running_requests))
+
     # -- LoRA adapters -------------------------------------------------------------------------------------------
     def lora_adapters(self) -> list[dict[str, str]]:
         return self.link.snapshot.lora_adapters

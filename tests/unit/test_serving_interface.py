@@ -80,7 +80,7 @@ _Recorder.__abstractmethods__ = frozenset()
 _ARGS = {"name": "m", "version": "2", "ready_only": True, "config_json": '{"x": 1}', "unload_dependents": True,
          "key": "/k", "offset": 8, "byte_size": 64, "raw_handle": b"\x01\x02", "device_id": 1, "model_name": "m",
          "updates": {"log_frequency": ["3"]}, "lora_name": "a", "lora_path": "/p", "load_inplace": True,
-         "base_model_name": "base"}
+         "base_model_name": "base", "reset_running_requests": True}
 
 
 def _arguments(function) -> list:

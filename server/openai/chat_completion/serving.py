@@ -23,7 +23,7 @@ from ..chat_template import ChatTemplate, TemplateError, special_tokens
 from ..limits import OpenAILimits
 from ..errors import BadRequest, from_server_error
 from ..generation import Run, Usage, chunk_event, close_all, collect, merged
-from ..http import DONE, EventStream, event
+from ..http import DONE, EventStream, event, request_timeout_us
 from ..llm import LLMModel
 from ..logprobs import chat_content
 from ..protocol import parse
@@ -35,7 +35,7 @@ from .protocol import ChatCompletionRequest
 OBJECT, CHUNK = "chat.completion", "chat.completion.chunk"
 
 
-async def create_chat_completion(server, doc, _scope) -> bytes | EventStream:
+async def create_chat_completion(server, doc, scope) -> bytes | EventStream:
     request: ChatCompletionRequest = parse(ChatCompletionRequest, doc)
     catalog = server.catalog
     llm = catalog.get(request.model) if request.model else catalog.default()
@@ -61,7 +61,7 @@ async def create_chat_completion(server, doc, _scope) -> bytes | EventStream:
     try:
         inference = llm.request(prompt, sampling, stream=stream, logprobs=bool(request.logprobs),
                                 add_special_tokens=False, request_id=request_id)
-        llm.admission(inference, request.priority, server.limits.prompt_tokens_details)
+        llm.admission(inference, request.priority, server.limits.prompt_tokens_details, request_timeout_us(scope))
         run = Run(server.dataplane, llm, inference, request.n)
         if stream:
             await run.peek()

@@ -20,7 +20,7 @@ import orjson
 from ...errors import ServerError
 from ..errors import BadRequest, from_server_error
 from ..generation import Choice, Run, Usage, chunk_event, close_all, collect, merged, peek_all
-from ..http import DONE, EventStream, event
+from ..http import DONE, EventStream, event, request_timeout_us
 from ..logprobs import CompletionLogprobs
 from ..protocol import parse
 from .protocol import CompletionRequest
@@ -31,7 +31,7 @@ FIELDS = {"structured_outputs": "response_format"}
 DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default, also for an explicit null
 
 
-async def create_completion(server, doc, _scope) -> bytes | EventStream:
+async def create_completion(server, doc, scope) -> bytes | EventStream:
     request: CompletionRequest = parse(CompletionRequest, doc)
     catalog = server.catalog
     llm = catalog.get(request.model) if request.model else catalog.default()
@@ -49,6 +49,7 @@ async def create_completion(server, doc, _scope) -> bytes | EventStream:
     stream = bool(request.stream)
     n = request.n
     request_id = f"cmpl-{uuid.uuid4().hex}"
+    timeout_us = request_timeout_us(scope)
     echoes = [(p if isinstance(p, str) else llm.decode(p)) if request.echo else "" for p in prompts]
     runs: list[Run] = []
     try:
@@ -58,7 +59,7 @@ async def create_completion(server, doc, _scope) -> bytes | EventStream:
             inference = llm.request(prompt, sampling, stream=stream, logprobs=request.logprobs is not None,
                                     add_special_tokens=request.add_special_tokens, request_id=f"{request_id}-{k}",
                                     prompt_logprobs=request.prompt_logprobs)
-            llm.admission(inference, request.priority, server.limits.prompt_tokens_details)
+            llm.admission(inference, request.priority, server.limits.prompt_tokens_details, timeout_us)
             runs.append(Run(server.dataplane, llm, inference, n, index=k * n))
         if stream:
             await peek_all(runs)

@@ -1,0 +1,126 @@
+"""The fleet hooks' pieces without an engine: the ORCA header and the load report, the KV-event endpoint
+check, the deadline parameter, the ``model_name`` label on vLLM's info families, ``x-request-timeout-ms``."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client import CollectorRegistry, Gauge
+from tritonclient.grpc import model_config_pb2 as mc
+
+from tideserve.errors import InvalidArgument
+from tideserve.llm_backends.vllm import config as vllm_config
+from tideserve.load_report import orca_header, report, requested_format
+
+
+def _runtime(name, inflight, engine=None, pending=0):
+    model = SimpleNamespace(engine_load=lambda: engine)
+    return SimpleNamespace(name=name, version=1, inflight=inflight, model=model,
+                           scheduler=SimpleNamespace(pending=lambda: pending))
+
+
+def test_report_sums_models_and_keeps_the_highest_kv_usage():
+    figures = report([
+        _runtime("llm", 5, {"num_requests_running": 2, "num_requests_waiting": 3, "kv_cache_usage_perc": 0.25}),
+        _runtime("add_sub", 4, pending=1),
+    ])
+    assert figures["server_load"] == 9
+    assert figures["num_requests_running"] == 2 + 3 and figures["num_requests_waiting"] == 3 + 1
+    assert figures["kv_cache_usage_perc"] == 0.25
+    assert [m["model_name"] for m in figures["models"]] == ["llm", "add_sub"]
+    assert report([]) == {"server_load": 0, "num_requests_running": 0, "num_requests_waiting": 0,
+                          "kv_cache_usage_perc": 0.0, "models": []}
+
+
+def test_orca_header_in_vllms_two_formats():
+    figures = {"kv_cache_usage_perc": 0.5, "num_requests_waiting": 2}
+    name, value = orca_header("TEXT", figures)
+    assert name == b"endpoint-load-metrics"
+    assert value == b"TEXT named_metrics.kv_cache_usage_perc=0.5, named_metrics.num_requests_waiting=2.0"
+    _, value = orca_header("json", figures)
+    assert value.startswith(b"JSON ")
+    assert json.loads(value[5:]) == {"named_metrics": {"kv_cache_usage_perc": 0.5, "num_requests_waiting": 2.0}}
+    assert orca_header("proto", figures) is None
+    assert requested_format([(b"Endpoint-Load-Metrics-Format", b"TEXT")]) == "TEXT"
+    assert requested_format([(b"accept", b"*/*")]) == ""
+
+
+def _events(endpoint="tcp://*:5557", **more):
+    return {"kv_events_config": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, **more}}
+
+
+def test_kv_event_endpoints_one_bound_port_per_model():
+    endpoints = vllm_config.KvEventEndpoints()
+    first = endpoints.claim(_events("tcp://*:6001", replay_endpoint="tcp://*:6002"), "model 'a' version 1")
+    with pytest.raises(InvalidArgument, match="already used by model 'a' version 1"):
+        endpoints.claim(_events("tcp://*:6001"), "model 'b' version 1")
+    with pytest.raises(InvalidArgument, match="replay_endpoint"):
+        endpoints.claim(_events("tcp://*:6003", replay_endpoint="tcp://*:6002"), "model 'b' version 1")
+    with pytest.raises(InvalidArgument, match="already used by model 'c'"):  # endpoint and replay on one port
+        endpoints.claim(_events("tcp://*:6004", replay_endpoint="tcp://*:6004"), "model 'c' version 1")
+    # the publisher connects to a collector that binds: several engines may
+    assert endpoints.claim(_events("tcp://collector:7000"), "model 'd' version 1") == []
+    assert endpoints.claim(_events("tcp://collector:7000"), "model 'e' version 1") == []
+    assert endpoints.claim(_events("tcp://*:0"), "model 'f' version 1") == []  # the system picks a port
+    assert endpoints.claim({"kv_events_config": {"enable_kv_cache_events": False}}, "g") == []
+    assert endpoints.claim({}, "h") == []
+    endpoints.release(first)
+    assert endpoints.claim(_events("tcp://*:6001"), "model 'b' version 1") == [("tcp", "6001")]
+    with pytest.raises(InvalidArgument, match="must be a JSON object"):
+        endpoints.claim({"kv_events_config": "tcp://*:1"}, "x")
+    with pytest.raises(InvalidArgument, match="names no port"):
+        endpoints.claim(_events("tcp://*"), "x")
+
+
+def test_max_queue_delay_ms_is_a_non_negative_integer():
+    config = mc.ModelConfig(name="llm")
+    assert vllm_config.backend_options(config).max_queue_delay_ms == 0
+    config.parameters["max_queue_delay_ms"].string_value = "250"
+    assert vllm_config.backend_options(config).max_queue_delay_ms == 250
+    config.parameters["max_queue_delay_ms"].string_value = "-1"
+    with pytest.raises(InvalidArgument, match="'max_queue_delay_ms' must be an integer >= 0"):
+        vllm_config.backend_options(config)
+
+
+def test_info_families_get_the_model_name_label():
+    pytest.importorskip("vllm")
+    from tideserve.llm_backends.vllm.prometheus import ModelLabelled
+
+    engine = CollectorRegistry(auto_describe=False)
+    Gauge("vllm:cache_config_info", "info", ["block_size", "engine"], registry=engine).labels("16", "0").set(1)
+    Gauge("vllm:num_requests_running", "r", ["model_name", "engine"], registry=engine).labels("llm", "0").set(2)
+    scraped = CollectorRegistry(auto_describe=False)
+    scraped.register(ModelLabelled(engine, "llm"))
+    samples = {f.name: f.samples for f in scraped.collect()}
+    assert samples["vllm:cache_config_info"][0].labels == {"model_name": "llm", "block_size": "16", "engine": "0"}
+    assert samples["vllm:num_requests_running"][0].labels == {"model_name": "llm", "engine": "0"}
+
+
+def test_request_timeout_header():
+    from tideserve.openai.errors import OpenAIError
+    from tideserve.openai.http import request_timeout_us
+
+    assert request_timeout_us({"headers": [(b"x-request-timeout-ms", b"250")]}) == 250_000
+    assert request_timeout_us({"headers": []}) == 0
+    with pytest.raises(OpenAIError, match="x-request-timeout-ms"):
+        request_timeout_us({"headers": [(b"x-request-timeout-ms", b"-3")]})
+
+
+def test_deployment_rolls_without_dropping_streams():
+    """A rolling restart: the new pod is ready before an old one goes (maxUnavailable 0), the old one leaves the
+    Service before SIGTERM (preStop) and gets the whole drain before the kubelet's SIGKILL."""
+    import yaml
+
+    from support import REPO
+
+    deployment = yaml.safe_load((REPO / "deploy" / "kubernetes" / "deployment.yaml").read_text())
+    assert deployment["spec"]["strategy"] == {"type": "RollingUpdate",
+                                              "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    sleep = container["lifecycle"]["preStop"]["exec"]["command"]
+    exit_timeout = next(float(a.split("=", 1)[1]) for a in container["args"] if a.startswith("--exit-timeout-secs="))
+    assert sleep[0] == "sleep" and pod["terminationGracePeriodSeconds"] > float(sleep[1]) + exit_timeout
+    assert container["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
