@@ -72,6 +72,77 @@ class _Refusal(Exception):
     """Raised in a parser callback to stop parsing; the protocol then answers 431 and closes."""
 
 
+class CoalescingTransport:
+    """A connection's transport whose writes of one event-loop turn leave as one.
+
+    uvicorn writes a response's head and its body with two ``write`` calls; on uvloop each is a ``send``
+    system call, and the client often wakes for two TCP segments. Held here until the end of the turn, they
+    cost one of each. A response that streams (SSE) still sends each event as it comes: the next turn."""
+
+    __slots__ = ("_transport", "_loop", "_pending")
+
+    def __init__(self, transport, loop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._pending: bytes | None = None
+
+    def write(self, data: bytes) -> None:
+        if self._pending is None:
+            self._pending = bytes(data)
+            self._loop.call_soon(self.flush)
+        else:
+            self._pending += data
+
+    def writelines(self, chunks) -> None:
+        for chunk in chunks:
+            self.write(chunk)
+
+    def flush(self) -> None:
+        data, self._pending = self._pending, None
+        if data and not self._transport.is_closing():
+            self._transport.write(data)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def get_extra_info(self, name, default=None):
+        return self._transport.get_extra_info(name, default)
+
+    def pause_reading(self) -> None:
+        self._transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        self._transport.resume_reading()
+
+    def abort(self) -> None:
+        self._pending = None
+        self._transport.abort()
+
+    def get_write_buffer_size(self) -> int:
+        return self._transport.get_write_buffer_size() + len(self._pending or b"")
+
+    def set_write_buffer_limits(self, high=None, low=None) -> None:
+        self._transport.set_write_buffer_limits(high, low)
+
+    def set_protocol(self, protocol) -> None:
+        self.flush()
+        self._transport.set_protocol(protocol)
+
+    def get_protocol(self):
+        return self._transport.get_protocol()
+
+    def can_write_eof(self) -> bool:
+        return self._transport.can_write_eof()
+
+    def write_eof(self) -> None:
+        self.flush()
+        self._transport.write_eof()
+
+
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with limits on the head's size and header count, and read timeouts."""
 
@@ -169,7 +240,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     # -- asyncio.Protocol -----------------------------------------------------------------
     def connection_made(self, transport) -> None:
-        super().connection_made(transport)
+        super().connection_made(CoalescingTransport(transport, self.loop))
         self._wait_for(_HEAD, self.limits.header_timeout)
 
     def connection_lost(self, exc: Exception | None) -> None:
