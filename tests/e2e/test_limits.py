@@ -22,32 +22,25 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from limits_fixtures import (
+    CONNECTIONS,
+    DECOMPRESSED,
+    GRPC_RECEIVE,
+    GRPC_SEND,
+    HEADER_COUNT,
+    HEADER_SIZE,
+    JSON_DEPTH,
+    LIMIT_FLAGS,
+    TENSOR_ELEMENTS,
+    TENSOR_RANK,
+    TIMEOUT_S,
+)
 from support import TEST_MODELS, start_server
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from tideserve.cli import build_parser, options_from_args
-
 OPENAI_MODELS = Path(__file__).resolve().parents[1] / "openai_models"
-HEADER_SIZE = 4096
-HEADER_COUNT = 20
-TIMEOUT_S = 1.0
-CONNECTIONS = 8
-JSON_DEPTH = 16
-TENSOR_RANK = 8
-TENSOR_ELEMENTS = 100_000
-DECOMPRESSED = 1 << 20
-GRPC_RECEIVE = 1 << 20
-GRPC_SEND = 256 << 10
-LIMIT_FLAGS = [
-    "--http-max-header-size", str(HEADER_SIZE), "--http-max-header-count", str(HEADER_COUNT),
-    "--http-header-timeout-secs", str(TIMEOUT_S), "--http-body-timeout-secs", str(TIMEOUT_S),
-    "--http-max-connections", str(CONNECTIONS), "--http-max-json-depth", str(JSON_DEPTH),
-    "--max-tensor-rank", str(TENSOR_RANK), "--max-tensor-elements", str(TENSOR_ELEMENTS),
-    "--http-max-decompressed-size", str(DECOMPRESSED),
-    "--grpc-max-receive-message-length", str(GRPC_RECEIVE), "--grpc-max-send-message-length", str(GRPC_SEND),
-]
 INFER = "/v2/models/add_sub/infer"
 GOOD_INFER = {"inputs": [{"name": f"INPUT{i}", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}
                          for i in (0, 1)]}
@@ -307,25 +300,6 @@ def test_grpc_message_size_limits_are_resource_exhausted(server):
         result = client.infer("identity_bytes", _bytes_request(GRPC_SEND // 2))
         assert result.as_numpy("OUTPUT0")[0][0] == b"x" * (GRPC_SEND // 2)
         assert client.is_server_live()
-
-
-# -- the flags -------------------------------------------------------------------------------
-def test_limit_flags_map_onto_the_options_and_refuse_nonsense():
-    options = options_from_args(build_parser().parse_args(["--model-repository", "/models", *LIMIT_FLAGS]))
-    assert (options.http_max_header_size, options.http_max_header_count) == (HEADER_SIZE, HEADER_COUNT)
-    assert (options.http_header_timeout_secs, options.http_body_timeout_secs) == (TIMEOUT_S, TIMEOUT_S)
-    assert (options.http_max_connections, options.http_max_json_depth) == (CONNECTIONS, JSON_DEPTH)
-    assert (options.max_tensor_rank, options.max_tensor_elements) == (TENSOR_RANK, TENSOR_ELEMENTS)
-    assert options.http_max_decompressed_size == DECOMPRESSED
-    assert (options.grpc_max_receive_message_length, options.grpc_max_send_message_length) == (GRPC_RECEIVE, GRPC_SEND)
-    defaults = options_from_args(build_parser().parse_args(["--model-repository", "/models"]))
-    assert defaults.http_max_decompressed_size is None  # follows --http-max-input-size
-    unlimited = build_parser().parse_args(["--model-repository", "/models", "--http-max-connections", "0"])
-    assert options_from_args(unlimited).http_max_connections is None
-    for flag, value in (("--http-max-header-size", "0"), ("--http-header-timeout-secs", "-1"),
-                        ("--max-tensor-rank", "x"), ("--http-max-connections", "-1")):
-        with pytest.raises(SystemExit):
-            build_parser().parse_args(["--model-repository", "/models", flag, value])
 
 
 def test_server_still_serves_after_all_of_it(server):

@@ -95,18 +95,3 @@ def test_a_model_needing_more_than_given_fails_to_load(server, protocol):
     assert info.value.status() in ("400", "StatusCode.INVALID_ARGUMENT")
     assert client.is_model_ready("limited")
     client.close()
-
-
-def test_rate_limit_flags_are_checked(tmp_path):
-    from tideserve.cli import build_parser, options_from_args
-
-    def options(*flags):
-        return options_from_args(build_parser().parse_args(["--model-repository", str(tmp_path), *flags]))
-
-    assert options().rate_limit is False
-    opts = options("--rate-limit", "execution_count", "--rate-limit-resource", "R1:4:0")
-    assert opts.rate_limit and opts.rate_limit_resources[0].count == 4
-    with pytest.raises(ValueError, match="--rate-limit-resource 'R1': expected"):
-        options("--rate-limit-resource", "R1")
-    with pytest.raises(SystemExit):
-        options("--rate-limit", "fastest")

@@ -26,7 +26,6 @@ from tritonclient.grpc import service_pb2_grpc
 from tideserve import openapi
 from tideserve.app import ServerOptions
 from tideserve.bench import fuzz_api, fuzz_http, toy_repository
-from tideserve.cli import build_parser, options_from_args
 from tideserve.http import create_app
 from tideserve.repository import ControlMode
 
@@ -64,16 +63,6 @@ def test_openapi_document_describes_every_route(tmp_path):
               for method in (route.methods or ()) if method != "HEAD"}
     described = {(path, method) for path, item in openapi.document()["paths"].items() for method in item}
     assert served == described
-
-
-def test_openapi_flag_defaults_off_with_restricted_apis():
-    def options(*flags):
-        return options_from_args(build_parser().parse_args(["--model-repository", "x", *flags]))
-
-    assert options().openapi is True
-    assert options("--openapi", "false").openapi is False
-    assert options("--http-restricted-api", "model-repository:admin=s").openapi is False
-    assert options("--http-restricted-api", "model-repository:admin=s", "--openapi", "true").openapi is True
 
 
 # -- schemathesis and boofuzz ----------------------------------------------------------------------

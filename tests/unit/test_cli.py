@@ -3,13 +3,25 @@
 from __future__ import annotations
 
 import pytest
+from limits_fixtures import (
+    CONNECTIONS,
+    DECOMPRESSED,
+    GRPC_RECEIVE,
+    GRPC_SEND,
+    HEADER_COUNT,
+    HEADER_SIZE,
+    JSON_DEPTH,
+    LIMIT_FLAGS,
+    TENSOR_ELEMENTS,
+    TENSOR_RANK,
+    TIMEOUT_S,
+)
 
+from tideserve.cli import build_parser, options_from_args
 from tideserve.openai.limits import OpenAILimits
 
 
 def test_api_key_flag_and_environment(monkeypatch):
-    from tideserve.cli import build_parser, options_from_args
-
     monkeypatch.delenv("TIDESERVE_API_KEY", raising=False)
     assert options_from_args(build_parser().parse_args(["--model-repository", "x"])).api_key is None
     assert options_from_args(build_parser().parse_args(["--model-repository", "x", "--api-key", "k"])).api_key == "k"
@@ -18,8 +30,6 @@ def test_api_key_flag_and_environment(monkeypatch):
 
 
 def test_openai_limit_flags():
-    from tideserve.cli import build_parser, options_from_args
-
     assert options_from_args(build_parser().parse_args(["--model-repository", "x"])).openai_limits == OpenAILimits()
     args = ["--model-repository", "x", "--openai-max-prompts", "3", "--openai-max-prompt-tokens", "100",
             "--openai-max-n", "2", "--openai-max-logprobs", "0", "--openai-chat-template-timeout-secs", "0.5"]
@@ -28,3 +38,31 @@ def test_openai_limit_flags():
                 ["--openai-chat-template-timeout-secs", "0"]):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["--model-repository", "x", *bad])
+
+
+def test_limit_flags_map_onto_the_options_and_refuse_nonsense():
+    options = options_from_args(build_parser().parse_args(["--model-repository", "/models", *LIMIT_FLAGS]))
+    assert (options.http_max_header_size, options.http_max_header_count) == (HEADER_SIZE, HEADER_COUNT)
+    assert (options.http_header_timeout_secs, options.http_body_timeout_secs) == (TIMEOUT_S, TIMEOUT_S)
+    assert (options.http_max_connections, options.http_max_json_depth) == (CONNECTIONS, JSON_DEPTH)
+    assert (options.max_tensor_rank, options.max_tensor_elements) == (TENSOR_RANK, TENSOR_ELEMENTS)
+    assert options.http_max_decompressed_size == DECOMPRESSED
+    assert (options.grpc_max_receive_message_length, options.grpc_max_send_message_length) == (GRPC_RECEIVE, GRPC_SEND)
+    defaults = options_from_args(build_parser().parse_args(["--model-repository", "/models"]))
+    assert defaults.http_max_decompressed_size is None  # follows --http-max-input-size
+    unlimited = build_parser().parse_args(["--model-repository", "/models", "--http-max-connections", "0"])
+    assert options_from_args(unlimited).http_max_connections is None
+    for flag, value in (("--http-max-header-size", "0"), ("--http-header-timeout-secs", "-1"),
+                        ("--max-tensor-rank", "x"), ("--http-max-connections", "-1")):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["--model-repository", "/models", flag, value])
+
+
+def test_openapi_flag_defaults_off_with_restricted_apis():
+    def options(*flags):
+        return options_from_args(build_parser().parse_args(["--model-repository", "x", *flags]))
+
+    assert options().openapi is True
+    assert options("--openapi", "false").openapi is False
+    assert options("--http-restricted-api", "model-repository:admin=s").openapi is False
+    assert options("--http-restricted-api", "model-repository:admin=s", "--openapi", "true").openapi is True

@@ -127,3 +127,18 @@ def test_parse_resource():
     for bad in ("R1", "R1:x", ":3", "R1:1:2:3", "R1:-1"):
         with pytest.raises(ValueError):
             parse_resource(bad)
+
+
+def test_rate_limit_flags_are_checked(tmp_path):
+    from tideserve.cli import build_parser, options_from_args
+
+    def options(*flags):
+        return options_from_args(build_parser().parse_args(["--model-repository", str(tmp_path), *flags]))
+
+    assert options().rate_limit is False
+    opts = options("--rate-limit", "execution_count", "--rate-limit-resource", "R1:4:0")
+    assert opts.rate_limit and opts.rate_limit_resources[0].count == 4
+    with pytest.raises(ValueError, match="--rate-limit-resource 'R1': expected"):
+        options("--rate-limit-resource", "R1")
+    with pytest.raises(SystemExit):
+        options("--rate-limit", "fastest")

@@ -80,3 +80,23 @@ def test_decoupled_and_sequence_models_cannot_enable_the_cache():
         check_config(config)
     config.response_cache.enable = False
     check_config(config)
+
+
+def test_cache_config_flags_are_checked(tmp_path):
+    from tideserve.cli import build_parser, options_from_args
+
+    def options(*flags):
+        return options_from_args(build_parser().parse_args(["--model-repository", str(tmp_path), *flags]))
+
+    assert options("--cache-config", "local,size=1048576").response_cache_size == 1048576
+    assert options("--response-cache-byte-size", "8192").response_cache_size == 8192
+    assert options().response_cache_size is None
+    for flags, message in ((("--cache-config", "redis,host=localhost"), "cache 'redis' is not available"),
+                           (("--cache-config", "local,size=10", "--cache-config", "redis,port=1"),
+                            "multiple cache configurations"),
+                           (("--response-cache-byte-size", "1", "--cache-config", "local,size=2"),
+                            "incompatible flags"),
+                           (("--cache-config", "local,size=big"), "not a number of bytes"),
+                           (("--cache-config", "local"), "expected <cache>,<key>=<value>")):
+        with pytest.raises(ValueError, match=message):
+            options(*flags)
