@@ -262,6 +262,20 @@ def paths() -> dict[str, dict]:
                                                    "content": {"text/plain": {"schema": {"type": "string"}}}},
                                            "401": json_body(ref("Error"), "Invalid or missing API key "
                                                                           "(--api-key-scope all)")}}},
+        "/load": {"get": {"summary": "The replica's load, as vLLM's /load with the engines' figures: server_load "
+                                     "(requests in flight), num_requests_running, num_requests_waiting, "
+                                     "kv_cache_usage_perc, and per model under 'models'", "tags": ["statistics"],
+                          "parameters": [{"name": "model", "in": "query", "required": False,
+                                          "schema": {"type": "string"}, "description": "one model's load"}],
+                          "responses": {"200": json_body({"type": "object"}), **errors("404")}}},
+        "/reset_prefix_cache": {"post": {
+            "summary": "vLLM's prefix-cache reset on the engine of one model or of every model with a prefix cache: "
+                       "{\"success\": bool} (false while blocks are held)", "tags": ["model-repository"],
+            "parameters": [{"name": "model", "in": "query", "required": False, "schema": {"type": "string"}},
+                           {"name": "reset_running_requests", "in": "query", "required": False,
+                            "schema": {"type": "boolean"}}],
+            "responses": {"200": json_body({"type": "object", "properties": {"success": {"type": "boolean"}}}),
+                          **errors("400", "404")}}},
     }
     out.update(_model_routes("", "Model metadata", {
         "tags": ["metadata"], "responses": {"200": json_body(ref("ModelMetadata")), **errors("400", "404", "503")}}))

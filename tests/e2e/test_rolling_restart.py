@@ -1,0 +1,121 @@
+"""End to end: a rolling restart behind vLLM's router drops nothing.
+
+Two tideserve replicas of the tiny Llama behind ``vllm-router`` (round robin, readiness probed each second,
+retries on): streams run through the router to both; one replica gets SIGTERM while they run and while new
+requests keep arriving. Every stream already running finishes (the replica drains them), the new requests go
+to the other replica (readiness false at once; a request that still reaches the stopping replica gets 503, which
+the router retries elsewhere), and no client sees an error.
+"""
+
+from __future__ import annotations
+
+import functools
+import signal
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+from llm_fixtures import vllm_env, write_vllm_model
+from support import free_port, start_server
+from tideserve.bench.router import router_command
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+MODEL = "llm"
+STREAM_TOKENS = 400
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory):
+    from tideserve.bench.examples.tiny_llama import make_model
+
+    tmp = tmp_path_factory.mktemp("rolling")
+    tiny = make_model(tmp / "tiny_llama", "tiny")
+    write_vllm_model(tmp / "models", MODEL, {"model": str(tiny), "dtype": "float32", "max_model_len": 1024,
+                                             "enforce_eager": True, "max_num_seqs": 4})
+    start = functools.partial(start_server, [tmp / "models"], "--allowed-model-root", str(tiny),
+                              "--exit-timeout-secs", "120", tmp_dir=tmp, env=vllm_env(tmp), ready_timeout=780)
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(start) for _ in range(2)]
+    started = [f.result() for f in futures if f.exception() is None]
+    try:
+        for future in futures:
+            if future.exception() is not None:
+                raise future.exception()
+        yield started
+    finally:
+        for server in started:
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def router(replicas, tmp_path_factory):
+    port = free_port()
+    command = router_command(port, [s.base_url for s in replicas]) + [
+        "--health-check-interval-secs", "1", "--health-failure-threshold", "1", "--retry-max-retries", "5",
+        "--retry-initial-backoff-ms", "100"]
+    log = tmp_path_factory.mktemp("router_log") / "router.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, log.read_text()
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+                if response.status == 200:
+                    break
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.2)
+    yield f"http://127.0.0.1:{port}"
+    proc.terminate()
+    proc.wait(30)
+
+
+def test_sigterm_to_one_replica_fails_no_stream(replicas, router):
+    client = openai.OpenAI(base_url=f"{router}/v1", api_key="none", max_retries=0, timeout=300)
+    stopping, staying = replicas
+    results: dict[str, object] = {}
+    lock = threading.Lock()
+
+    def stream(name: str, tokens: int) -> None:
+        try:
+            chunks = client.completions.create(model=MODEL, prompt=f"Story {name}", stream=True, max_tokens=tokens,
+                                               extra_body={"ignore_eos": True},
+                                               stream_options={"include_usage": True})
+            usage = [c.usage.completion_tokens for c in chunks if c.usage is not None]
+            outcome: object = usage[-1] if usage else "no usage"
+        except Exception as exc:  # noqa: BLE001 (reported below)
+            outcome = exc
+        with lock:
+            results[name] = outcome
+
+    def in_flight(server) -> int:
+        return httpx.get(f"{server.base_url}/load", timeout=10).json()["server_load"]
+
+    running = [threading.Thread(target=stream, args=(f"before-{i}", STREAM_TOKENS)) for i in range(8)]
+    for thread in running:
+        thread.start()
+    deadline = time.monotonic() + 120  # both replicas run some
+    while not (in_flight(stopping) and in_flight(staying)):
+        assert time.monotonic() < deadline, "the router did not spread the streams over both replicas"
+        time.sleep(0.05)
+    stopping.process.send_signal(signal.SIGTERM)
+    later = []
+    for i in range(8):  # new requests while the replica drains: none may fail
+        thread = threading.Thread(target=stream, args=(f"after-{i}", 16))
+        thread.start()
+        later.append(thread)
+        time.sleep(0.25)
+    for thread in running + later:
+        thread.join(300)
+    expected = {f"before-{i}": STREAM_TOKENS for i in range(8)} | {f"after-{i}": 16 for i in range(8)}
+    assert results == expected
+    assert stopping.process.wait(120) == 0
