@@ -28,7 +28,6 @@ from in_process import InProcessServer
 from tideserve.app import ServerOptions
 from tideserve.backend import BackendRegistry, ModelInstance
 from tideserve.errors import InvalidArgument
-from tideserve.http.generate import fit_shape
 from tideserve.types import InferenceResponse, Tensor
 
 MAX_INPUT = 256 * 1024  # the test server's --http-max-input-size
@@ -216,23 +215,6 @@ def parse_events(body: bytes) -> list[dict]:
 def stream(srv, model: str, doc, version: str = ""):
     path = f"/v2/models/{model}" + (f"/versions/{version}" if version else "") + "/generate_stream"
     return post(srv, path, doc)
-
-
-# -- unit: shape fitting -----------------------------------------------------------------------
-@pytest.mark.parametrize("count, declared, given, expected", [
-    (1, [1], None, [1]),
-    (1, [-1, 1], None, [1, 1]),          # batched: batch of 1
-    (3, [-1, -1], (3,), [1, 3]),          # innermost variable dim takes the elements
-    (4, [-1, -1, 2], None, [1, 2, 2]),
-    (4, [-1, 2], (2, 2), [2, 2]),         # a nested array of matching rank keeps its shape
-    (3, [2], None, None),
-    (0, [-1], (0,), [0]),
-    (0, [-1, -1], (0,), [1, 0]),
-    (0, [1], None, None),
-    (1, [], None, []),
-])
-def test_fit_shape(count, declared, given, expected):
-    assert fit_shape(count, declared, given) == expected
 
 
 # -- generate ----------------------------------------------------------------------------------

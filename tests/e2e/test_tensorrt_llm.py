@@ -34,10 +34,9 @@ from in_process import InProcessServer
 from tritonclient.utils import InferenceServerException
 
 from tideserve.llm_backends.tensorrt_llm import TensorRTLLMBackend
-from tideserve.llm_backends.tensorrt_llm.interface import decode_word_list, encode_word_list
+from tideserve.llm_backends.tensorrt_llm.interface import encode_word_list
 from tideserve.app import ServerOptions
 from tideserve.backend import Backend, BackendRegistry, Model, ModelInstance
-from tideserve.errors import InvalidArgument
 from tideserve.repository import ControlMode
 from tideserve.types import InferenceResponse, Tensor
 
@@ -540,15 +539,6 @@ def test_multi_token_stop_words_keep_exact_ids_without_end_id(client, fake):
     request = fake.llm("trt").requests[-1]
     assert request.stop_words == [ids("cd")]
     assert request.params.end_id == FakeTokenizer.eos_token_id  # set as _setup would, so the ids stay exact
-
-
-def test_word_list_layout():
-    words = [[5], [6, 7, 8], [9, 10]]
-    layout = encode_word_list(words)
-    assert layout.tolist() == [[5, 6, 7, 8, 9, 10], [1, 4, 6, -1, -1, -1]]
-    assert decode_word_list("stop_words_list", layout) == words
-    with pytest.raises(InvalidArgument, match="stop_words_list"):
-        decode_word_list("stop_words_list", np.array([[1, 2], [3, 1]], np.int32))
 
 
 def test_token_streaming_sends_deltas_then_final(client):
