@@ -38,6 +38,14 @@ def example_server(tmp_path_factory) -> RunningServer:
     running.stop()
 
 
+@pytest.fixture(scope="module")
+def fake_tensorrt():
+    """The test double of TensorRT's runtime and device memory (tests/tensorrt_double.py), one per module."""
+    from tensorrt_double import FakeTensorRT
+
+    return FakeTensorRT()
+
+
 @pytest.fixture
 async def start_core():
     """``await start_core(repo, mode, load)``: a DataPlane over the toy backends, without a server; every
