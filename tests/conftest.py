@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 from support import TEST_MODELS, RunningServer, start_server
 from toy_backends import start_core as _start_core
@@ -36,6 +38,30 @@ def example_server(tmp_path_factory) -> RunningServer:
     running = start_example_server(tmp, (write_extra_repository(tmp / "extra"),))
     yield running
     running.stop()
+
+
+@pytest.fixture(scope="session")
+def tokenizer_files(tmp_path_factory):
+    """The tiny Llama's byte-level BPE tokenizer (trained offline from the repository's corpus), as files."""
+    from tideserve.bench.examples.tiny_llama import SIZES, train_tokenizer
+
+    out = tmp_path_factory.mktemp("tiny_tokenizer")
+    train_tokenizer(SIZES["tiny"]["vocab_size"]).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tokenizer_files):
+    """That tokenizer loaded with transformers (modules with an engine define their own ``tokenizer``)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tokenizer_files), local_files_only=True)
+
+
+@pytest.fixture(scope="session")
+def decode(tokenizer):
+    """``decode(ids)``: that tokenizer's text of ``ids``, special tokens left out."""
+    return functools.partial(tokenizer.decode, skip_special_tokens=True)
 
 
 @pytest.fixture(scope="module")

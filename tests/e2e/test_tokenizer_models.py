@@ -13,31 +13,20 @@ import itertools
 import json
 import random
 import time
-from functools import partial
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from tokenizer_fixtures import STREAM_TEXTS
 from support import free_port
 from in_process import InProcessServer
 from tritonclient.utils import InferenceServerException
 
-from tideserve.llm_backends.tokenizer.detokenizer import IncrementalDetokenizer, SequenceTable
 from tideserve.app import ServerOptions
 from tideserve.errors import Cancelled
 from tideserve.repository import ControlMode
 from tideserve.types import InferenceRequest, Tensor
-
-# Texts whose streams must come out exactly: CJK, multi-codepoint emoji (skin tone, flags, ZWJ family),
-# accents, and runs of spaces.
-STREAM_TEXTS = [
-    "日本語のテキスト、你好世界！한국어도 있어요.",
-    "Thumbs 👍🏽 flags 🇯🇵🇫🇷 family 👨\u200d👩\u200d👧 party 🎉!",
-    "café naïve résumé Ünïcödé — “quotes” … done",
-    "  leading and   multiple    spaces\tand\nnew lines  ",
-    "Mixed: 東京 👍🏽 São Paulo 🇧🇷 and   spaces 😀",
-]
 
 PREPROCESS = """backend: "tokenizer"
 parameters { key: "mode" value { string_value: "preprocess" } }
@@ -51,27 +40,6 @@ def _config(name: str, mode: str, tokenizer_dir: str, extra: str = "") -> str:
 
 
 # -- fixtures ------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tokenizer_files(tmp_path_factory):
-    from tideserve.bench.examples.tiny_llama import SIZES, train_tokenizer
-
-    out = tmp_path_factory.mktemp("tiny_tokenizer")
-    train_tokenizer(SIZES["tiny"]["vocab_size"]).save_pretrained(out)
-    return out
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tokenizer_files):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(tokenizer_files), local_files_only=True)
-
-
-@pytest.fixture(scope="module")
-def decode(tokenizer):
-    return partial(tokenizer.decode, skip_special_tokens=True)
-
-
 def _write_repository(root, tokenizer_files) -> None:
     def model(name: str, config: str, tokenizer_at: str | None = None) -> None:
         (root / name / "1").mkdir(parents=True)
@@ -172,11 +140,6 @@ def random_chunks(total: int, rng: random.Random) -> list[int]:
     while sum(chunks) < total:
         chunks.append(min(rng.randint(1, 5), total - sum(chunks)))
     return chunks
-
-
-def cuts_through_a_character(decode, ids) -> bool:
-    """True if a single token of ``ids`` holds complete text and part of a multi-byte character."""
-    return any(decode([t]).endswith("\ufffd") and decode([t]).rstrip("\ufffd") for t in ids)
 
 
 # -- configuration ------------------------------------------------------------------------------
@@ -349,17 +312,7 @@ def test_postprocess_batched_with_sequence_length(client, tokenizer):
     assert [t.decode() for t in texts[:, 0]] == [STREAM_TEXTS[0], STREAM_TEXTS[1]]
 
 
-# -- postprocess: streaming ---------------------------------------------------------------------
-def test_the_texts_really_split_characters_across_tokens(tokenizer, decode):
-    """The premise of the streaming tests: byte-level BPE tokens hold partial UTF-8, so decoding
-    token by token garbles the text (and a single token holds ' 👍' plus half of the skin tone)."""
-    for text in STREAM_TEXTS[:2] + STREAM_TEXTS[4:]:
-        ids = tokenizer.encode(text)
-        assert any(decode(ids[:k]).endswith("\ufffd") for k in range(1, len(ids))), text
-        assert "\ufffd" in "".join(decode([t]) for t in ids)
-    assert any(cuts_through_a_character(decode, tokenizer.encode(text)) for text in STREAM_TEXTS)
-
-
+# -- postprocess: streaming (tests/unit/test_detokenizer.py checks the texts really split characters) ------
 @pytest.mark.parametrize("index", range(len(STREAM_TEXTS)))
 def test_streaming_one_token_at_a_time(client, tokenizer, decode, index):
     text = STREAM_TEXTS[index]
@@ -494,60 +447,3 @@ def test_sequence_piece_with_several_rows_is_rejected(client):
     with pytest.raises(InferenceServerException, match="one row"):
         client.infer("postprocess_batched", [_input("output_ids", np.zeros((2, 3), dtype=np.int32))],
                      sequence_id=9, sequence_start=True, sequence_end=True)
-
-
-# -- the detokenizer on its own -----------------------------------------------------------------
-def _sentencepiece_like_tokenizer():
-    """A Llama-style tokenizer (metaspace, byte fallback, a decoder that strips the first space),
-    trained offline: decoding a token on its own drops its leading space."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
-
-    from tideserve.bench.examples.tiny_llama import CORPUS
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
-    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])
-    tok.train([str(CORPUS)], trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", "<s>", "</s>"],
-                                                 show_progress=False, limit_alphabet=100))
-    spec = json.loads(tok.to_str())
-    vocab = spec["model"]["vocab"]
-    for byte in range(256):
-        vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
-    return Tokenizer.from_str(json.dumps(spec))
-
-
-def test_detokenizer_keeps_spaces_of_a_sentencepiece_style_decoder():
-    tok = _sentencepiece_like_tokenizer()
-    decode = partial(tok.decode, skip_special_tokens=True)
-    for text in STREAM_TEXTS:
-        ids = tok.encode(text).ids
-        assert "".join(decode([t]) for t in ids) != decode(ids)  # naive decoding loses spaces / bytes
-        for seed in range(5):
-            rng = random.Random(seed)
-            state, pieces, i, window = IncrementalDetokenizer(), [], 0, 0
-            while i < len(ids):
-                n = 1 if seed == 0 else rng.randint(1, 4)
-                pieces.append(state.push(decode, ids[i:i + n]))
-                window = max(window, state.window)
-                i += n
-            pieces.append(state.push(decode, [], final=True))
-            assert "".join(pieces) == decode(ids)
-            assert not any("\ufffd" in p for p in pieces)
-            if seed == 0:  # token by token, only a short window is kept (a character has at most 4 bytes)
-                assert window <= 8 < len(ids)
-
-
-def test_sequence_table_bounds():
-    now = [0.0]
-    table = SequenceTable(max_sequences=2, idle_timeout_s=10, clock=lambda: now[0])
-    first = table.start("a")
-    table.start("b")
-    assert table.get("a") is first  # "a" is now the most recently used
-    table.start("c")
-    assert "b" not in table and {"a", "c"} <= {k for k in ("a", "b", "c") if k in table}
-    now[0] = 11.0
-    assert table.get("a") is None and len(table) == 0 and table.evicted == 3
-    table.start("d")
-    table.end("d")
-    assert len(table) == 0
