@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import os
+import shutil
 
 import pytest
 from support import TEST_MODELS, RunningServer, start_server
@@ -70,6 +72,37 @@ def fake_tensorrt():
     from tensorrt_double import FakeTensorRT
 
     return FakeTensorRT()
+
+
+# a model.py outside the repository: importing it leaves a marker file, so a test can tell it never ran
+_EVIL_MODEL = '''
+import pathlib
+pathlib.Path({marker!r}).write_text("ran")
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        raise RuntimeError("this model must never be loaded")
+'''
+
+
+@pytest.fixture(scope="module")
+def model_paths_layout(tmp_path_factory):
+    """``(root, repo, outside, marker)``: ``<root>/repo/add_sub`` (a Python model, with a symlink to
+    ``outside/evil.py``) and ``<root>/outside`` (``evil.py`` that leaves ``marker`` when imported, a secret, a
+    template, a tokenizer directory), for the tests that model files stay inside the repository."""
+    root = tmp_path_factory.mktemp("paths")
+    repo, outside = root / "repo", root / "outside"
+    shutil.copytree(TEST_MODELS / "add_sub", repo / "add_sub")
+    outside.mkdir()
+    marker = root / "marker"
+    (outside / "evil.py").write_text(_EVIL_MODEL.format(marker=str(marker)))
+    (outside / "secret.txt").write_text("not for clients\n")
+    (outside / "template.jinja").write_text("{{ messages }}")
+    (outside / "tokenizer").mkdir()
+    # a symlink inside the model that points outside it: resolved before the check
+    os.symlink(outside / "evil.py", repo / "add_sub" / "1" / "linked.py")
+    return root, repo, outside, marker
 
 
 @pytest.fixture

@@ -8,53 +8,23 @@ overrides try to run writes a marker file when imported, so a test can tell it n
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from support import TEST_MODELS, free_port
+from support import free_port
 from in_process import InProcessServer
 from tritonclient.utils import InferenceServerException
 
 from tideserve.app import ServerOptions
-from tideserve.backend import ModelContext
-from tideserve.errors import InvalidArgument
 from tideserve.repository import ControlMode
 
-EVIL = '''
-import pathlib
-pathlib.Path({marker!r}).write_text("ran")
 
-
-class TritonPythonModel:
-    def execute(self, requests):
-        raise RuntimeError("this model must never be loaded")
-'''
-
-
+# the repository and the files outside it: model_paths_layout (tests/conftest.py)
 @pytest.fixture(scope="module")
-def layout(tmp_path_factory):
-    """``<root>/repo/add_sub`` (a Python model) and ``<root>/outside/evil.py`` that leaves a marker."""
-    root = tmp_path_factory.mktemp("paths")
-    repo, outside = root / "repo", root / "outside"
-    shutil.copytree(TEST_MODELS / "add_sub", repo / "add_sub")
-    outside.mkdir()
-    marker = root / "marker"
-    (outside / "evil.py").write_text(EVIL.format(marker=str(marker)))
-    (outside / "secret.txt").write_text("not for clients\n")
-    (outside / "template.jinja").write_text("{{ messages }}")
-    (outside / "tokenizer").mkdir()
-    # a symlink inside the model that points outside it: resolved before the check
-    os.symlink(outside / "evil.py", repo / "add_sub" / "1" / "linked.py")
-    return root, repo, outside, marker
-
-
-@pytest.fixture(scope="module")
-def running(layout):
-    _root, repo, _outside, _marker = layout
+def running(model_paths_layout):
+    _root, repo, _outside, _marker = model_paths_layout
     server = InProcessServer(ServerOptions(model_repositories=[repo], http_port=free_port(), grpc_port=free_port(),
                                            metrics_port=free_port(), model_control_mode=ControlMode.EXPLICIT,
                                            load_models=["add_sub"]))
@@ -81,8 +51,8 @@ def _escapes(outside: Path) -> list[tuple[dict, str]]:
     ]
 
 
-def test_http_load_refuses_files_outside_the_repository(running, layout):
-    _root, _repo, outside, marker = layout
+def test_http_load_refuses_files_outside_the_repository(running, model_paths_layout):
+    _root, _repo, outside, marker = model_paths_layout
     with httpclient.InferenceServerClient(running.http_url) as client:
         for fields, field in _escapes(outside):
             with pytest.raises(InferenceServerException) as info:
@@ -93,8 +63,8 @@ def test_http_load_refuses_files_outside_the_repository(running, layout):
         assert not marker.exists()
 
 
-def test_grpc_load_refuses_files_outside_the_repository(running, layout):
-    _root, _repo, outside, marker = layout
+def test_grpc_load_refuses_files_outside_the_repository(running, model_paths_layout):
+    _root, _repo, outside, marker = model_paths_layout
     client = grpcclient.InferenceServerClient(running.grpc_url)
     config = client.get_model_config("add_sub", as_json=True)["config"]
     for fields, field in _escapes(outside)[:3]:
@@ -118,31 +88,6 @@ def test_a_file_inside_the_repository_still_loads(running):
     with httpclient.InferenceServerClient(running.http_url) as client:
         client.load_model("add_sub", config=_override(client, default_model_filename="model.py"))
         assert client.is_model_ready("add_sub")
-
-
-def test_allowed_root_admits_a_directory_outside(layout, tmp_path):
-    _root, repo, outside, _marker = layout
-    ctx = ModelContext("add_sub", 1, None, repo / "add_sub")
-    with pytest.raises(InvalidArgument, match="tokenizer_dir"):
-        ctx.local_path(str(outside / "tokenizer"), "parameter 'tokenizer_dir'")
-    allowed = ModelContext("add_sub", 1, None, repo / "add_sub", allowed_roots=(outside,))
-    assert allowed.local_path(str(outside / "tokenizer"), "tokenizer_dir") == (outside / "tokenizer").resolve()
-    assert allowed.local_path(str(tmp_path / "absent"), "tokenizer_dir") is None
-
-
-def test_vllm_engine_paths_are_confined(layout, tmp_path):
-    from tideserve.llm_backends.vllm.config import _resolve_path
-
-    _root, repo, outside, _marker = layout
-    ctx = ModelContext("llm", 1, None, repo / "add_sub")
-    with pytest.raises(InvalidArgument, match="engine argument 'model'"):
-        _resolve_path(str(outside), ctx, "model")
-    with pytest.raises(InvalidArgument, match="engine argument 'tokenizer'"):
-        _resolve_path("../../../outside", ctx, "tokenizer")
-    with pytest.raises(InvalidArgument, match="model id"):
-        _resolve_path("a/b/../../../etc", ctx, "model")
-    assert _resolve_path("facebook/opt-125m", ctx, "model") == "facebook/opt-125m"  # a hub id stays one
-    assert _resolve_path(".", ctx, "model") == str((repo / "add_sub" / "1").resolve())
 
 
 def test_a_load_cannot_ask_for_unbounded_instances(running):
