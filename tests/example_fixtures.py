@@ -18,6 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
 REPOSITORY = ROOT / "model_repository"
 EXAMPLE_MODELS = ["llm", "llm_ensemble", "llm_postprocess", "llm_preprocess", "tabular", "text_classifier",
                   "text_classifier_head", "text_embedder", "text_encoder", "text_tokenizer"]
+README = (ROOT / "README.md").read_text()
+TALKING = README.split("## Talking to it", 1)[1].split("\n## ", 1)[0]  # the README's part on the example server
 
 
 def prepare_repository() -> None:

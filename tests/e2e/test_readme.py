@@ -6,14 +6,9 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-from pathlib import Path
 
 import pytest
-from example_fixtures import EXAMPLE_MODELS, repository_index
-
-ROOT = Path(__file__).resolve().parents[2]
-README = (ROOT / "README.md").read_text()
-TALKING = README.split("## Talking to it", 1)[1].split("\n## ", 1)[0]
+from example_fixtures import EXAMPLE_MODELS, TALKING, repository_index
 
 needs_the_example = [
     pytest.mark.slow,  # a vLLM engine starts
@@ -25,23 +20,6 @@ def python_block(marker: str) -> str:
     blocks = [b for b in re.findall(r"```python\n(.*?)```", TALKING, re.DOTALL) if marker in b]
     assert len(blocks) == 1, f"one python block of '## Talking to it' uses {marker}"
     return blocks[0]
-
-
-def test_readme_has_exactly_the_two_setup_commands():
-    block = re.search(r"## Set-up: the two commands\s+```sh\n(.*?)```", README, re.DOTALL).group(1)
-    commands = [line.split("#")[0].strip() for line in block.strip().splitlines()]
-    assert commands == ["make serve", "make test"]
-    makefile = (ROOT / "Makefile").read_text()
-    serve = makefile.split("\nserve:")[1].split("\n\n")[0]
-    assert "tideserve.bench.examples.prepare model_repository" in serve  # the models git does not hold
-    assert "--model-repository model_repository" in serve
-    assert "pytest" in makefile.split("test:")[1].split("\n\n")[0]
-    assert "make test" in (ROOT / ".ci" / "run").read_text()
-
-
-@pytest.mark.parametrize("model", EXAMPLE_MODELS)
-def test_readme_describes_every_example_model(model):
-    assert f"`{model}`" in TALKING
 
 
 class TestAgainstTheExampleServer:
