@@ -33,7 +33,7 @@ from .. import load_report
 from .. import openapi as openapi_document
 from ..access import INFERENCE, METRICS_PATH, AccessPolicy, Guard, Refusal, admit, guard_routes, kserve_body
 from ..asgi import ClientGone
-from ..errors import ServerError
+from ..errors import InvalidArgument, ServerError
 from ..limits import TensorLimits
 from ..openai import mount as mount_openai
 from ..openai.errors import OpenAIError
@@ -93,12 +93,12 @@ def create_app(dataplane: ServingInterface, *, max_input_size: int = DEFAULT_MAX
         return Response(await dataplane.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get(load_report.LOAD_PATH)
-    async def load(model: str = ""):  # the replica's load for routers (tideserve.load_report)
-        return Response(orjson.dumps(await dataplane.load_report(model)), media_type=JSON)
+    async def load(model: str | None = None):  # the replica's load for routers (tideserve.load_report)
+        return Response(orjson.dumps(await dataplane.load_report(_named(model))), media_type=JSON)
 
     @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache(model: str = "", reset_running_requests: bool = False):  # as vLLM's
-        return Response(orjson.dumps(await dataplane.reset_prefix_cache(model, reset_running_requests)),
+    async def reset_prefix_cache(model: str | None = None, reset_running_requests: bool = False):  # as vLLM's
+        return Response(orjson.dumps(await dataplane.reset_prefix_cache(_named(model), reset_running_requests)),
                         media_type=JSON)
 
     if openapi:
@@ -111,6 +111,13 @@ def create_app(dataplane: ServingInterface, *, max_input_size: int = DEFAULT_MAX
     guard_routes(app, policy, _openai_refusal, anthropic_refusal)
     app.infer_guard = policy.http_guard(INFERENCE)  # the fast path answers infer before routing
     return app
+
+
+def _named(model: str | None) -> str:
+    """The ``model`` query parameter: absent means every model; present, it must name one."""
+    if model is not None and not model:
+        raise InvalidArgument("query parameter 'model' must name a model (leave it out for every model)")
+    return model or ""
 
 
 def _openai_refusal(refusal: Refusal) -> bytes:

@@ -266,12 +266,14 @@ def paths() -> dict[str, dict]:
                                      "(requests in flight), num_requests_running, num_requests_waiting, "
                                      "kv_cache_usage_perc, and per model under 'models'", "tags": ["statistics"],
                           "parameters": [{"name": "model", "in": "query", "required": False,
-                                          "schema": {"type": "string"}, "description": "one model's load"}],
-                          "responses": {"200": json_body({"type": "object"}), **errors("404")}}},
+                                          "schema": {"type": "string", "minLength": 1},
+                                          "description": "one model's load"}],
+                          "responses": {"200": json_body({"type": "object"}), **errors("400", "404")}}},
         "/reset_prefix_cache": {"post": {
             "summary": "vLLM's prefix-cache reset on the engine of one model or of every model with a prefix cache: "
                        "{\"success\": bool} (false while blocks are held)", "tags": ["model-repository"],
-            "parameters": [{"name": "model", "in": "query", "required": False, "schema": {"type": "string"}},
+            "parameters": [{"name": "model", "in": "query", "required": False,
+                            "schema": {"type": "string", "minLength": 1}},
                            {"name": "reset_running_requests", "in": "query", "required": False,
                             "schema": {"type": "boolean"}}],
             "responses": {"200": json_body({"type": "object", "properties": {"success": {"type": "boolean"}}}),
