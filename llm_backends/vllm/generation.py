@@ -84,7 +84,7 @@ class _Deadline:
     """Refuses a request whose first token has not come by its deadline: answers it at once and aborts it in the
     engine. A request that has started generating is left to run on."""
 
-    __slots__ = ("abort", "expired", "handle", "limit_ms", "model_name", "request", "started")
+    __slots__ = ("abort", "expired", "handle", "limit_ms", "model_name", "reaborted", "request", "started")
 
     def __init__(self, request: InferenceRequest, deadline_ns: int, limit_ms: float, abort: _Abort,
                  model_name: str) -> None:
@@ -94,6 +94,7 @@ class _Deadline:
         self.model_name = model_name
         self.started = False
         self.expired = False
+        self.reaborted = False
         delay = max(0.0, (deadline_ns - time.monotonic_ns()) / 1e9)
         self.handle = asyncio.get_running_loop().call_later(delay, self._expire)
 
@@ -173,7 +174,10 @@ class Generator:
                 last = output
                 tracker.tokens(sum(len(c.token_ids) for c in output.outputs))
                 if deadline is not None and not deadline.started:
-                    if deadline.expired:  # answered already; the abort is under way
+                    if deadline.expired:  # answered already; abort again in case it came before the engine had it
+                        if not output.finished and not deadline.reaborted:
+                            deadline.reaborted = True
+                            await self.engine.abort(request_id)
                         continue
                     deadline.started = True
                     deadline.cancel()
