@@ -167,7 +167,8 @@ def test_dynamic_batching_concatenates_requests_and_splits_outputs(http, fake_te
     pending = [http.async_infer("affine_batched", [infer_input(httpclient, "x", x)]) for x in xs]
     for x, request in zip(xs, pending):
         result = request.get_result(timeout=30)
-        np.testing.assert_array_equal(result.as_numpy("y"), x @ W + B)
+        # a batched matmul may round differently from one of the request's rows alone (BLAS blocking)
+        np.testing.assert_allclose(result.as_numpy("y"), x @ W + B, rtol=1e-5, atol=1e-6)
     after = http.get_inference_statistics("affine_batched")["model_stats"][0]
     assert after["inference_count"] - before["inference_count"] == 8
     assert after["execution_count"] - before["execution_count"] < len(xs)
