@@ -278,9 +278,9 @@ def test_instances_run_in_parallel(model, parallel, tideserve):
     with grpcclient.InferenceServerClient(tideserve.grpc_url) as slow_client, \
             grpcclient.InferenceServerClient(tideserve.grpc_url) as fast_client:
         _spin(fast_client, model, 1, {}, "warm")
-        slow = threading.Thread(target=_spin, args=(slow_client, model, 400_000, finished, "slow"))
+        slow = threading.Thread(target=_spin, args=(slow_client, model, 1_600_000, finished, "slow"))
         slow.start()
-        time.sleep(0.1)  # the long request is now running on an instance
+        time.sleep(0.5)  # the long request is now running on an instance (a loaded machine takes a while)
         sent = time.monotonic()
         _spin(fast_client, model, 1, finished, "fast")
         slow.join(30)
