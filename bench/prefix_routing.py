@@ -12,8 +12,8 @@ policy is started, the workload runs through it. Reported side by side: the prom
 ``usage.prompt_tokens_details.cached_tokens`` over the sum of prompt tokens; the replicas run with
 ``--enable-prompt-tokens-details``) and TTFT p50 / p90, and their ratios cache_aware / round_robin.
 
-    python bench/prefix_routing.py [--size tiny] [--prefixes 12] [--prefix-words 120] [--requests 96]
-                                   [--concurrency 4] [--blocks 36] [--tokens 8] [--rounds 1]
+    python bench/prefix_routing.py [--size 100m] [--prefixes 8] [--prefix-words 250] [--requests 64]
+                                   [--concurrency 4] [--blocks 38] [--tokens 8] [--rounds 2]
 
 Writes bench/results/prefix_routing-<time>.json.
 """
@@ -132,14 +132,14 @@ def run_policy(policy: str, replicas: list[str], prefixes: list[str], jobs: list
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", default="tiny", help="the random Llama of bench/examples/tiny_llama.py")
-    parser.add_argument("--prefixes", type=int, default=12)
-    parser.add_argument("--prefix-words", type=int, default=120, help="about 4 tokens each with the tiny tokenizer")
-    parser.add_argument("--requests", type=int, default=96)
+    parser.add_argument("--size", default="100m", help="the random Llama of bench/examples/tiny_llama.py")
+    parser.add_argument("--prefixes", type=int, default=8)
+    parser.add_argument("--prefix-words", type=int, default=250, help="about 4 tokens each with the tiny tokenizer")
+    parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--blocks", type=int, default=36, help="KV-cache blocks per replica (num_gpu_blocks_override)")
+    parser.add_argument("--blocks", type=int, default=38, help="KV-cache blocks per replica (num_gpu_blocks_override)")
     parser.add_argument("--tokens", type=int, default=8, help="output tokens per request")
-    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
 
     from tideserve.bench.examples.tiny_llama import make_model
