@@ -10,7 +10,7 @@ plus the protobuf work every frontend pays. ServerLive / ServerReady / ServerMet
 ModelMetadata / ModelConfig are implemented for perf_analyzer, ModelStatistics for the request count,
 ModelStreamInfer (one response per request) for ``perf_analyzer --streaming``.
 
-    python bench/grpc_servers.py --rounds 2     # the default set below, alternating; ~20 min on 2 cores
+    python bench/grpc_servers.py --rounds 2     # the default set below, alternating; ~25 min on 2 cores
 
 Variants (``--servers``):
 
