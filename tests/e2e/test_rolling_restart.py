@@ -1,4 +1,5 @@
-"""End to end: a rolling restart behind vLLM's router drops nothing.
+"""End to end: two replicas behind vLLM's router: its cache_aware policy keeps a shared prefix on one replica, and a
+rolling restart drops nothing.
 
 Two tideserve replicas of the tiny Llama behind ``vllm-router`` (round robin, readiness probed each second,
 retries on): streams run through the router to both; one replica gets SIGTERM while they run and while new
@@ -40,7 +41,8 @@ def replicas(tmp_path_factory):
     write_vllm_model(tmp / "models", MODEL, {"model": str(tiny), "dtype": "float32", "max_model_len": 1024,
                                              "enforce_eager": True, "max_num_seqs": 4})
     start = functools.partial(start_server, [tmp / "models"], "--allowed-model-root", str(tiny),
-                              "--exit-timeout-secs", "120", tmp_dir=tmp, env=vllm_env(tmp), ready_timeout=780)
+                              "--exit-timeout-secs", "120", "--enable-prompt-tokens-details", tmp_dir=tmp,
+                              env=vllm_env(tmp), ready_timeout=780)
     with ThreadPoolExecutor(2) as pool:
         futures = [pool.submit(start) for _ in range(2)]
     started = [f.result() for f in futures if f.exception() is None]
@@ -54,10 +56,9 @@ def replicas(tmp_path_factory):
             server.stop()
 
 
-@pytest.fixture(scope="module")
-def router(replicas, tmp_path_factory):
+def _start_router(replicas, tmp_path_factory, policy: str):
     port = free_port()
-    command = router_command(port, [s.base_url for s in replicas]) + [
+    command = router_command(port, [s.base_url for s in replicas], policy) + [
         "--health-check-interval-secs", "1", "--health-failure-threshold", "1", "--retry-max-retries", "5",
         "--retry-initial-backoff-ms", "100"]
     log = tmp_path_factory.mktemp("router_log") / "router.log"
@@ -74,9 +75,35 @@ def router(replicas, tmp_path_factory):
             pass
         assert time.monotonic() < deadline, log.read_text()
         time.sleep(0.2)
-    yield f"http://127.0.0.1:{port}"
+    return proc, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def router(replicas, tmp_path_factory):
+    proc, url = _start_router(replicas, tmp_path_factory, "round_robin")
+    yield url
     proc.terminate()
     proc.wait(30)
+
+
+def test_cache_aware_policy_keeps_a_prefix_on_one_replica(replicas, tmp_path_factory):
+    """vllm-router's cache_aware policy sends prompts with a shared prefix to the replica that has it cached:
+    after the first, every request finds its system prompt in the prefix cache (round robin would send every
+    other one to the replica that has not seen it)."""
+    proc, url = _start_router(replicas, tmp_path_factory, "cache_aware")
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+        system = "You answer questions about the harbor. " + "The harbor has ships and cranes. " * 20
+        cached = []
+        for user in range(6):
+            answer = client.chat.completions.create(
+                model=MODEL, max_tokens=2, messages=[{"role": "system", "content": system},
+                                                     {"role": "user", "content": f"Question {user}?"}])
+            cached.append(answer.usage.prompt_tokens_details.cached_tokens)
+        assert cached[0] == 0 and all(c > 0 for c in cached[1:]), cached
+    finally:
+        proc.terminate()
+        proc.wait(30)
 
 
 def test_sigterm_to_one_replica_fails_no_stream(replicas, router):
