@@ -218,8 +218,8 @@ class VllmModel(Model):
         self._kv_endpoints = vllm_config.KV_EVENT_ENDPOINTS.claim(kwargs, owner)
         log.info("model '%s' version %s: starting the vLLM engine with %s", self.ctx.name, self.ctx.version, kwargs)
         # vLLM's own stat logger always runs (tideserve:* reads the same statistics); REPORT_CUSTOM_METRICS
-        # "false" (or a server without metrics) gives it a registry no scrape reads
-        families = self.engine_families if self.options.report_metrics else None
+        # "false", disable_log_stats (or a server without metrics) gives it a registry no scrape reads
+        families = self.engine_families if vllm_config.exports_engine_families(self.options, kwargs) else None
         registry = CollectorRegistry(auto_describe=False)
         if families is not None:  # the scrape sees the engine's families with model_name on every sample
             served = kwargs["served_model_name"]

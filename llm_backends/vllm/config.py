@@ -89,6 +89,13 @@ def backend_options(config: mc.ModelConfig) -> BackendOptions:
                           max_queue_delay_ms=_milliseconds(config, MAX_QUEUE_DELAY))
 
 
+def exports_engine_families(options: BackendOptions, kwargs: dict) -> bool:
+    """Whether the scrape shows the engine's ``vllm:*`` families: ``REPORT_CUSTOM_METRICS`` on and ``model.json``
+    not setting ``disable_log_stats``. (The backend's own stat loggers make vLLM gather statistics even with
+    ``disable_log_stats``, so the engine argument alone would not turn the families off.)"""
+    return options.report_metrics and not kwargs.get("disable_log_stats", False)
+
+
 def _milliseconds(config: mc.ModelConfig, key: str) -> int:
     if key not in config.parameters or not config.parameters[key].string_value.strip():
         return 0
