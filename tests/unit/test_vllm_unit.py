@@ -125,6 +125,19 @@ def test_backend_options_from_config_parameters(parameters, health_check, report
     assert (options.health_check, options.report_metrics) == (health_check, report_metrics)
 
 
+@pytest.mark.parametrize("engine_args, parameters, exported", [
+    ({}, {}, True),
+    ({"disable_log_stats": True}, {"REPORT_CUSTOM_METRICS": "true"}, False),  # Triton's L0_backend_vllm/metrics_test
+    ({"disable_log_stats": "true"}, {}, False),
+    ({"disable_log_stats": False}, {"REPORT_CUSTOM_METRICS": "false"}, False),
+])
+def test_disable_log_stats_turns_the_vllm_families_off(tmp_path, engine_args, parameters, exported):
+    ctx = _context(tmp_path, {"model": "x", **engine_args}, parameters)
+    kwargs = vllm_config.engine_kwargs(ctx, {**DEFAULTS, "disable_log_stats": False})
+    options = vllm_config.backend_options(ctx.config)
+    assert vllm_config.exports_engine_families(options, kwargs) is exported
+
+
 @pytest.mark.parametrize("key", ["ENABLE_VLLM_HEALTH_CHECK", "REPORT_CUSTOM_METRICS"])
 def test_backend_options_refuse_values_that_are_not_booleans(key):
     config = _config()
