@@ -58,6 +58,8 @@ class ServerOptions:
     load_models: list[str] = field(default_factory=list)
     # a model load_models names that is missing or fails to load stops the start (tritonserver's --exit-on-error)
     exit_on_error: bool = True
+    # --backend-config: backend name ("" for every backend) -> {setting: value}
+    backend_settings: dict[str, dict[str, str]] = field(default_factory=dict)
     repository_poll_secs: float = 15.0
     exit_timeout_secs: float = 30.0
     strict_readiness: bool = True
@@ -182,7 +184,7 @@ class Server:
         self.options = options
         cpu = options.allow_metrics and options.allow_cpu_metrics and CpuMetrics.available()
         self.metrics = Metrics(CpuMetrics(options.metrics_interval_ms / 1000) if cpu else None)
-        self.backends = backends or BackendRegistry()
+        self.backends = backends or BackendRegistry(options.backend_settings)
         self.repository = ModelRepository(options.model_repositories, self.backends, self.metrics,
                                           options.model_control_mode, options.load_models,
                                           allowed_roots=options.allowed_model_roots,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import importlib.metadata
 import inspect
+import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -251,6 +252,9 @@ class Backend:
 
     name: str = ""
     model_class: type[Model] = Model
+    # ``--backend-config`` settings for this backend (Triton's ``<backend>,<setting>=<value>``; the global ones
+    # without a backend name included), set by the registry before ``initialize``
+    settings: dict[str, str] = {}
 
     def initialize(self) -> None:
         """Once, before the first model of this backend loads."""
@@ -265,10 +269,12 @@ class Backend:
 class BackendRegistry:
     """Finds backends by name: explicit registrations first, then package entry points."""
 
-    def __init__(self) -> None:
+    def __init__(self, settings: dict[str, dict[str, str]] | None = None) -> None:
         self._classes: dict[str, type[Backend]] = {}
         self._backends: dict[str, Backend] = {}
         self._lock = asyncio.Lock()
+        # --backend-config: backend name ("" for every backend) -> {setting: value}
+        self._settings = settings or {}
 
     def register(self, name: str, backend_class: type[Backend]) -> None:
         self._classes[name] = backend_class
@@ -296,6 +302,10 @@ class BackendRegistry:
             if backend is None:
                 backend = self._find_class(name)()
                 backend.name = backend.name or name
+                backend.settings = {**self._settings.get("", {}), **self._settings.get(name, {})}
+                if backend.settings:  # as Triton logs a backend's command-line configuration
+                    log.info("backend '%s' configuration: %s", name,
+                             json.dumps({"cmdline": backend.settings}, separators=(",", ":")))
                 await call_hook(backend.initialize)
                 self._backends[name] = backend
             return backend

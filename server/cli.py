@@ -246,6 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load-model", action="append", default=[],
                    help="model to load at start-up; needs --model-control-mode explicit; '*' (as the only "
                         "--load-model) loads all; repeatable")
+    p.add_argument("--backend-config", action="append", default=[], metavar="<backend>,<setting>=<value>",
+                   help="a backend's setting, as tritonserver's (repeatable; without '<backend>,' it applies to every "
+                        "backend), e.g. onnxruntime,default-max-batch-size=8")
     p.add_argument("--exit-on-error", type=_bool, default=True,
                    help="exit when a model --load-model names is missing or fails to load (default true; false: "
                         "log it and serve the others)")
@@ -289,6 +292,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def backend_settings(values: list[str]) -> dict[str, dict[str, str]]:
+    """``--backend-config`` values as {backend ("" for all): {setting: value}}; ValueError in tritonserver's words."""
+    settings: dict[str, dict[str, str]] = {}
+    for value in values:
+        backend, _, pair = value.rpartition(",") if "," in value else ("", "", value)
+        setting, equals, setting_value = pair.partition("=")
+        if not equals or not setting or "," in backend:
+            raise ValueError(f"--backend-config option format is '<backend name>,<setting>=<value>'. Got {value}")
+        settings.setdefault(backend, {})[setting] = setting_value
+    return settings
+
+
 def options_from_args(args: argparse.Namespace) -> ServerOptions:
     """The server's options; ValueError for flag values argparse alone cannot check."""
     scope = ApiKeyScope(args.api_key_scope)
@@ -305,6 +320,7 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
         metrics_interval_ms=args.metrics_interval_ms,
         model_control_mode=ControlMode(args.model_control_mode), load_models=args.load_model,
         exit_on_error=args.exit_on_error,
+        backend_settings=backend_settings(args.backend_config),
         allowed_model_roots=args.allowed_model_roots, model_max_instances=args.model_max_instances,
         repository_poll_secs=args.repository_poll_secs, exit_timeout_secs=args.exit_timeout_secs,
         strict_readiness=args.strict_readiness, http_max_input_size=args.http_max_input_size,

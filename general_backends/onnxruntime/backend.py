@@ -20,7 +20,7 @@ from tideserve.backend_api import (Backend, InternalError, InvalidArgument, Mode
                                    config_to_datatype)
 
 from .session import CPU, SessionSettings
-from .signature import auto_complete, check_config
+from .signature import DEFAULT_MAX_BATCH_SIZE, auto_complete, check_config
 from .tensors import GraphTensor, from_onnx, graph_tensor, to_onnx
 
 log = logging.getLogger(__name__)
@@ -105,6 +105,20 @@ class OnnxModel(Model):
     instance_class = OnnxInstance
     settings: SessionSettings
 
+    def default_max_batch_size(self) -> int:
+        """The max_batch_size auto-complete gives a model that can batch: ``--backend-config
+        onnxruntime,default-max-batch-size=N`` (or the global one), else Triton's 4."""
+        text = self.backend.settings.get("default-max-batch-size")
+        if text is None:
+            return DEFAULT_MAX_BATCH_SIZE
+        try:
+            value = int(text)
+        except ValueError:
+            raise InvalidArgument(f"--backend-config default-max-batch-size must be an integer, got '{text}'") from None
+        if value < 0:
+            raise InvalidArgument(f"--backend-config default-max-batch-size must be >= 0, got {value}")
+        return value
+
     def model_file(self) -> Path:
         """``<version>/<default_model_filename>``; a directory there holds ``model.onnx``, as in Triton."""
         path = self.ctx.version_path / (self.config.default_model_filename or DEFAULT_MODEL_FILE)
@@ -125,7 +139,7 @@ class OnnxModel(Model):
         probe.intra_op_num_threads = 1
         session = open_session(self.ctx.name, self.model_file(), probe, [CPU])
         inputs, outputs, _ = signature(session)
-        auto_complete(config, inputs, outputs)
+        auto_complete(config, inputs, outputs, self.default_max_batch_size())
         log.debug("model '%s' auto-completed config: %s", self.ctx.name, config)
 
     def initialize(self) -> None:

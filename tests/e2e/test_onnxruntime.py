@@ -373,6 +373,27 @@ def test_auto_complete_fills_the_config(http, grpc):
     assert metadata["inputs"][0]["shape"] == ["-1", "16"] and metadata["platform"] == "onnxruntime_onnx"
 
 
+@pytest.mark.parametrize("flag, expected", [("onnxruntime,default-max-batch-size=8", 8),
+                                            ("default-max-batch-size=2", 2)])  # a global setting
+def test_backend_config_sets_the_auto_completed_max_batch_size(tmp_path, files, caplog, flag, expected):
+    """Triton's ``--backend-config``: what auto-complete gives a model that can batch, from the command line."""
+    from tideserve.cli import build_parser, options_from_args
+
+    _model(tmp_path / "repo", "mlp_auto", 'platform: "onnxruntime_onnx"\n', files["mlp"])
+    args = build_parser().parse_args(["--model-repository", str(tmp_path / "repo"), "--http-port", str(free_port()),
+                                      "--grpc-port", str(free_port()), "--allow-metrics", "false",
+                                      "--allowed-model-root", str(files["mlp"].resolve().parent),
+                                      "--backend-config", flag])
+    with caplog.at_level("INFO", logger="tideserve.backend"):
+        server = InProcessServer(options_from_args(args))
+    try:
+        with httpclient.InferenceServerClient(server.http_url) as client:
+            assert client.get_model_config("mlp_auto")["max_batch_size"] == expected
+    finally:
+        server.stop()
+    assert f'"default-max-batch-size":"{expected}"' in caplog.text  # as Triton logs its backends' settings
+
+
 # -- failures ------------------------------------------------------------------------------------
 def test_bad_models_are_unavailable_with_their_reason_while_others_serve(http, grpc):
     index = {m["name"]: m for m in http.get_model_repository_index()}

@@ -66,3 +66,17 @@ def test_openapi_flag_defaults_off_with_restricted_apis():
     assert options("--openapi", "false").openapi is False
     assert options("--http-restricted-api", "model-repository:admin=s").openapi is False
     assert options("--http-restricted-api", "model-repository:admin=s", "--openapi", "true").openapi is True
+
+
+def test_backend_config_flags_parse_as_tritonserver_takes_them():
+    import pytest
+
+    from tideserve.cli import backend_settings
+
+    assert backend_settings(["python,default-max-batch-size=8", "onnxruntime,a=1", "onnxruntime,b=x=y",
+                             "default-max-batch-size=2"]) == {
+        "python": {"default-max-batch-size": "8"}, "onnxruntime": {"a": "1", "b": "x=y"},
+        "": {"default-max-batch-size": "2"}}
+    for bad in ("python", "python,", "python,=3", "a,b,c=1"):
+        with pytest.raises(ValueError, match="--backend-config option format is '<backend name>,<setting>=<value>'"):
+            backend_settings([bad])
