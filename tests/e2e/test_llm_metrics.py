@@ -214,8 +214,10 @@ class TestAdmission:
 
     def test_priority_decides_which_waiting_request_runs_first(self, llm_server):
         """Two long generations fill the engine; a request of priority 5 (OpenAI) then one of priority 1
-        (generate) wait. vLLM runs the lower value first: the later request starts first."""
-        fillers = [threading.Thread(target=_generate, args=(llm_server, f"Filler {i}", LONGER))
+        (generate) wait. vLLM runs the lower value first: the later request starts first. The fillers differ in
+        length, so one slot frees first (two freed in one step would start both waiting requests together)."""
+        fillers = [threading.Thread(target=_generate,
+                                    args=(llm_server, f"Filler {i}", {**LONGER, "max_tokens": 400 * (i + 1)}))
                    for i in range(MAX_NUM_SEQS)]
         for thread in fillers:
             thread.start()
