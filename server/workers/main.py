@@ -62,6 +62,8 @@ def _ready():
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Ctrl-C reaches the whole process group: the workers leave stopping to the core
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     parser = argparse.ArgumentParser(prog="tideserve-frontend-worker")
     parser.add_argument("--link-fd", type=int, required=True)
     parser.add_argument("--http-fd", type=int, default=None)

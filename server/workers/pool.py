@@ -212,7 +212,9 @@ class FrontendWorkers:
             if self._http is not None:
                 fds.append(self._http.fileno())
                 args += ["--http-fd", str(self._http.fileno())]
-            process = subprocess.Popen(args, pass_fds=fds, start_new_session=False, preexec_fn=_worker_preexec)
+            # no preexec_fn: it would run the process's at-fork handlers (gRPC's among them) in a process whose
+            # gRPC threads are live; the worker ignores Ctrl-C itself, first thing (workers/main.py)
+            process = subprocess.Popen(args, pass_fds=fds, start_new_session=False)
 
             def new_link() -> _Link:
                 link = _Link(self, index)
@@ -357,11 +359,6 @@ def _names(repository) -> list[str]:
         return repository.model_names()
     except OSError:
         return []
-
-
-def _worker_preexec() -> None:
-    # Ctrl-C reaches the whole process group: the workers leave stopping to the core
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _reap(process: subprocess.Popen, grace: float) -> None:
