@@ -18,7 +18,7 @@ from .datatypes import config_to_datatype
 from .errors import InvalidArgument, NotFound, ServerError, Status, Unavailable, Unsupported
 from .repository import ModelRepository
 from .response_cache import ResponseCache, request_key
-from .responses import ResponseSender, ResponseStream
+from .responses import ResponseSender, ResponseStream, content_responses
 from .runtime import ModelRuntime, ModelState
 from .serving import ServingInterface
 from .shared_memory import REGION, SharedMemoryRegistry, cuda_unsupported
@@ -461,15 +461,7 @@ class DataPlane(ServingInterface):
         """The one response of ``stream`` (its model's error raised); Unsupported for a decoupled model
         that sends none or several."""
         request = stream.request
-        responses = []
-        try:
-            async for response in stream:
-                if response.error is not None:
-                    raise response.error
-                if not response.empty:
-                    responses.append(response)
-        finally:
-            await stream.aclose()
+        responses = await content_responses(stream)
         if len(responses) == 1:
             return responses[0]
         if not responses:

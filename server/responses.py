@@ -11,6 +11,21 @@ from .errors import InternalError, ServerError
 from .types import InferenceRequest, InferenceResponse
 
 
+async def content_responses(stream) -> list[InferenceResponse]:
+    """Every response of ``stream`` that carries content (a bare FINAL flag does not), the model's error raised;
+    the stream is closed in any case. For the protocols that answer a request with its one response."""
+    responses = []
+    try:
+        async for response in stream:
+            if response.error is not None:
+                raise response.error
+            if not response.empty:
+                responses.append(response)
+    finally:
+        await stream.aclose()
+    return responses
+
+
 class ResponseStream:
     """Async iterator of one request's responses; ``put`` may be called from any thread."""
 

@@ -39,6 +39,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from ..asgi import JSON_HEADER, ClientGone, cancel_on_disconnect, error_body, send_error, send_response
 from ..datatypes import config_to_datatype, element_size, numpy_dtype
 from ..errors import InvalidArgument, ServerError, Unsupported, as_server_error
+from ..responses import content_responses
 from ..serving import ServingInterface
 from ..types import InferenceRequest, InferenceResponse, Tensor
 from . import codec
@@ -422,15 +423,7 @@ async def handle_generate(dataplane, reader: BodyReader, scope, receive, send, m
 async def _one_response(stream) -> InferenceResponse:
     """The one response ``/generate`` answers with (its model's error raised); Unsupported in Triton's words
     for a model that sends none or several."""
-    responses = []
-    try:
-        async for response in stream:
-            if response.error is not None:
-                raise response.error
-            if not response.empty:
-                responses.append(response)
-    finally:
-        await stream.aclose()
+    responses = await content_responses(stream)
     if len(responses) != 1:
         raise Unsupported("generate expects model to produce exactly 1 response, use generate stream for model that "
                           f"generates various number of responses (model '{stream.request.model_name}' sent "
