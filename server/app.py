@@ -148,7 +148,8 @@ class Frontends:
                              access=self.access, openapi=opts.openapi, openai_limits=opts.openai_limits,
                              openai_parsers=opts.openai_parsers,
                              openai_model_control=opts.model_control_mode is ControlMode.EXPLICIT,
-                             response_store=opts.response_store, mcp=opts.mcp)
+                             response_store=opts.response_store, mcp=opts.mcp,
+                             openai_adapter_updates=opts.enable_lora_runtime_updates)
             await self.serve_http(app, opts.host, opts.http_port, http_socket)
 
     async def serve_http(self, app, host: str, port: int, sock=None) -> None:

@@ -325,57 +325,31 @@ class DataPlane(ServingInterface):
     def _ready_runtimes(self) -> list[ModelRuntime]:
         return [r for r in self.repository.runtimes() if r.state is ModelState.READY]
 
-    # -- LoRA adapters (vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter) -------------
-    def lora_adapters(self) -> list[dict[str, str]]:
-        """The LoRA adapters of the ready models: ``{"name", "path", "model"}`` (``model``: the base model)."""
+    # -- adapters (LoRA) of the models that take them ---------------------------------------------
+    def adapters(self) -> list[dict[str, str]]:
+        """The adapters of the ready models that take them: ``{"name", "path", "model"}`` (``model``: the base)."""
         return [{**adapter, "model": runtime.name}
-                for runtime in self._lora_models() for adapter in runtime.model.lora_adapters()]
+                for runtime in self._adapter_models() for adapter in runtime.model.lora_adapters()]
 
-    async def load_lora_adapter(self, lora_name: str, lora_path: str, load_inplace: bool = False,
-                                base_model_name: str = "") -> str:
-        """Load an adapter from disk into a model that takes adapters (the only one, or ``base_model_name``)."""
-        self._check_lora_updates()
-        if not lora_name or not lora_path:
-            raise InvalidArgument("Both 'lora_name' and 'lora_path' must be provided.")
-        if lora_name in self.repository.entries:
-            raise InvalidArgument(f"The lora adapter '{lora_name}' conflicts with a served base model.")
-        owner = self._lora_owner(lora_name)
-        if base_model_name:
-            runtime = self.repository.get(base_model_name)
-            if runtime.model.lora_adapters() is None:
-                raise InvalidArgument(f"model '{base_model_name}' takes no LoRA adapters (its engine arguments do "
-                                      "not set 'enable_lora': true)")
-        elif owner is not None:
-            runtime = owner
-        else:
-            candidates = self._lora_models()
-            if len(candidates) != 1:
-                names = ", ".join(f"'{r.name}'" for r in candidates)
-                raise InvalidArgument("no ready model takes LoRA adapters" if not candidates else
-                                      f"several models take LoRA adapters ({names}): name one in 'base_model_name'")
-            runtime = candidates[0]
-        if owner is not None and owner is not runtime:
-            raise InvalidArgument(f"The lora adapter '{lora_name}' has already been loaded on model '{owner.name}'.")
-        await runtime.model.load_lora_adapter(lora_name, lora_path, load_inplace)
-        return f"Success: LoRA adapter '{lora_name}' added successfully."
+    async def load_adapter(self, model_name: str, adapter_name: str, path: str, load_inplace: bool = False) -> None:
+        """Load an adapter from ``path`` into ready model ``model_name`` (the model checks the name and the files)."""
+        await self._adapter_model(model_name).model.load_lora_adapter(adapter_name, path, load_inplace)
 
-    async def unload_lora_adapter(self, lora_name: str) -> str:
-        self._check_lora_updates()
-        if not lora_name:
-            raise InvalidArgument("'lora_name' needs to be provided to unload a LoRA adapter.")
-        owner = self._lora_owner(lora_name)
-        if owner is None:
-            raise NotFound(f"The lora adapter '{lora_name}' cannot be found.")
-        await owner.model.unload_lora_adapter(lora_name)
-        return f"Success: LoRA adapter '{lora_name}' removed successfully."
+    async def unload_adapter(self, model_name: str, adapter_name: str) -> None:
+        await self._adapter_model(model_name).model.unload_lora_adapter(adapter_name)
 
-    def _check_lora_updates(self) -> None:
+    def _adapter_model(self, model_name: str) -> ModelRuntime:
         if not self.lora_runtime_updates:
             raise NotFound("loading and unloading LoRA adapters at run time is off; start the server with "
                            "--enable-lora-runtime-updates")
+        runtime = self.repository.get(model_name)
+        if runtime.model.lora_adapters() is None:
+            raise InvalidArgument(f"model '{model_name}' takes no LoRA adapters (its engine arguments do "
+                                  "not set 'enable_lora': true)")
+        return runtime
 
-    def _lora_models(self) -> list[ModelRuntime]:
-        """The ready model versions (the one each name serves) that take LoRA adapters."""
+    def _adapter_models(self) -> list[ModelRuntime]:
+        """The ready model versions (the one each name serves) that take adapters."""
         found = []
         for name in dict.fromkeys(row["name"] for row in self.repository.index(ready_only=True)):
             try:
@@ -385,10 +359,6 @@ class DataPlane(ServingInterface):
             if runtime.model.lora_adapters() is not None:
                 found.append(runtime)
         return found
-
-    def _lora_owner(self, lora_name: str) -> ModelRuntime | None:
-        return next((r for r in self._lora_models() if any(a["name"] == lora_name for a in r.model.lora_adapters())),
-                    None)
 
     # -- inference -----------------------------------------------------------------------
     def infer(self, request: InferenceRequest) -> InferenceStream:

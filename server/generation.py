@@ -24,6 +24,7 @@ class EngineInfo(msgspec.Struct, array_like=True, omit_defaults=True):
     max_model_len: int | None = None  # the context length
     structured_outputs: bool = False  # ``sampling["structured_outputs"]`` (JSON schema, regex, choice, grammar)
     token_prompts: bool = False  # prompts given as token ids
+    adapters: bool = False  # it takes LoRA adapters (``Model.lora_adapters`` is a list, not None)
 
 
 class GenerationRequest(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -173,19 +173,18 @@ class ServingInterface(abc.ABC):
         """vLLM's ``reset_prefix_cache`` on the engine of model ``model``, or of every ready model that has a
         prefix cache: ``{"success": bool}`` (false while blocks are still held: retry)."""
 
-    # -- LoRA adapters (vLLM's adapter administration) --------------------------------------------------
+    # -- adapters (LoRA) of the models that take them -------------------------------------------------------
     @abc.abstractmethod
-    def lora_adapters(self) -> list[dict[str, str]]:
+    def adapters(self) -> list[dict[str, str]]:
         """The adapters of the ready models that take them: ``[{"name", "path", "model"}]``."""
 
     @abc.abstractmethod
-    async def load_lora_adapter(self, lora_name: str, lora_path: str, load_inplace: bool = False,
-                                base_model_name: str = "") -> str:
-        """Load an adapter from disk into a model that takes adapters; returns the success text."""
+    async def load_adapter(self, model_name: str, adapter_name: str, path: str, load_inplace: bool = False) -> None:
+        """Load an adapter from disk into model ``model_name`` (off unless the server allows updates at run time)."""
 
     @abc.abstractmethod
-    async def unload_lora_adapter(self, lora_name: str) -> str:
-        """Unload an adapter; returns the success text."""
+    async def unload_adapter(self, model_name: str, adapter_name: str) -> None:
+        """Unload adapter ``adapter_name`` of model ``model_name``."""
 
 
 def interface_methods() -> dict[str, Any]:

@@ -110,7 +110,7 @@ class VllmModel(Model):
             self._engine_info = EngineInfo(typed_requests=True,
                                            tokenizer_dir=tokenizer if tokenizer and os.path.isdir(tokenizer) else None,
                                            max_model_len=model_config.max_model_len, structured_outputs=True,
-                                           token_prompts=True)
+                                           token_prompts=True, adapters=self.adapters.enabled)
         return self._engine_info
 
     def waiting_requests(self) -> int | None:

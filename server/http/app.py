@@ -74,7 +74,8 @@ def create_app(dataplane: ServingInterface, *, max_input_size: int = DEFAULT_MAX
                access: AccessPolicy | None = None, openapi: bool = True,
                openai_limits: OpenAILimits | None = None,
                openai_parsers: OutputParsers | None = None, openai_model_control: bool = False,
-               response_store: StoreSettings | None = None, mcp: McpSettings | None = None) -> HttpApp:
+               response_store: StoreSettings | None = None, mcp: McpSettings | None = None,
+               openai_adapter_updates: bool = False) -> HttpApp:
     """The HTTP app: KServe v2 and Triton's extensions, generate, and the OpenAI routes (``access``: the
     restricted API groups and the API key, see server/access.py; ``openapi``: serve the API's description
     at ``GET /openapi.json``; ``openai_limits``: what one /v1 request may ask for, server/openai/limits.py;
@@ -87,7 +88,8 @@ def create_app(dataplane: ServingInterface, *, max_input_size: int = DEFAULT_MAX
     kserve.mount(app, frontend)
     generate.mount(app, dataplane, body)
     mount_openai(app, dataplane, body, openai_limits, openai_parsers, model_control=openai_model_control,
-                 response_store=(response_store or StoreSettings()).open(), mcp=mcp)
+                 response_store=(response_store or StoreSettings()).open(), mcp=mcp,
+                 adapter_updates=openai_adapter_updates)
     @app.get(METRICS_PATH)
     async def metrics():  # the metrics port's registry, for routers and autoscalers that scrape this port
         return Response(await dataplane.metrics_text(), media_type=CONTENT_TYPE_LATEST)

@@ -62,15 +62,18 @@ def _ready(dataplane):
 
 def mount(app, dataplane, body: BodyReader, limits: OpenAILimits | None = None,
           parsers: OutputParsers | None = None, model_control: bool = False,
-          response_store: ResponseStore | None = None, mcp: McpSettings | None = None) -> OpenAIServer:
+          response_store: ResponseStore | None = None, mcp: McpSettings | None = None,
+          adapter_updates: bool = False) -> OpenAIServer:
     """Add the OpenAI routes to ``app`` (a FastAPI / Starlette app); ``body`` is the HTTP port's body
     reader, ``limits`` what one request may ask for (the ``--openai-*`` flags), ``parsers`` the default
     tool-call and reasoning parsers (``--tool-call-parser``, ``--reasoning-parser``); ``model_control``: the
     server runs ``--model-control-mode explicit``, so ``/v1/models/{model}/load`` and ``/unload`` may act;
     ``response_store``: where ``/v1/responses`` keeps stored responses (``--response-store``); ``mcp``: the MCP
-    servers ``/v1/responses`` may use (``--mcp-allow``)."""
+    servers ``/v1/responses`` may use (``--mcp-allow``); ``adapter_updates``: LoRA adapters may be loaded and
+    unloaded at run time (``--enable-lora-runtime-updates``)."""
     server = OpenAIServer(dataplane, Catalog(dataplane, parsers), body, limits,
-                          embedders=EmbedderCatalog(dataplane), model_control=model_control)
+                          embedders=EmbedderCatalog(dataplane), model_control=model_control,
+                          adapter_updates=adapter_updates)
     routes = [
         ("/v1/models", list_models, ["GET"], False),
         # before the catch-all model route: a name with '/' in it reaches these and is answered 404 there

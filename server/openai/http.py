@@ -62,8 +62,10 @@ class OpenAIServer:
     limits and the threads that keep blocking work (chat templates, token counts) off the event loop."""
 
     def __init__(self, dataplane: ServingInterface, catalog, body: BodyReader, limits: OpenAILimits | None = None,
-                 embedders=None, model_control: bool = False) -> None:
+                 embedders=None, model_control: bool = False, adapter_updates: bool = False) -> None:
         self.dataplane = dataplane
+        # POST /v1/load_lora_adapter and /unload_lora_adapter: served with --enable-lora-runtime-updates
+        self.adapter_updates = adapter_updates
         # POST /v1/models/{model}/load and /unload: served with --model-control-mode explicit, one at a time
         self.model_control = model_control
         self.model_control_lock = asyncio.Lock()
@@ -77,12 +79,14 @@ class OpenAIServer:
         """``fn(*args)`` on a worker thread: the event loop keeps serving meanwhile."""
         return await asyncio.get_running_loop().run_in_executor(self._workers, fn, *args)
 
-    async def read_json(self, scope, receive) -> Any:
-        """The request's JSON body, read within the HTTP frontend's limits (server/http/body.py)."""
+    async def read_json(self, scope, receive, parse: bool = True) -> Any:
+        """The request's JSON body, read within the HTTP frontend's limits (server/http/body.py); with ``parse``
+        false its bytes (a handler that validates them straight into its request model, :func:`.protocol.parse`)."""
         _require_json(scope)
         reader = self.body
         try:
-            return reader.parse_json(await reader.read_request(scope, receive), "request body")
+            body = await reader.read_request(scope, receive)
+            return reader.parse_json(body, "request body") if parse else body
         except ServerError as exc:
             raise from_server_error(exc) from None
 
@@ -97,11 +101,12 @@ class OpenAIRoute:
         self.server = server
         self.handler = handler
         self.body = body
+        self.parse = not getattr(handler, "takes_bytes", False)  # a handler that parses its body's bytes itself
 
     async def __call__(self, scope, receive, send) -> None:
         server = self.server
         try:
-            doc = await server.read_json(scope, receive) if self.body else None
+            doc = await server.read_json(scope, receive, self.parse) if self.body else None
         except OpenAIError as exc:
             await _send_error(send, exc)
             return
@@ -160,6 +165,11 @@ async def _load_header(server: OpenAIServer, scope, doc: Any) -> list[tuple[byte
     metrics_format = load_report.requested_format(scope["headers"])
     if not metrics_format:
         return []
+    if isinstance(doc, bytes):
+        try:
+            doc = orjson.loads(doc)
+        except orjson.JSONDecodeError:
+            doc = None
     model = doc.get("model") if isinstance(doc, dict) else None
     try:
         figures = await server.dataplane.load_report(model if isinstance(model, str) else "")

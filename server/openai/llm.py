@@ -386,7 +386,7 @@ class Catalog:
 
     def adapter(self, name: str) -> dict[str, str] | None:
         """The LoRA adapter ``name`` (``{"name", "path", "model"}``), if a ready model serves one."""
-        return next((a for a in self.dataplane.lora_adapters() if a["name"] == name), None)
+        return next((a for a in self.dataplane.adapters() if a["name"] == name), None)
 
     def ready(self) -> list[LLMModel]:
         return ready_models(self.dataplane, self._describe, LLMModel)

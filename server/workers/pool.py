@@ -346,12 +346,12 @@ class FrontendWorkers:
             log.exception("reading the repository index")
             index = []
         try:
-            lora_adapters = dataplane.lora_adapters()
+            adapters = dataplane.adapters()
         except Exception:
-            log.exception("listing the LoRA adapters")
-            lora_adapters = []
+            log.exception("listing the adapters")
+            adapters = []
         link.send(p.Snapshot(dataplane.accepting, dataplane.ready(), dataplane.healthy(), index, lookups, fresh,
-                             lora_adapters))
+                             adapters))
 
 
 def _names(repository) -> list[str]:

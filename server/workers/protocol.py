@@ -140,24 +140,24 @@ class TraceSetting(_Call, tag=True):
         return await plane.trace_setting(self.model_name, self.updates)
 
 
-class LoadLoraAdapter(_Call, tag=True):
-    lora_name: str
-    lora_path: str
+class LoadAdapter(_Call, tag=True):
+    model_name: str
+    adapter_name: str
+    path: str
     load_inplace: bool
-    base_model_name: str
     changes_repository: ClassVar[bool] = True
 
     async def run(self, plane):
-        return await plane.load_lora_adapter(self.lora_name, self.lora_path, self.load_inplace,
-                                             self.base_model_name)
+        return await plane.load_adapter(self.model_name, self.adapter_name, self.path, self.load_inplace)
 
 
-class UnloadLoraAdapter(_Call, tag=True):
-    lora_name: str
+class UnloadAdapter(_Call, tag=True):
+    model_name: str
+    adapter_name: str
     changes_repository: ClassVar[bool] = True
 
     async def run(self, plane):
-        return await plane.unload_lora_adapter(self.lora_name)
+        return await plane.unload_adapter(self.model_name, self.adapter_name)
 
 
 class LoadReport(_Call, tag=True):
@@ -177,7 +177,7 @@ class ResetPrefixCache(_Call, tag=True):
 
 Call = (Statistics | MetricsText | Index | LoadModel | UnloadModel | RegisterSystemSharedMemory
         | UnregisterSystemSharedMemory | SystemSharedMemoryStatus | RegisterCudaSharedMemory
-        | UnregisterCudaSharedMemory | CudaSharedMemoryStatus | TraceSetting | LoadLoraAdapter | UnloadLoraAdapter
+        | UnregisterCudaSharedMemory | CudaSharedMemoryStatus | TraceSetting | LoadAdapter | UnloadAdapter
         | LoadReport | ResetPrefixCache)
 CALLS: tuple[type[_Call], ...] = Call.__args__  # every call message, for the conformance test
 
@@ -238,7 +238,7 @@ class Snapshot(msgspec.Struct, tag=True, array_like=True):
     index: list[dict[str, Any]]
     lookups: dict[str, dict[str, int | wire.Error]]
     runtimes: list[RuntimeInfo]  # those the worker has not been sent yet
-    lora_adapters: list[dict[str, str]]
+    adapters: list[dict[str, str]]
 
 
 class Stop(msgspec.Struct, tag=True, array_like=True):

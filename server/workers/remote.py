@@ -327,16 +327,15 @@ class RemoteDataPlane(ServingInterface):
     async def reset_prefix_cache(self, model_name: str = "", reset_running_requests: bool = False) -> dict[str, Any]:
         return await self.link.call(p.ResetPrefixCache(0, model_name, reset_running_requests))
 
-    # -- LoRA adapters -------------------------------------------------------------------------------------------
-    def lora_adapters(self) -> list[dict[str, str]]:
-        return self.link.snapshot.lora_adapters
+    # -- adapters (LoRA) ----------------------------------------------------------------------------------------
+    def adapters(self) -> list[dict[str, str]]:
+        return self.link.snapshot.adapters
 
-    async def load_lora_adapter(self, lora_name: str, lora_path: str, load_inplace: bool = False,
-                                base_model_name: str = "") -> str:
-        return await self.link.call(p.LoadLoraAdapter(0, lora_name, lora_path, load_inplace, base_model_name))
+    async def load_adapter(self, model_name: str, adapter_name: str, path: str, load_inplace: bool = False) -> None:
+        await self.link.call(p.LoadAdapter(0, model_name, adapter_name, path, load_inplace))
 
-    async def unload_lora_adapter(self, lora_name: str) -> str:
-        return await self.link.call(p.UnloadLoraAdapter(0, lora_name))
+    async def unload_adapter(self, model_name: str, adapter_name: str) -> None:
+        await self.link.call(p.UnloadAdapter(0, model_name, adapter_name))
 
 
 __all__ = ["CoreLink", "RemoteDataPlane", "RemoteInferenceStream", "RemoteRuntime"]

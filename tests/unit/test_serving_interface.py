@@ -79,8 +79,8 @@ _Recorder.__abstractmethods__ = frozenset()
 
 _ARGS = {"name": "m", "version": "2", "ready_only": True, "config_json": '{"x": 1}', "unload_dependents": True,
          "key": "/k", "offset": 8, "byte_size": 64, "raw_handle": b"\x01\x02", "device_id": 1, "model_name": "m",
-         "updates": {"log_frequency": ["3"]}, "lora_name": "a", "lora_path": "/p", "load_inplace": True,
-         "base_model_name": "base", "reset_running_requests": True}
+         "updates": {"log_frequency": ["3"]}, "adapter_name": "a", "path": "/p", "load_inplace": True,
+         "reset_running_requests": True}
 
 
 def _arguments(function) -> list:
@@ -111,4 +111,4 @@ def test_every_call_to_the_core_is_one_message_that_runs_the_same_method():
 
 def test_calls_that_change_the_repository_refresh_the_workers_snapshot():
     changing = {kind.__name__ for kind in p.CALLS if kind.changes_repository}
-    assert changing == {"LoadModel", "UnloadModel", "LoadLoraAdapter", "UnloadLoraAdapter"}
+    assert changing == {"LoadModel", "UnloadModel", "LoadAdapter", "UnloadAdapter"}

@@ -26,7 +26,7 @@ async def list_models(server, _doc, _scope) -> bytes:
     created = int(time.time())
     cards = [_card(llm, created) for llm in server.catalog.ready()]
     served = {card["id"] for card in cards}
-    cards += [_adapter_card(a, created) for a in server.dataplane.lora_adapters() if a["model"] in served]
+    cards += [_adapter_card(a, created) for a in server.dataplane.adapters() if a["model"] in served]
     cards += [_card(model, created) for model in server.embedders.ready()] if server.embedders is not None else []
     return orjson.dumps({"object": "list", "data": cards})
 
