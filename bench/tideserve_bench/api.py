@@ -49,11 +49,13 @@ class Measurement:
 async def measure_async(target: str, url: str, model: str, prompts: list[str], output_len: int, *,
                         concurrency: int | None = None, num_requests: int | None = None, ignore_eos: bool = True,
                         extra: dict[str, Any] | None = None, warmup: int = 0, tokenizer=None,
-                        request_timeout: float = 1800.0) -> Measurement:
-    """``num_requests`` (default: one per prompt) requests at ``concurrency`` (default: all at once)."""
+                        request_timeout: float = 1800.0, role_chunk_is_token: bool = True) -> Measurement:
+    """``num_requests`` (default: one per prompt) requests at ``concurrency`` (default: all at once).
+    ``role_chunk_is_token`` False: the chat stream's first token is its first chunk with content (as the CLI's
+    ``--ttft-from content``), the definition that compares with the other APIs' first text event."""
     count = num_requests or len(prompts)
     options = TargetOptions(url=url, model=model, ignore_eos=ignore_eos, extra=dict(extra or {}),
-                            request_timeout=request_timeout)
+                            request_timeout=request_timeout, role_chunk_is_token=role_chunk_is_token)
     client = make_target(target, options)
     runner = Runner(client, PromptList(prompts, output_len), num_requests=count, progress=False)
     await client.open()

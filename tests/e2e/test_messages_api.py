@@ -8,6 +8,7 @@ tool_use / tool_result round trip, token counts, errors in Anthropic's shape, ``
 from __future__ import annotations
 
 import json
+import time
 
 import anthropic
 import httpx
@@ -133,3 +134,27 @@ def test_errors_in_anthropic_shape(client, server):
                       json={"model": "agent", "messages": [{"role": "user", "content": "x"}]}).status_code == 401
     answer = httpx.post(url, content=b"{", headers={"x-api-key": KEY, "content-type": "application/json"}, timeout=30)
     assert answer.status_code == 400 and answer.json()["error"]["type"] == "invalid_request_error"
+    # the queue deadline header of /v1/chat/completions (its 503 needs an engine: tests/e2e/test_fleet_hooks.py)
+    answer = httpx.post(url, json=body, headers={"x-api-key": KEY, "x-request-timeout-ms": "-5"}, timeout=30)
+    assert answer.status_code == 400 and answer.json()["error"]["type"] == "invalid_request_error"
+    assert "x-request-timeout-ms" in answer.json()["error"]["message"]
+    answer = httpx.post(url, json=body, headers={"x-api-key": KEY, "x-request-timeout-ms": "60000"}, timeout=30)
+    assert answer.status_code == 200 and answer.json()["content"][0]["text"] == "x"
+
+
+def test_disconnect_cancels_the_generation(server):
+    def failures() -> int:
+        stats = httpx.get(f"{server.base_url}/v2/models/slow/stats", timeout=30).json()
+        return stats["model_stats"][0]["inference_stats"]["fail"]["count"]
+
+    before = failures()
+    with httpx.stream("POST", f"{server.base_url}/v1/messages", headers={"x-api-key": KEY}, timeout=30,
+                      json={"model": "slow", "max_tokens": 500, "stream": True,
+                            "messages": [{"role": "user", "content": "x"}]}) as response:
+        lines = response.iter_lines()
+        while "text_delta" not in next(lines):
+            pass
+    deadline = time.monotonic() + 10
+    while failures() == before:  # a cancelled request is counted failed, as chat's
+        assert time.monotonic() < deadline, "the generation was not cancelled"
+        time.sleep(0.05)

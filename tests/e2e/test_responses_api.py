@@ -257,6 +257,46 @@ def test_errors_in_openai_shape(server):
     assert answer.status_code == 404 and answer.json()["error"]["param"] == "model"
     answer = httpx.post(url, content=b"{", headers={"content-type": "application/json"}, timeout=30)
     assert answer.status_code == 400
+    # the queue deadline header of /v1/chat/completions (its 503 needs an engine: tests/e2e/test_fleet_hooks.py)
+    answer = httpx.post(url, json={"model": "agent", "input": "x"}, headers={"x-request-timeout-ms": "soon"},
+                        timeout=30)
+    assert answer.status_code == 400 and "x-request-timeout-ms" in answer.json()["error"]["message"]
+    answer = httpx.post(url, json={"model": "agent", "input": "x"}, headers={"x-request-timeout-ms": "60000"},
+                        timeout=30)
+    assert answer.status_code == 200 and answer.json()["output"][0]["content"][0]["text"] == "x"
+
+
+def _model_stats(server, model: str) -> dict:
+    stats = httpx.get(f"{server.base_url}/v2/models/{model}/stats", timeout=30).json()
+    return stats["model_stats"][0]["inference_stats"]
+
+
+def test_disconnect_cancels_and_metrics_count(client, server):
+    """A client that leaves a stream cancels its generation (counted failed, as chat's); requests are counted in
+    the model's statistics and metrics as chat completions are."""
+    before = _model_stats(server, "slow")["fail"]["count"]
+    with httpx.stream("POST", f"{server.base_url}/v1/responses", timeout=30,
+                      json={"model": "slow", "input": "x", "max_output_tokens": 500, "stream": True}) as response:
+        lines = response.iter_lines()
+        while "response.output_text.delta" not in next(lines):
+            pass
+    deadline = time.monotonic() + 10
+    while _model_stats(server, "slow")["fail"]["count"] == before:
+        assert time.monotonic() < deadline, "the generation was not cancelled"
+        time.sleep(0.05)
+    success = _model_stats(server, "agent")["success"]["count"]
+    metric = _success_metric(server, "agent")
+    client.responses.create(model="agent", input="count me", store=False)
+    _events(client, model="agent", input="count me too", store=False)
+    assert _model_stats(server, "agent")["success"]["count"] == success + 2
+    assert _success_metric(server, "agent") == metric + 2
+
+
+def _success_metric(server, model: str) -> float:
+    for line in server.metrics().splitlines():
+        if line.startswith("nv_inference_request_success{") and f'model="{model}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
 
 
 def test_api_key_and_restricted_api(repository, tmp_path_factory):
@@ -275,6 +315,14 @@ def test_api_key_and_restricted_api(repository, tmp_path_factory):
         assert httpx.get(f"{url}/{response_id}", timeout=30).status_code == 401
         assert httpx.get(f"{url}/{response_id}", headers={"authorization": "Bearer secret", "team": "agents"},
                          timeout=30).status_code == 200
+        # /v1/messages is in the same API group, refused in Anthropic's shape
+        messages = f"{running.base_url}/v1/messages"
+        body = {"model": "agent", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+        answer = httpx.post(messages, json=body, headers={"x-api-key": "secret"}, timeout=30)
+        assert answer.status_code == 403 and answer.json()["type"] == "error"
+        assert answer.json()["error"]["type"] == "permission_error"
+        answer = httpx.post(messages, json=body, headers={"x-api-key": "secret", "team": "agents"}, timeout=30)
+        assert answer.status_code == 200 and answer.json()["content"][0]["text"] == "hi"
     finally:
         running.stop()
 

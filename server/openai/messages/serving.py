@@ -18,7 +18,7 @@ import orjson
 
 from ..chat_run import ChatRun, render, start
 from ..errors import BadRequest, OpenAIError
-from ..http import EventStream
+from ..http import EventStream, request_timeout_us
 from .http import sse
 from .protocol import CountTokensRequest, MessagesRequest, chat_request, parse_request, renamed
 
@@ -44,14 +44,15 @@ def _usage(counts: dict, output_tokens: int | None = None) -> dict:
             "cache_read_input_tokens": cached}
 
 
-async def create_message(server, doc, _scope) -> bytes | EventStream:
+async def create_message(server, doc, scope) -> bytes | EventStream:
+    timeout_us = request_timeout_us(scope)  # x-request-timeout-ms: refused (503) if not generating by then
     request: MessagesRequest = parse_request(MessagesRequest, doc)
     llm = server.catalog.get(request.model)
     chat = chat_request(request, doc, request.stream)
     message_id = f"msg_{uuid.uuid4().hex}"
     try:
         run = await start(server, chat, llm, stream=request.stream, request_id=message_id,
-                          max_tokens_field="max_tokens")
+                          max_tokens_field="max_tokens", timeout_us=timeout_us)
     except OpenAIError as exc:
         raise renamed(exc) from None
     head = {"id": message_id, "type": "message", "role": "assistant", "model": llm.name}

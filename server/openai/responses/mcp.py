@@ -247,7 +247,7 @@ class ToolRounds:
     (``stop``, ``length``, or ``max_tool_calls`` when a limit left calls unrun)."""
 
     def __init__(self, server, request: ResponsesRequest, doc: dict, llm, messages: list[dict],
-                 servers: list[McpServer], settings: McpSettings, response_id: str) -> None:
+                 servers: list[McpServer], settings: McpSettings, response_id: str, timeout_us: int = 0) -> None:
         self.server = server
         self.request = request
         self.doc = doc
@@ -256,6 +256,7 @@ class ToolRounds:
         self.servers = servers
         self.settings = settings
         self.response_id = response_id
+        self.timeout_us = timeout_us  # the queue deadline (x-request-timeout-ms) of the first generation
         self.items: list[dict] = []
         self.usage: dict | None = None
         self.reason = "stop"
@@ -305,7 +306,8 @@ class ToolRounds:
         request_id = self.response_id if self._round == 0 else f"{self.response_id}-{self._round}"
         try:
             return await start(self.server, self._chat(), self.llm, stream=True, request_id=request_id,
-                               max_tokens_field="max_output_tokens")
+                               max_tokens_field="max_output_tokens",
+                               timeout_us=self.timeout_us if self._round == 0 else 0)
         except OpenAIError as exc:
             raise renamed(exc) from None
 
@@ -359,8 +361,6 @@ class ToolRounds:
                 for event in stream.feed(delta):
                     for out in translate.events(event):
                         yield out
-                if reason is not None:
-                    break
         except OpenAIError:
             for event in stream.finish("error"):
                 for out in translate.events(event):

@@ -7,9 +7,14 @@ OpenAI's events: ``response.output_item.added``, ``response.content_part.added``
 ``response.reasoning_text.delta`` / ``response.output_text.delta`` / ``response.function_call_arguments.delta``,
 then the matching ``.done`` events and ``response.output_item.done``; the items it finishes are built by
 the same functions as the whole answer's, so the streamed events rebuild the non-streamed response.
+:class:`EventWriter` numbers the events and writes their bytes; a text delta that continues an open item
+(:meth:`OutputStream.more_text`: nearly every token) is written from a per-item template, so the tokens of a
+plain answer cost what a chat completion chunk costs.
 """
 
 from __future__ import annotations
+
+import orjson
 
 from .protocol import new_id
 
@@ -58,6 +63,30 @@ def items_of(message: dict, reason: str) -> list[dict]:
     return items
 
 
+class _Open:
+    """An item being streamed: its kind (``reasoning``, ``message``, ``call``), id, output index, text so far, and
+    for a call its call id and name; ``head`` is the start of its delta events' bytes (:class:`EventWriter`)."""
+
+    __slots__ = ("call_id", "head", "id", "index", "kind", "name", "parts")
+
+    def __init__(self, kind: str, item_id: str, index: int, call_id: str | None = None, name: str = "") -> None:
+        self.kind = kind
+        self.id = item_id
+        self.index = index
+        self.parts: list[str] = []
+        self.call_id = call_id
+        self.name = name
+        self.head: bytes | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+_DELTA_TYPES = {"reasoning": "response.reasoning_text.delta", "message": "response.output_text.delta",
+                "call": "response.function_call_arguments.delta"}
+
+
 class OutputStream:
     """Chat deltas in, Responses events out (without ``sequence_number``; the writer numbers them)."""
 
@@ -65,8 +94,8 @@ class OutputStream:
 
     def __init__(self) -> None:
         self.items: list[dict] = []  # finished items, in output order
-        self._open: dict | None = None  # {"kind", "id", "index", "text", and for calls "call_id", "name"}
-        self._calls: dict[int, dict] = {}  # chat tool-call index -> its open state
+        self._open: _Open | None = None
+        self._calls: dict[int, _Open] = {}  # chat tool-call index -> its open state
 
     def feed(self, delta: dict) -> list[dict]:
         events: list[dict] = []
@@ -78,6 +107,16 @@ class OutputStream:
             self._call(events, entry)
         return events
 
+    def more_text(self, kind: str, text: str) -> _Open | None:
+        """The short way of :meth:`feed` for ``text`` that continues the open item of ``kind`` (``message`` or
+        ``reasoning``): the item, its text grown, for :meth:`EventWriter.delta`; None (nothing done) when no such
+        item is open."""
+        current = self._open
+        if current is None or current.kind != kind:
+            return None
+        current.parts.append(text)
+        return current
+
     def finish(self, reason: str | None) -> list[dict]:
         events: list[dict] = []
         self._close(events, "incomplete" if reason == "length" else "completed")
@@ -86,27 +125,26 @@ class OutputStream:
     # -- items ---------------------------------------------------------------------------------------
     def _text(self, events: list[dict], kind: str, text: str) -> None:
         current = self._open
-        if current is None or current["kind"] != kind:
+        if current is None or current.kind != kind:
             self._close(events, "completed")
             current = self._start(events, kind)
-        current["text"] += text
-        delta_type = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        event = {"type": delta_type, "item_id": current["id"], "output_index": current["index"], "content_index": 0,
-                 "delta": text}
+        current.parts.append(text)
+        event = {"type": _DELTA_TYPES[kind], "item_id": current.id, "output_index": current.index,
+                 "content_index": 0, "delta": text}
         if kind == "message":
             event["logprobs"] = []
         events.append(event)
 
-    def _start(self, events: list[dict], kind: str) -> dict:
+    def _start(self, events: list[dict], kind: str) -> _Open:
         index = len(self.items)
         if kind == "reasoning":
-            state = {"kind": kind, "id": new_id("rs"), "index": index, "text": ""}
-            item, part = reasoning_item(state["id"], "", "in_progress"), {"type": "reasoning_text", "text": ""}
+            state = _Open(kind, new_id("rs"), index)
+            item, part = reasoning_item(state.id, "", "in_progress"), {"type": "reasoning_text", "text": ""}
         else:
-            state = {"kind": kind, "id": new_id("msg"), "index": index, "text": ""}
-            item, part = message_item(state["id"], None, "in_progress"), text_part("")
+            state = _Open(kind, new_id("msg"), index)
+            item, part = message_item(state.id, None, "in_progress"), text_part("")
         events.append({"type": "response.output_item.added", "output_index": index, "item": item})
-        events.append({"type": "response.content_part.added", "item_id": state["id"], "output_index": index,
+        events.append({"type": "response.content_part.added", "item_id": state.id, "output_index": index,
                        "content_index": 0, "part": part})
         self._open = state
         return state
@@ -117,27 +155,26 @@ class OutputStream:
         if state is None or entry.get("id"):
             self._close(events, "completed")
             index = len(self.items)
-            state = {"kind": "call", "id": new_id("fc"), "index": index, "text": "", "call_id": entry.get("id"),
-                     "name": function.get("name") or ""}
+            state = _Open("call", new_id("fc"), index, entry.get("id"), function.get("name") or "")
             self._calls[entry.get("index", 0)] = state
             self._open = state
             events.append({"type": "response.output_item.added", "output_index": index,
-                           "item": call_item(state["id"], state["call_id"], state["name"], "", "in_progress")})
+                           "item": call_item(state.id, state.call_id, state.name, "", "in_progress")})
         elif self._open is not state:  # a later piece of a call after other output: not written by our parsers
             self._close(events, "completed")
             self._open = state
         arguments = function.get("arguments") or ""
         if arguments:
-            state["text"] += arguments
-            events.append({"type": "response.function_call_arguments.delta", "item_id": state["id"],
-                           "output_index": state["index"], "delta": arguments})
+            state.parts.append(arguments)
+            events.append({"type": "response.function_call_arguments.delta", "item_id": state.id,
+                           "output_index": state.index, "delta": arguments})
 
     def _close(self, events: list[dict], status: str) -> None:
         state, self._open = self._open, None
         if state is None:
             return
-        item_id, index, text = state["id"], state["index"], state["text"]
-        kind = state["kind"]
+        item_id, index, text = state.id, state.index, state.text
+        kind = state.kind
         if kind == "reasoning":
             item = reasoning_item(item_id, text)
             events.append({"type": "response.reasoning_text.done", "item_id": item_id, "output_index": index,
@@ -151,11 +188,49 @@ class OutputStream:
             events.append({"type": "response.content_part.done", "item_id": item_id, "output_index": index,
                            "content_index": 0, "part": text_part(text)})
         else:
-            item = call_item(item_id, state["call_id"], state["name"], text, "completed")
+            item = call_item(item_id, state.call_id, state.name, text, "completed")
             events.append({"type": "response.function_call_arguments.done", "item_id": item_id,
-                           "output_index": index, "name": state["name"], "arguments": text})
+                           "output_index": index, "name": state.name, "arguments": text})
         events.append({"type": "response.output_item.done", "output_index": index, "item": item})
         if index < len(self.items):  # a call reopened (see _call): its item is replaced
             self.items[index] = item
         else:
             self.items.append(item)
+
+
+class EventWriter:
+    """The Responses API's server-sent events as bytes (``event: <type>``, then the data line), numbered from 0
+    (``sequence_number``). A text delta is written from its item's template (its bytes up to ``"delta":``, made
+    once per item), with no dict per token; the other events from their dicts."""
+
+    __slots__ = ("sequence",)
+
+    def __init__(self) -> None:
+        self.sequence = 0
+
+    def event(self, event: dict) -> bytes:
+        event["sequence_number"] = self.sequence
+        self.sequence += 1
+        return b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
+
+    def events(self, events: list[dict]) -> bytes:
+        return b"".join([self.event(e) for e in events])
+
+    def wrapped(self, kind: str, response: bytes) -> bytes:
+        """``{"type": kind, "response": ...}`` around a response object already written as JSON."""
+        sequence = self.sequence
+        self.sequence += 1
+        return b'event: %s\ndata: {"type":"%s","response":%s,"sequence_number":%d}\n\n' % (
+            kind.encode(), kind.encode(), response, sequence)
+
+    def delta(self, item: _Open, text: str) -> bytes:
+        head = item.head
+        if head is None:
+            kind = _DELTA_TYPES[item.kind].encode()
+            head = item.head = (b'event: %s\ndata: {"type":"%s","item_id":"%s","output_index":%d,%s"delta":' % (
+                kind, kind, item.id.encode(), item.index,
+                b'"content_index":0,"logprobs":[],' if item.kind == "message" else
+                b'"content_index":0,' if item.kind == "reasoning" else b""))
+        sequence = self.sequence
+        self.sequence += 1
+        return head + orjson.dumps(text) + b',"sequence_number":%d}\n\n' % sequence

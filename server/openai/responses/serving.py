@@ -25,7 +25,7 @@ import orjson
 
 from ..chat_run import ChatRun, start
 from ..errors import BadRequest, OpenAIError
-from ..http import EventStream
+from ..http import EventStream, request_timeout_us
 from ..protocol import parse
 from . import mcp, output
 from .protocol import ResponsesRequest, chat_request, input_items, new_id, renamed, to_messages
@@ -54,7 +54,8 @@ def _responses(server) -> Responses:
 
 
 # -- create -------------------------------------------------------------------------------------------
-async def create_response(server, doc, _scope) -> bytes | EventStream:
+async def create_response(server, doc, scope) -> bytes | EventStream:
+    timeout_us = request_timeout_us(scope)  # x-request-timeout-ms: refused (503) if not generating by then
     request: ResponsesRequest = parse(ResponsesRequest, doc)
     request.check()
     state = _responses(server)
@@ -76,18 +77,18 @@ async def create_response(server, doc, _scope) -> bytes | EventStream:
     job = _Job(server, state, request, llm.name, response_id, created, items, conversation)
     if servers:
         return await _with_mcp(job, mcp.ToolRounds(server, request, doc, llm, messages, servers, state.mcp,
-                                                   response_id))
+                                                   response_id, timeout_us))
     chat = chat_request(request, doc, messages, request.stream)
     if request.background:
         async def launch():
             run = await start(server, chat, llm, stream=True, request_id=response_id,
-                              max_tokens_field="max_output_tokens")
+                              max_tokens_field="max_output_tokens", timeout_us=timeout_us)
             return job.collect(run), run.close
 
         return await job.in_background(launch)
     try:
         run = await start(server, chat, llm, stream=request.stream, request_id=response_id,
-                          max_tokens_field="max_output_tokens")
+                          max_tokens_field="max_output_tokens", timeout_us=timeout_us)
     except OpenAIError as exc:
         raise renamed(exc) from None
     if request.stream:
@@ -138,12 +139,17 @@ class _Job:
     created: int
     items: list[dict]
     conversation: list[dict]
+    _echo: dict | None = field(default=None, init=False, repr=False)  # the request's settings, made once
 
     def response(self, status: str, output_items: list[dict], usage: dict | None = None, error: dict | None = None,
                  incomplete: dict | None = None) -> dict:
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status, "error": error,
                 "incomplete_details": incomplete, "output": output_items, "usage": usage,
-                **self.request.echo(), "model": self.model}
+                **(self._echo or self._echoed()), "model": self.model}
+
+    def _echoed(self) -> dict:
+        self._echo = self.request.echo()
+        return self._echo
 
     def answer(self, items: list[dict], reason: str, usage: dict) -> dict:
         if reason == "length":
@@ -159,57 +165,73 @@ class _Job:
 
     # -- streaming ------------------------------------------------------------------------------------
     async def events(self, run: ChatRun):
-        sse = _Numbered()
-
-        started = self.response("in_progress", [])
-        yield sse({"type": "response.created", "response": started})
-        yield sse({"type": "response.in_progress", "response": started})
+        """The events of one generation, written as bytes, those of one model step in one chunk (one write):
+        ``response.created`` and ``response.in_progress`` go with the first step's events."""
+        writer = output.EventWriter()
+        started = orjson.dumps(self.response("in_progress", []))
+        chunk = writer.wrapped("response.created", started) + writer.wrapped("response.in_progress", started)
         stream = output.OutputStream()
+        more_text = stream.more_text
         usage = run.usage()
         reasoning: list[str] = []
+        reason = None
         try:
             async for delta, reason in run.deltas(usage):
+                if reason is None and len(delta) == 1 and "content" in delta:  # nearly every token of an answer
+                    item = more_text("message", delta["content"])
+                    if item is not None:
+                        yield chunk + writer.delta(item, delta["content"])
+                        chunk = b""
+                        continue
                 if delta.get("reasoning"):
                     reasoning.append(delta["reasoning"])
-                for event in stream.feed(delta):
-                    yield sse(event)
-                if reason is not None:
-                    for event in stream.finish(reason):
-                        yield sse(event)
-                    break
+                    if reason is None and "content" not in delta and "tool_calls" not in delta:
+                        item = more_text("reasoning", delta["reasoning"])
+                        if item is not None:
+                            yield chunk + writer.delta(item, delta["reasoning"])
+                            chunk = b""
+                            continue
+                chunk += writer.events(stream.feed(delta))
+                if reason is None and chunk:  # (the last step's events go with the finishing ones)
+                    yield chunk
+                    chunk = b""
         except OpenAIError as exc:
-            for event in stream.finish("error"):
-                yield sse(event)
+            chunk += writer.events(stream.finish("error"))
             failed = self.response("failed", stream.items, error={"code": "server_error" if exc.status >= 500
                                                                   else "invalid_request", "message": exc.message})
+            if chunk:
+                yield chunk
             await self.save(failed)
-            yield sse({"type": "response.failed", "response": failed})
+            yield writer.wrapped("response.failed", orjson.dumps(failed))
             return
+        chunk += writer.events(stream.finish(reason))
         final = self.answer(stream.items, reason or "stop", output.usage_doc(run, usage, "".join(reasoning)))
-        await self.save(final)
-        yield sse({"type": "response.completed" if final["status"] == "completed" else "response.incomplete",
-                   "response": final})
+        if self.request.store:  # the last text goes out while the store writes
+            yield chunk
+            chunk = b""
+            await self.save(final)
+        yield chunk + writer.wrapped("response.completed" if final["status"] == "completed" else "response.incomplete",
+                                     orjson.dumps(final))
 
     async def round_events(self, rounds: mcp.ToolRounds):
         """The events of a response with MCP tools (:class:`.mcp.ToolRounds`)."""
-        sse = _Numbered()
-        started = self.response("in_progress", [])
-        yield sse({"type": "response.created", "response": started})
-        yield sse({"type": "response.in_progress", "response": started})
+        writer = output.EventWriter()
+        started = orjson.dumps(self.response("in_progress", []))
+        yield writer.wrapped("response.created", started) + writer.wrapped("response.in_progress", started)
         try:
             async for event in rounds.events():
-                yield sse(event)
+                yield writer.event(event)
         except OpenAIError as exc:
             exc = renamed(exc)
             failed = self.response("failed", rounds.items, error={"code": "server_error" if exc.status >= 500
                                                                   else "invalid_request", "message": exc.message})
             await self.save(failed)
-            yield sse({"type": "response.failed", "response": failed})
+            yield writer.wrapped("response.failed", orjson.dumps(failed))
             return
         final = self.answer(rounds.items, rounds.reason, rounds.usage)
         await self.save(final)
-        yield sse({"type": "response.completed" if final["status"] == "completed" else "response.incomplete",
-                   "response": final})
+        yield writer.wrapped("response.completed" if final["status"] == "completed" else "response.incomplete",
+                             orjson.dumps(final))
 
     # -- background -----------------------------------------------------------------------------------
     async def in_background(self, launch) -> bytes:
@@ -272,20 +294,6 @@ class _Job:
             stream.feed(delta)
         stream.finish(reason)
         return self.answer(stream.items, reason or "stop", output.usage_doc(run, usage, "".join(reasoning)))
-
-
-class _Numbered:
-    """Server-sent events of the Responses API, numbered from 0 (``sequence_number``)."""
-
-    __slots__ = ("sequence",)
-
-    def __init__(self) -> None:
-        self.sequence = 0
-
-    def __call__(self, event: dict) -> bytes:
-        event["sequence_number"] = self.sequence
-        self.sequence += 1
-        return b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
 
 
 # -- the stored responses ---------------------------------------------------------------------------------
