@@ -67,9 +67,11 @@ class RunningServer:
 
 
 def start_server(repositories: list[Path], *extra_args: str, tmp_dir: Path, ready_timeout: float = 120,
-                 wait_ready: bool = True, env: dict | None = None) -> RunningServer:
-    """Start ``tideserve`` as its own process and wait until it answers on HTTP."""
-    http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
+                 wait_ready: bool = True, env: dict | None = None,
+                 ports: tuple[int, int, int] | None = None) -> RunningServer:
+    """Start ``tideserve`` as its own process and wait until it answers on HTTP. ``ports``: its HTTP, gRPC and
+    metrics ports (a replica restarted where a router expects it); free ones by default."""
+    http_port, grpc_port, metrics_port = ports or (free_port(), free_port(), free_port())
     args = [sys.executable, "-m", "tideserve.cli", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
             "--metrics-port", str(metrics_port)]
     for repo in repositories:
@@ -79,7 +81,7 @@ def start_server(repositories: list[Path], *extra_args: str, tmp_dir: Path, read
     if "--frontend-workers" not in extra_args:  # not the core count's default: the same on every machine
         args += ["--frontend-workers", os.environ.get("TIDESERVE_TEST_FRONTEND_WORKERS") or "1"]
     log_path = tmp_dir / f"tideserve-{http_port}.log"
-    log_file = open(log_path, "wb")
+    log_file = open(log_path, "ab")  # a server restarted on the same ports logs after its predecessor
     process = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT,
                                env={**os.environ, **(env or {})})
     server = RunningServer(process, http_port, grpc_port, metrics_port, log_path)

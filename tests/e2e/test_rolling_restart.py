@@ -1,11 +1,13 @@
-"""End to end: two replicas behind vLLM's router: its cache_aware policy keeps a shared prefix on one replica, and a
-rolling restart drops nothing.
+"""End to end: two replicas behind vLLM's router: its cache_aware policy keeps a shared prefix on one replica, and
+rolling restarts drop nothing.
 
 Two tideserve replicas of the tiny Llama behind ``vllm-router`` (round robin, readiness probed each second,
-retries on): streams run through the router to both; one replica gets SIGTERM while they run and while new
-requests keep arriving. Every stream already running finishes (the replica drains them), the new requests go
-to the other replica (readiness false at once; a request that still reaches the stopping replica gets 503, which
-the router retries elsewhere), and no client sees an error.
+retries on). Three rolling restarts, one replica, the other, the first again: streams run through the router to
+both; one replica gets SIGTERM while they run and while new requests keep arriving; it drains and exits 0, and is
+started again on the same ports (the router's worker URL) while more requests come; once ready the router's health
+check takes it back. Every stream already running finishes (the replica drains them), the new requests go to the
+other replica (readiness false at once; a request that still reaches the stopping replica gets 503, which the
+router retries elsewhere; one that finds the port closed is retried as well), and no client sees an error.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from llm_fixtures import vllm_env, write_vllm_model
+from llm_fixtures import metric_value, vllm_env, write_vllm_model
 from support import free_port, start_server
 from tideserve.bench.router import router_command
 
@@ -45,7 +47,8 @@ def replicas(tmp_path_factory):
                               env=vllm_env(tmp), ready_timeout=780)
     with ThreadPoolExecutor(2) as pool:
         futures = [pool.submit(start) for _ in range(2)]
-    started = [f.result() for f in futures if f.exception() is None]
+    started = _Replicas(f.result() for f in futures if f.exception() is None)
+    started.start = start
     try:
         for future in futures:
             if future.exception() is not None:
@@ -56,11 +59,22 @@ def replicas(tmp_path_factory):
             server.stop()
 
 
+class _Replicas(list):
+    """The running replicas; :meth:`restart` starts one again on its ports once it has exited."""
+
+    start = None
+
+    def restart(self, index: int):
+        old = self[index]
+        self[index] = self.start(ports=(old.http_port, old.grpc_port, old.metrics_port))
+        return self[index]
+
+
 def _start_router(replicas, tmp_path_factory, policy: str):
     port = free_port()
     command = router_command(port, [s.base_url for s in replicas], policy) + [
-        "--health-check-interval-secs", "1", "--health-failure-threshold", "1", "--retry-max-retries", "5",
-        "--retry-initial-backoff-ms", "100"]
+        "--health-check-interval-secs", "1", "--health-failure-threshold", "1", "--health-success-threshold", "1",
+        "--retry-max-retries", "5", "--retry-initial-backoff-ms", "100"]
     log = tmp_path_factory.mktemp("router_log") / "router.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -106,10 +120,13 @@ def test_cache_aware_policy_keeps_a_prefix_on_one_replica(replicas, tmp_path_fac
         proc.wait(30)
 
 
-def test_sigterm_to_one_replica_fails_no_stream(replicas, router):
+@pytest.mark.timeout(1500)
+def test_rolling_restarts_fail_no_stream(replicas, router):
+    """Three rolling restarts (one replica, the other, the first again) while streams run through the router: 64
+    streams and more in all, every one ends with its full token count, no client sees an error."""
     client = openai.OpenAI(base_url=f"{router}/v1", api_key="none", max_retries=0, timeout=300)
-    stopping, staying = replicas
     results: dict[str, object] = {}
+    expected: dict[str, int] = {}
     lock = threading.Lock()
 
     def stream(name: str, tokens: int) -> None:
@@ -124,25 +141,51 @@ def test_sigterm_to_one_replica_fails_no_stream(replicas, router):
         with lock:
             results[name] = outcome
 
+    def launch(name: str, tokens: int) -> threading.Thread:
+        expected[name] = tokens
+        thread = threading.Thread(target=stream, args=(name, tokens))
+        thread.start()
+        return thread
+
     def in_flight(server) -> int:
         return httpx.get(f"{server.base_url}/load", timeout=10).json()["server_load"]
 
-    running = [threading.Thread(target=stream, args=(f"before-{i}", STREAM_TOKENS)) for i in range(8)]
-    for thread in running:
-        thread.start()
-    deadline = time.monotonic() + 120  # both replicas run some
-    while not (in_flight(stopping) and in_flight(staying)):
-        assert time.monotonic() < deadline, "the router did not spread the streams over both replicas"
-        time.sleep(0.05)
-    stopping.process.send_signal(signal.SIGTERM)
-    later = []
-    for i in range(8):  # new requests while the replica drains: none may fail
-        thread = threading.Thread(target=stream, args=(f"after-{i}", 16))
-        thread.start()
-        later.append(thread)
-        time.sleep(0.25)
-    for thread in running + later:
+    def served(server) -> float:
+        return metric_value(server.metrics(), "nv_inference_request_success", model=MODEL, version="1") or 0
+
+    threads: list[threading.Thread] = []
+    for restart, index in enumerate((0, 1, 0)):
+        stopping, staying = replicas[index], replicas[1 - index]
+        running = [launch(f"r{restart}-before-{i}", STREAM_TOKENS) for i in range(8)]
+        threads += running
+        deadline = time.monotonic() + 120  # both replicas run some
+        while not (in_flight(stopping) and in_flight(staying)):
+            assert time.monotonic() < deadline, "the router did not spread the streams over both replicas"
+            time.sleep(0.05)
+        stopping.process.send_signal(signal.SIGTERM)
+        for i in range(6):  # new requests while the replica drains: none may fail
+            threads.append(launch(f"r{restart}-draining-{i}", 16))
+            time.sleep(0.25)
+        assert stopping.process.wait(180) == 0, stopping.log()[-3000:]
+        # the same ports again, so the router's worker URL finds the new process
+        with ThreadPoolExecutor(1) as pool:
+            starting = pool.submit(replicas.restart, index)
+            for i in range(4):  # requests while the replica is down: the other serves them
+                threads.append(launch(f"r{restart}-down-{i}", 16))
+                time.sleep(1.0)
+            restarted = starting.result()
+        deadline = time.monotonic() + 120  # the router's health check takes it back
+        probe = 0
+        while not served(restarted):
+            assert time.monotonic() < deadline, "the router sent nothing to the restarted replica"
+            thread = launch(f"r{restart}-back-{probe}", 8)
+            thread.join(120)
+            threads.append(thread)
+            probe += 1
+    threads += [launch(f"last-{i}", 16) for i in range(max(8, 64 - len(expected)))]
+    for thread in threads:
         thread.join(300)
-    expected = {f"before-{i}": STREAM_TOKENS for i in range(8)} | {f"after-{i}": 16 for i in range(8)}
-    assert results == expected
-    assert stopping.process.wait(120) == 0
+    assert len(expected) >= 64
+    failed = {name: outcome for name, outcome in results.items() if outcome != expected[name]}
+    assert not failed and results.keys() == expected.keys(), (failed, set(expected) - set(results))
+    assert all(served(server) for server in replicas)  # the last streams reached both
