@@ -7,8 +7,9 @@ user message holding a hermes ``<tool_call>`` to ``add`` makes it call the tool;
 tool result with ``The sum is <result>.``, so the final text shows that the tool's answer reached the model's
 context, and ``LIST_TOOLS`` shows the whole prompt. Covered: the ``mcp_list_tools`` and ``mcp_call`` items,
 the streamed events rebuilding the whole response, a failing tool, the request's ``max_tool_calls``, a
-conversation continued after MCP calls, the headers sent, SSE, and the refusals (a URL outside
-``--mcp-allow``, approvals, an unreachable server).
+conversation continued after MCP calls, the headers sent, SSE, approvals (``mcp_approval_request`` items, approved
+and declined ``mcp_approval_response`` inputs, filters), and the refusals (a URL outside ``--mcp-allow``, bad tools
+and approval responses, an unreachable server).
 """
 
 from __future__ import annotations
@@ -259,15 +260,82 @@ def test_refused_without_mcp_allow(tmp_path_factory, repository, calc):
     assert answer.status_code == 400 and calc.url in answer.json()["error"]["message"]
 
 
-def test_approval_and_bad_tools_are_refused(server, calc):
-    for tool, param in ((_tool(calc.url, require_approval="always"), "tools[0].require_approval"),
-                        ({**_tool(calc.url), "require_approval": None}, "tools[0].require_approval"),
+def test_bad_tools_are_refused(server, calc):
+    for tool, param in ((_tool(calc.url, require_approval="sometimes"), "tools[0].require_approval"),
+                        (_tool(calc.url, require_approval={"always": {"tool_names": "add"}}),
+                         "tools[0].require_approval.always"),
                         ({"type": "mcp", "server_url": calc.url, "require_approval": "never"}, "tools[0].server_label"),
                         (_tool(calc.url, allowed_tools="add"), "tools[0].allowed_tools")):
         answer = httpx.post(f"{server.base_url}/v1/responses", timeout=30,
                             json={"model": "agent", "input": "hi", "tools": [tool]})
         assert answer.status_code == 400, answer.text
         assert answer.json()["error"]["param"] == param
+
+
+# -- approvals ---------------------------------------------------------------------------------------------------
+def _approval(request_id: str, approve: bool, **extra) -> dict:
+    return {"type": "mcp_approval_response", "approval_request_id": request_id, "approve": approve, **extra}
+
+
+def test_approval_request_then_approved_call(client, calc):
+    """require_approval left out (OpenAI's default: always): the call waits; approving it runs it."""
+    tool = {**_tool(calc.url)}
+    del tool["require_approval"]
+    first = client.responses.create(model="agent", input=_call("add", a=2, b=3), tools=[tool])
+    assert first.status == "completed"
+    assert [item.type for item in first.output] == ["mcp_list_tools", "mcp_approval_request"]
+    request = first.output[1]
+    assert (request.name, request.server_label) == ("add", "calc") and request.id.startswith("mcpr_")
+    assert json.loads(request.arguments) == {"a": 2, "b": 3}
+    second = client.responses.create(model="agent", previous_response_id=first.id, tools=[tool],
+                                     input=[_approval(request.id, True)])
+    assert [item.type for item in second.output] == ["mcp_list_tools", "mcp_call", "message"]
+    call = second.output[1]
+    assert call.approval_request_id == request.id and call.output == "5" and call.status == "completed"
+    assert second.output_text == "The sum is 5."  # the result reached the model
+    # the conversation goes on with the call and its result (the request itself is not rendered)
+    third = client.responses.create(model="agent", previous_response_id=second.id, input="LIST_TOOLS")
+    assert third.output_text == ("<user>" + _call("add", a=2, b=3) + '<assistant><call add {"a": 2, "b": 3}>'
+                                 "<tool>5<assistant>The sum is 5.<user>LIST_TOOLS")
+
+
+def test_declined_call_and_approval_filters(client, calc):
+    # a filter: add never waits, every other tool does (fail included)
+    tool = _tool(calc.url, require_approval={"never": {"tool_names": ["add"]}})
+    response = client.responses.create(model="agent", input=_call("add", a=1, b=2) + _call("fail", reason="x"),
+                                       tools=[tool])
+    assert [item.type for item in response.output] == ["mcp_list_tools", "mcp_call", "mcp_approval_request"]
+    assert response.output[1].output == "3" and response.output[2].name == "fail"
+    # declined, given back without previous_response_id: the model reads that it was not approved
+    request = response.output[2].model_dump()
+    declined = client.responses.create(model="agent", tools=[tool], input=[
+        {"role": "user", "content": "go"}, request, _approval(request["id"], False, reason="not now")])
+    assert [item.type for item in declined.output] == ["mcp_list_tools", "message"]
+    assert declined.output_text == "The sum is Error: the user did not approve this call: not now."
+    # streamed: the request item has only its added and done events
+    with client.responses.stream(model="agent", input=_call("fail", reason="y"), tools=[tool], store=False) as stream:
+        events = list(stream)
+    added = [e for e in events if e.type == "response.output_item.added" and e.item.type == "mcp_approval_request"]
+    [done] = [e for e in events if e.type == "response.output_item.done" and e.item.type == "mcp_approval_request"]
+    assert len(added) == 1 and json.loads(done.item.arguments) == {"reason": "y"}
+    kinds = [e.type for e in events]
+    assert not any("mcp_call" in k for k in kinds) and kinds[-1] == "response.completed"
+    assert [i.type for i in events[-1].response.output] == ["mcp_list_tools", "mcp_approval_request"]
+
+
+def test_bad_approval_responses(server, calc):
+    url = f"{server.base_url}/v1/responses"
+    for item, tools, param in ((_approval("mcpr_unknown", True), [_tool(calc.url)], "input[0].approval_request_id"),
+                               (_approval("mcpr_x", "yes"), [_tool(calc.url)], "input[0].approve"),
+                               ({"type": "mcp_approval_response", "approve": True}, [_tool(calc.url)],
+                                "input[0].approval_request_id")):
+        answer = httpx.post(url, timeout=30, json={"model": "agent", "input": [item], "tools": tools})
+        assert answer.status_code == 400, answer.text
+        assert answer.json()["error"]["param"] == param
+    request = {"type": "mcp_approval_request", "id": "mcpr_1", "server_label": "calc", "name": "add",
+               "arguments": "{}"}
+    answer = httpx.post(url, timeout=30, json={"model": "agent", "input": [request, _approval("mcpr_1", True)]})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "tools"  # its server is not in tools
 
 
 def test_unreachable_server(server, dead_port):

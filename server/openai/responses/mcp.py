@@ -1,7 +1,7 @@
 """MCP tools run by the server for ``/v1/responses`` (OpenAI's remote MCP tool).
 
 A request may name MCP servers among its ``tools``: ``{"type": "mcp", "server_label", "server_url",
-"allowed_tools", "headers", "require_approval": "never"}``. The server reaches only the URLs that
+"allowed_tools", "headers", "require_approval"}``. The server reaches only the URLs that
 ``--mcp-allow`` prefixes allow (:class:`McpSettings`; none by default: any MCP tool is then a 400 naming
 its URL). For such a response :class:`ToolRounds` lists each server's tools (an ``mcp_list_tools`` output
 item), offers them to the model as function tools beside the request's own, and generates; a call the
@@ -12,6 +12,14 @@ one of the client's function tools, or a limit ends the response (``max_tool_rou
 ``max_tool_calls``, ``max_output_tokens``). Every generation is streamed from the model, so a streamed
 response and a whole one are built by the same code; the events are OpenAI's
 (``response.mcp_list_tools.*``, ``response.mcp_call.*``, ``response.mcp_call_arguments.*``).
+
+Approvals, as OpenAI's: a call of a tool that ``require_approval`` covers (``always``, the default, or a
+``{"always": {...}, "never": {...}}`` filter of tool names and ``read_only``) is not run: it becomes an
+``mcp_approval_request`` item and the response ends there. A later request answers it with an
+``mcp_approval_response`` input item (``previous_response_id``, or the request item given back as input):
+an approved call is run before the next generation (an ``mcp_call`` item with its ``approval_request_id``),
+a declined one goes to the model as a call whose result says it was not approved (:func:`approved_calls`,
+:func:`.protocol.to_messages`).
 
 Each list or call opens its own MCP session (one HTTP exchange or a few), within :attr:`McpSettings.timeout_s`,
 on the task that runs the response, so a client that leaves cancels it like the generation.
@@ -60,6 +68,23 @@ class McpSettings:
         return False
 
 
+@dataclass(frozen=True)
+class ToolFilter:
+    """Which tools a ``require_approval`` filter covers: ``tool_names`` (None: any name) and ``read_only`` (the
+    tool's ``readOnlyHint`` annotation; None: either)."""
+
+    names: frozenset[str] | None = None
+    read_only: bool | None = None
+
+    def covers(self, tool: dict) -> bool:
+        if self.names is not None and tool["name"] not in self.names:
+            return False
+        return self.read_only is None or bool((tool.get("annotations") or {}).get("readOnlyHint")) == self.read_only
+
+
+_EVERY_TOOL = ToolFilter()
+
+
 @dataclass(eq=False)
 class McpServer:
     """One ``{"type": "mcp"}`` entry of a request, and the tools listed from it."""
@@ -70,12 +95,20 @@ class McpServer:
     headers: dict[str, str]
     allowed: frozenset[str] | None  # tool names; None: all
     read_only: bool  # only tools annotated read-only
+    always: ToolFilter | None = _EVERY_TOOL  # require_approval: the tools whose calls wait for an approval
+    never: ToolFilter | None = None  # ... and those that never do (OpenAI's default: every call waits)
     tools: list[dict] = field(default_factory=list)  # name, description, input_schema, annotations
     list_id: str = field(default_factory=lambda: new_id("mcpl"))
 
     def list_item(self) -> dict:
         return {"id": self.list_id, "type": "mcp_list_tools", "server_label": self.label, "tools": self.tools,
                 "error": None}
+
+    def needs_approval(self, name: str) -> bool:
+        tool = next((t for t in self.tools if t["name"] == name), {"name": name})
+        if self.always is not None and self.always.covers(tool):
+            return True
+        return not (self.never is not None and self.never.covers(tool))
 
 
 # -- the request's MCP tools --------------------------------------------------------------------------
@@ -99,18 +132,57 @@ def servers_of(tools: Any, settings: McpSettings) -> list[McpServer]:
                              "the URLs its --mcp-allow prefixes allow)", f"{where}.server_url")
         if any(s.label == label for s in servers):
             raise BadRequest(f"{where}: two MCP tools are labelled '{label}'", f"{where}.server_label")
-        _check_approval(tool.get("require_approval"), where)
+        always, never = _approval(tool.get("require_approval"), where)
         allowed, read_only = _allowed(tool.get("allowed_tools"), where)
-        servers.append(McpServer(i, label, url, _headers(tool, where), allowed, read_only))
+        servers.append(McpServer(i, label, url, _headers(tool, where), allowed, read_only, always, never))
     return servers
 
 
-def _check_approval(value: Any, where: str) -> None:
-    """Only ``never`` (or ``{"never": {...}}`` without ``always``): approval requests are not implemented."""
-    if value == "never" or (isinstance(value, dict) and not value.get("always") and "never" in value):
-        return
-    raise BadRequest(f"{where}: require_approval must be 'never' here (this server runs MCP calls without "
-                     "asking; approval requests are not supported)", f"{where}.require_approval")
+def _approval(value: Any, where: str) -> tuple[ToolFilter | None, ToolFilter | None]:
+    """``require_approval`` as (the tools that always wait for an approval, those that never do): ``always``
+    (also when left out, OpenAI's default), ``never``, or ``{"always": filter, "never": filter}``, each filter
+    ``{"tool_names": [...], "read_only": bool}``; a tool neither covers waits."""
+    if value is None or value == "always":
+        return _EVERY_TOOL, None
+    if value == "never":
+        return None, _EVERY_TOOL
+    if isinstance(value, dict) and set(value) <= {"always", "never"}:
+        return (_tool_filter(value.get("always"), f"{where}.require_approval.always"),
+                _tool_filter(value.get("never"), f"{where}.require_approval.never"))
+    raise BadRequest(f"{where}: require_approval must be 'always', 'never' or {{'always': {{...}}, 'never': {{...}}}}",
+                     f"{where}.require_approval")
+
+
+def _tool_filter(value: Any, where: str) -> ToolFilter | None:
+    if value is None:
+        return None
+    names = value.get("tool_names") if isinstance(value, dict) else None
+    read_only = value.get("read_only") if isinstance(value, dict) else None
+    if not isinstance(value, dict) or set(value) - {"tool_names", "read_only"} or not (
+            names is None or (isinstance(names, list) and all(isinstance(n, str) for n in names))) \
+            or not (read_only is None or isinstance(read_only, bool)):
+        raise BadRequest(f"{where} must be {{'tool_names': [names], 'read_only': true|false}}", where)
+    return ToolFilter(frozenset(names) if names is not None else None, read_only)
+
+
+def approved_calls(items: list[dict], requests: dict[str, dict], servers: list[McpServer]) -> list[dict]:
+    """The approval requests that this request's ``mcp_approval_response`` items approve (``requests``: the
+    approval requests of the conversation by id); an answer to an unknown request, or to a server that is not
+    among the request's tools, is a 400."""
+    approved = []
+    for i, item in enumerate(items):
+        if item["type"] != "mcp_approval_response":
+            continue
+        request = requests.get(item["approval_request_id"])
+        if request is None:
+            raise BadRequest(f"input[{i}]: no MCP approval request '{item['approval_request_id']}' in this "
+                             "conversation", f"input[{i}].approval_request_id")
+        if not any(s.label == request["server_label"] for s in servers):
+            raise BadRequest(f"input[{i}]: the call to approve is one of MCP server '{request['server_label']}', "
+                             "which is not among the request's tools", "tools")
+        if item["approve"]:
+            approved.append(request)
+    return approved
 
 
 def _allowed(value: Any, where: str) -> tuple[frozenset[str] | None, bool]:
@@ -238,6 +310,11 @@ def call_item(item_id: str, server_label: str, name: str, arguments: str, status
             "output": output_text, "error": error, "status": status, "approval_request_id": None}
 
 
+def approval_item(item_id: str, server_label: str, name: str, arguments: str) -> dict:
+    return {"id": item_id, "type": "mcp_approval_request", "server_label": server_label, "name": name,
+            "arguments": arguments}
+
+
 class ToolRounds:
     """One response with MCP tools: the tool lists, then generations and the MCP calls between them.
 
@@ -247,7 +324,8 @@ class ToolRounds:
     (``stop``, ``length``, or ``max_tool_calls`` when a limit left calls unrun)."""
 
     def __init__(self, server, request: ResponsesRequest, doc: dict, llm, messages: list[dict],
-                 servers: list[McpServer], settings: McpSettings, response_id: str, timeout_us: int = 0) -> None:
+                 servers: list[McpServer], settings: McpSettings, response_id: str, timeout_us: int = 0,
+                 approved: list[dict] | None = None) -> None:
         self.server = server
         self.request = request
         self.doc = doc
@@ -265,6 +343,8 @@ class ToolRounds:
         self._round = 0
         self._round_items: list[dict] = []  # the last generation's items
         self._calls_run = 0
+        self._approved = approved or []  # approval requests approved by this request: run before generating
+        self._approved_calls: list[dict] = []  # ... their mcp_call items
 
     async def begin(self) -> None:
         await asyncio.gather(*(list_tools(s, self.settings) for s in self.servers))
@@ -277,6 +357,18 @@ class ToolRounds:
                     raise BadRequest(f"tool '{tool['name']}' of MCP server '{server.label}' has the name of a tool of "
                                      f"{by}; narrow allowed_tools", f"tools[{server.index}].allowed_tools")
                 self._by_tool[tool["name"]] = server
+        for request in self._approved:
+            server = self._by_tool.get(request["name"])
+            if server is None or server.label != request["server_label"]:
+                raise BadRequest(f"the approved call of '{request['name']}' is not one of the tools MCP server "
+                                 f"'{request['server_label']}' lists now (allowed_tools)", "tools")
+            self._calls_run += 1
+            result, error = await call_tool(server, request["name"], request["arguments"], self.settings)
+            call = call_item(new_id("mcp"), server.label, request["name"], request["arguments"],
+                             "failed" if error else "completed", result, error)
+            call["approval_request_id"] = request["id"]
+            self._approved_calls.append(call)
+        self.messages += to_messages(self._approved_calls)
         self._run = await self._start()
 
     async def close(self) -> None:
@@ -319,6 +411,15 @@ class ToolRounds:
             yield {"type": "response.mcp_list_tools.completed", "item_id": server.list_id, "output_index": index}
             yield {"type": "response.output_item.done", "output_index": index, "item": item}
             self.items.append(item)
+        for call in self._approved_calls:  # run in begin(), before the first generation
+            index = len(self.items)
+            yield {"type": "response.output_item.added", "output_index": index,
+                   "item": {**call, "output": None, "error": None, "status": "in_progress"}}
+            yield {"type": "response.mcp_call.in_progress", "item_id": call["id"], "output_index": index}
+            yield {"type": "response.mcp_call.failed" if call["error"] else "response.mcp_call.completed",
+                   "item_id": call["id"], "output_index": index}
+            yield {"type": "response.output_item.done", "output_index": index, "item": call}
+            self.items.append(call)
         while True:
             pending: list[dict] = []
             async for event in self._generate(pending):
@@ -340,8 +441,9 @@ class ToolRounds:
                     yield {"type": "response.mcp_call.failed" if error else "response.mcp_call.completed",
                            "item_id": item["id"], "output_index": index}
                 yield {"type": "response.output_item.done", "output_index": index, "item": item}
-            if self.reason != "stop" or any(i["type"] == "function_call" for i in self._round_items):
-                return  # a limit, or a call of the client's own tools: the client answers it
+            if self.reason != "stop" or any(i["type"] in ("function_call", "mcp_approval_request")
+                                            for i in self._round_items):
+                return  # a limit, a call of the client's own tools or one to approve: the client answers it
             self.messages += to_messages(self._round_items)
             self._round += 1
             self._run = await self._start()
@@ -402,12 +504,26 @@ class _Translate:
     """One generation's events as the response numbers them (its items after ``offset`` earlier ones), with
     the function calls of MCP tools turned into ``mcp_call`` items: ``response.mcp_call.in_progress`` after
     the item is added, ``response.mcp_call_arguments.delta`` / ``.done``; the item's ``output_item.done``
-    waits until the call has run."""
+    waits until the call has run. A call that waits for an approval becomes an ``mcp_approval_request`` item,
+    with no events between its ``output_item.added`` and ``.done``."""
 
     def __init__(self, offset: int, by_tool: dict[str, McpServer]) -> None:
         self.offset = offset
         self.by_tool = by_tool
         self.calls: dict[str, dict] = {}  # function-call item id -> its mcp_call item
+        self.approvals: dict[str, dict] = {}  # function-call item id -> its mcp_approval_request item
+
+    def _item(self, item: dict) -> dict:
+        """The mcp_call or mcp_approval_request item of a function call of an MCP tool (made once)."""
+        made = self.calls.get(item["id"]) or self.approvals.get(item["id"])
+        if made is None:
+            server = self.by_tool[item["name"]]
+            if server.needs_approval(item["name"]):
+                made = self.approvals[item["id"]] = approval_item(new_id("mcpr"), server.label, item["name"], "")
+            else:
+                made = self.calls[item["id"]] = call_item(new_id("mcp"), server.label, item["name"], "",
+                                                          "in_progress")
+        return made
 
     def events(self, event: dict) -> list[dict]:
         if "output_index" in event:
@@ -415,11 +531,19 @@ class _Translate:
         kind = event["type"]
         item = event.get("item")
         if kind == "response.output_item.added" and item["type"] == "function_call" and item["name"] in self.by_tool:
-            call = call_item(new_id("mcp"), self.by_tool[item["name"]].label, item["name"], "", "in_progress")
-            self.calls[item["id"]] = call
-            return [{**event, "item": dict(call)},
-                    {"type": "response.mcp_call.in_progress", "item_id": call["id"], "output_index": event["output_index"]}]
-        call = self.calls.get(item["id"] if item is not None else event.get("item_id"))
+            made = self._item(item)
+            if made["type"] == "mcp_approval_request":
+                return [{**event, "item": dict(made)}]
+            return [{**event, "item": dict(made)},
+                    {"type": "response.mcp_call.in_progress", "item_id": made["id"], "output_index": event["output_index"]}]
+        item_id = item["id"] if item is not None else event.get("item_id")
+        approval = self.approvals.get(item_id)
+        if approval is not None:
+            if kind != "response.output_item.done":
+                return []
+            approval["arguments"] = item["arguments"]
+            return [{**event, "item": approval}]
+        call = self.calls.get(item_id)
         if call is None:
             return [event]
         if kind == "response.function_call_arguments.delta":
@@ -432,14 +556,15 @@ class _Translate:
         return []  # the call's output_item.done: sent once it has run
 
     def items(self, items: list[dict]) -> list[dict]:
-        """The generation's finished items, MCP calls as their ``mcp_call`` items (status ``calling``)."""
+        """The generation's finished items: MCP calls as their ``mcp_call`` items (status ``calling``) or
+        ``mcp_approval_request`` items."""
         found = []
         for item in items:
-            call = self.calls.get(item["id"]) if item["type"] == "function_call" else None
-            if call is None and item["type"] == "function_call" and item["name"] in self.by_tool:
-                call = call_item(new_id("mcp"), self.by_tool[item["name"]].label, item["name"], "", "in_progress")
-            if call is not None:
-                call.update(arguments=item["arguments"], status="calling")
-                item = call
+            if item["type"] == "function_call" and item["name"] in self.by_tool:
+                made = self._item(item)
+                made["arguments"] = item["arguments"]
+                if made["type"] == "mcp_call":
+                    made["status"] = "calling"
+                item = made
             found.append(item)
         return found

@@ -162,12 +162,27 @@ def input_items(request: ResponsesRequest) -> list[dict]:
             if kind == "mcp_call":
                 _need(i, item, ("name", "arguments"))
             items.append({**item, "id": item.get("id") or new_id("mcp" if kind == "mcp_call" else "mcpl")})
+        elif kind == "mcp_approval_request":  # earlier output given back, for an approval response to answer
+            _need(i, item, ("id", "server_label", "name", "arguments"))
+            items.append({"id": item["id"], "type": kind, "server_label": item["server_label"], "name": item["name"],
+                          "arguments": item["arguments"]})
+        elif kind == "mcp_approval_response":
+            _need(i, item, ("approval_request_id",))
+            if not isinstance(item.get("approve"), bool):
+                raise BadRequest(f"input[{i}]: 'approve' must be true or false", f"input[{i}].approve")
+            reason = item.get("reason")
+            if reason is not None and not isinstance(reason, str):
+                raise BadRequest(f"input[{i}]: 'reason' must be a string", f"input[{i}].reason")
+            items.append({"id": item.get("id") or new_id("mcpa"), "type": kind,
+                          "approval_request_id": item["approval_request_id"], "approve": item["approve"],
+                          "reason": reason})
         elif kind == "item_reference":
             raise BadRequest(f"input[{i}]: item references are not supported here; send the item itself",
                              f"input[{i}].type")
         else:
             raise BadRequest(f"input[{i}]: item type '{kind}' is not supported here (message, function_call, "
-                             "function_call_output, reasoning, mcp_list_tools, mcp_call)", f"input[{i}].type")
+                             "function_call_output, reasoning, mcp_list_tools, mcp_call, mcp_approval_request, "
+                             "mcp_approval_response)", f"input[{i}].type")
     return items
 
 
@@ -209,13 +224,24 @@ def _message_item(i: int, item: dict) -> dict:
     return out
 
 
-def to_messages(items: list[dict]) -> list[dict]:
+def to_messages(items: list[dict], approval_requests: dict[str, dict] | None = None) -> list[dict]:
     """Chat messages of input or output items (consecutive function calls join one assistant message, text
-    before them its content; the results of consecutive MCP calls follow their calls)."""
+    before them its content; the results of consecutive MCP calls follow their calls). An MCP approval request
+    is not rendered (its call, once approved and run, is an ``mcp_call`` item); a declined one
+    (``mcp_approval_response`` with ``approve`` false, its request in ``approval_requests``) is, as the call
+    with a result that says so."""
     messages: list[dict] = []
     results: list[dict] = []  # tool messages of the MCP calls just before
     for item in items:
         kind = item["type"]
+        if kind == "mcp_approval_response" and not item["approve"]:
+            request = (approval_requests or {}).get(item["approval_request_id"])
+            if request is None:
+                continue
+            reason = item.get("reason")
+            item = {**request, "type": "mcp_call", "status": "failed",
+                    "error": "the user did not approve this call" + (f": {reason}" if reason else "")}
+            kind = "mcp_call"
         if kind != "mcp_call" and results:
             messages += results
             results = []

@@ -64,20 +64,24 @@ async def create_response(server, doc, scope) -> bytes | EventStream:
     request.model = llm.name
     items = input_items(request)
     history: list[dict] = []
+    earlier: list[dict] = []  # the previous response's output items
     if request.previous_response_id is not None:
         previous = await _stored(server, state, request.previous_response_id, "previous_response_id")
-        history = previous.conversation + to_messages(previous.response.get("output") or [])
-    conversation = history + to_messages(items)
+        earlier = previous.response.get("output") or []
+        history = previous.conversation + to_messages(earlier)
+    approvals = {item["id"]: item for item in earlier + items if item["type"] == "mcp_approval_request"}
+    conversation = history + to_messages(items, approvals)
+    servers = mcp.servers_of(doc.get("tools"), state.mcp)
+    approved = mcp.approved_calls(items, approvals, servers)
     messages = ([{"role": "system", "content": request.instructions}] if request.instructions else []) + conversation
     if not messages:
         raise BadRequest("the request has no input", "input")
-    servers = mcp.servers_of(doc.get("tools"), state.mcp)
     response_id = new_id("resp")
     created = int(time.time())
     job = _Job(server, state, request, llm.name, response_id, created, items, conversation)
     if servers:
         return await _with_mcp(job, mcp.ToolRounds(server, request, doc, llm, messages, servers, state.mcp,
-                                                   response_id, timeout_us))
+                                                   response_id, timeout_us, approved))
     chat = chat_request(request, doc, messages, request.stream)
     if request.background:
         async def launch():
