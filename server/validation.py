@@ -29,7 +29,7 @@ def _spec(tensor) -> TensorSpec:
 
 
 def _shape_matches(shape: tuple[int, ...], dims: tuple[int, ...]) -> bool:
-    return len(shape) == len(dims) and all(d == -1 or d == s for s, d in zip(shape, dims))
+    return shape == dims or (len(shape) == len(dims) and all(d == -1 or d == s for s, d in zip(shape, dims)))
 
 
 def conform_shape(shape: tuple[int, ...], dims: tuple[int, ...], batching: bool, batch_size: int) -> tuple[int, ...]:
@@ -103,11 +103,10 @@ class RequestValidator:
                         f"input '{name}' batch size {shape[0]} does not match the batch size {batch} of the "
                         f"other inputs for model '{model}'")
                 body = shape[1:]
-                expected = [-1, *spec.dims]
             else:
                 body = shape
-                expected = list(spec.dims)
             if not _shape_matches(body, spec.dims):
+                expected = [-1, *spec.dims] if self.max_batch_size > 0 else list(spec.dims)
                 raise InvalidArgument(
                     f"unexpected shape for input '{name}' for model '{model}'. Expected {expected}, "
                     f"got {list(shape)}")

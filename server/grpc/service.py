@@ -540,6 +540,32 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
             await asyncio.sleep(self.WATCH_INTERVAL_S)
 
 
+class _HandlerCapture:
+    """Stands in for the server while generated code adds a servicer: keeps its generic handler only."""
+
+    def __init__(self) -> None:
+        self.handlers: tuple = ()
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        self.handlers += tuple(handlers)
+
+    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+        pass
+
+
+def _add_unregistered(add_to_server, servicer, server: grpc.aio.Server) -> None:
+    """Add ``servicer`` with its generic handler only, none of its methods registered with the server.
+
+    grpc.aio keeps one pending "request call" task per registered method plus one for all others, and on
+    every call waits on all of them (``asyncio.wait``: a done callback added to and removed from each): with
+    the two services' 22 methods registered, that is 23 tasks walked per call. Unregistered, every call
+    arrives through the one generic request call and is dispatched by method name (a dict lookup); calls,
+    statuses and unknown methods (UNIMPLEMENTED) are answered as before."""
+    capture = _HandlerCapture()
+    add_to_server(servicer, capture)
+    server.add_generic_rpc_handlers(capture.handlers)
+
+
 async def start_grpc_server(dataplane: ServingInterface, host: str, port: int, *,
                             options: list[tuple[str, Any]] | None = None,
                             access: AccessPolicy | None = None,
@@ -551,8 +577,9 @@ async def start_grpc_server(dataplane: ServingInterface, host: str, port: int, *
     channel_args = dict(SERVER_OPTIONS)
     channel_args.update(options or [])
     server = grpc.aio.server(options=list(channel_args.items()), interceptors=access_interceptors(access))
-    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(dataplane, tensor_limits), server)
-    health_pb2_grpc.add_HealthServicer_to_server(HealthServicer(dataplane), server)
+    _add_unregistered(service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server,
+                      InferenceServicer(dataplane, tensor_limits), server)
+    _add_unregistered(health_pb2_grpc.add_HealthServicer_to_server, HealthServicer(dataplane), server)
     address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
     try:
         bound = server.add_insecure_port(address)

@@ -93,6 +93,14 @@ class CoalescingTransport:
         else:
             self._pending += data
 
+    def write_now(self, data: bytes) -> None:
+        """Write at once (a whole answer in one piece: nothing to wait for), after what is held."""
+        if self._pending is not None:
+            self._pending += data
+            self.flush()
+        elif not self._transport.is_closing():
+            self._transport.write(data)
+
     def writelines(self, chunks) -> None:
         for chunk in chunks:
             self.write(chunk)

@@ -21,11 +21,12 @@ from ..types import InferenceRequest
 from .base import DELAY_SCHEDULER_ENV, OrderGate, Scheduler, drop_cancelled, held_until
 
 
-@dataclass
+@dataclass(slots=True)
 class _Entry:
     request: InferenceRequest
     deadline_ns: int  # 0: no timeout
     delay_on_timeout: bool
+    signature: tuple | None = None  # what requests batched together must share (see _signature)
 
 
 class _Level:
@@ -68,7 +69,7 @@ class DynamicBatcher(Scheduler):
         self._order = sorted(self.levels)
         self._delayed: collections.deque[_Entry] = collections.deque()  # timed out with DELAY
         self._has_deadlines = any(level.timeout_us or level.allow_override for level in self.levels.values())
-        self._wake = asyncio.Event()
+        self._waiter: asyncio.Future | None = None  # set while batch formation waits for a request or a timer
         self._form_lock = asyncio.Lock()
         self._gate = OrderGate() if batching.preserve_ordering else None
         self._hold = held_until(DELAY_SCHEDULER_ENV)  # Triton's test hook: no batch until this many are queued
@@ -81,15 +82,34 @@ class DynamicBatcher(Scheduler):
         if level.max_size and len(level.queue) >= level.max_size:
             raise QueueFull(f"exceeds maximum queue size for model '{self.runtime.name}'")
         entry = level.entry(request)
+        entry.signature = self._signature(request)
         level.queue.append(entry)
         if entry.deadline_ns:  # expire it on time even while every instance is busy
             delay = (entry.deadline_ns - time.monotonic_ns()) / 1e9
             asyncio.get_running_loop().call_later(max(delay, 0.0), self._on_deadline)
-        self._wake.set()
+        self._wake()
 
     def _on_deadline(self) -> None:
         self._expire(time.monotonic_ns())
-        self._wake.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        """Batch formation looks again (a request arrived or a deadline passed)."""
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def _sleep(self, timeout: float | None) -> None:
+        """Until the next ``_wake`` or ``timeout`` seconds: a future and a timer, no task (the hot path)."""
+        loop = asyncio.get_running_loop()
+        waiter = self._waiter = loop.create_future()
+        timer = None if timeout is None else loop.call_later(timeout, _resolve, waiter)
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+            if timer is not None:
+                timer.cancel()
 
     def pending(self) -> int:
         return sum(len(level.queue) for level in self.levels.values()) + len(self._delayed)
@@ -104,6 +124,11 @@ class DynamicBatcher(Scheduler):
         for key in self._order:
             queue = self.levels[key].queue
             if not queue:
+                continue
+            for entry in queue:  # the usual case: nothing to drop, nothing to copy
+                if (entry.deadline_ns and now >= entry.deadline_ns) or entry.request.is_cancelled():
+                    break
+            else:
                 continue
             kept = collections.deque()
             for entry in queue:
@@ -141,7 +166,7 @@ class DynamicBatcher(Scheduler):
                 request = entry.request
                 if rows + request.batch_size > self.max_batch_size:
                     return picked, rows, True
-                entry_signature = self._signature(request)
+                entry_signature = entry.signature
                 if signature is None:
                     signature = entry_signature
                 elif entry_signature != signature:
@@ -166,6 +191,11 @@ class DynamicBatcher(Scheduler):
         return now >= oldest + self.delay_ns
 
     def _take(self, picked: list[_Entry]) -> list[InferenceRequest]:
+        if len(self.levels) == 1 and not self._delayed:  # one queue: the picked entries are its first ones
+            popleft = self.levels[self._order[0]].queue.popleft
+            for _ in picked:
+                popleft()
+            return [e.request for e in picked]
         chosen = {id(e) for e in picked}
         for queue in self._queues():
             while queue and id(queue[0]) in chosen:
@@ -182,8 +212,7 @@ class DynamicBatcher(Scheduler):
                 if self.pending() >= self._hold:
                     self._hold = 0
                     break
-                self._wake.clear()
-                await self._wake.wait()
+                await self._sleep(None)
             while True:
                 now = time.monotonic_ns()
                 self._expire(now)
@@ -200,9 +229,9 @@ class DynamicBatcher(Scheduler):
                     deadline = self._next_deadline()
                     if deadline and (not wait_until or deadline < wait_until):
                         wait_until = deadline
-                self._wake.clear()
-                timeout = max(0.0, (wait_until - now) / 1e9) if wait_until else None
-                try:
-                    await asyncio.wait_for(self._wake.wait(), timeout)
-                except asyncio.TimeoutError:
-                    pass
+                await self._sleep(max(0.0, (wait_until - now) / 1e9) if wait_until else None)
+
+
+def _resolve(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
