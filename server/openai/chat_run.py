@@ -40,6 +40,10 @@ class ChatRun:
         usage.add_prompt(self.run, self.prompt)
         return usage
 
+    def choices(self) -> output.ChoiceStream:
+        """The stream that reads the model's text as this request's answer (reasoning, tool calls)."""
+        return output.ChoiceStream(self.request, self.llm)
+
     def error(self, exc: BaseException):
         """The OpenAI error of a model failure (fields named as the client sent them)."""
         return from_server_error(exc, self.fields, "messages")

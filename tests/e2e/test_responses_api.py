@@ -134,6 +134,19 @@ def test_streamed_events_rebuild_the_response(client, text):
         assert "response.reasoning_text.delta" in kinds and "response.output_text.done" in kinds
 
 
+def test_model_error_mid_stream_fails_the_response(client):
+    """The model fails after two words (``slow``'s ``FAIL``): the open item is closed and the stream ends with
+    ``response.failed`` carrying what was written and the error."""
+    events = _events(client, model="slow", input="FAIL", max_output_tokens=6, store=False)
+    kinds = [e.type for e in events]
+    assert kinds[-1] == "response.failed" and "response.completed" not in kinds
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    failed = events[-1].response
+    assert failed.status == "failed" and "the words ran out" in failed.error.message
+    assert failed.output[0].content[0].text == "w0 w1 "
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "w0 w1 "
+
+
 def test_named_and_none_tool_choice(client):
     none = client.responses.create(model="agent", input="LIST_TOOLS", tools=TOOLS, tool_choice="none")
     assert none.output_text.endswith("[get_weather][get_time]")  # the tools reached the template

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import orjson
 
+from ...errors import ServerError
+from ..chat_completion.output import merge
 from ..chat_run import ChatRun, start
 from ..errors import BadRequest, OpenAIError
 from ..http import EventStream, request_timeout_us
@@ -170,39 +172,65 @@ class _Job:
     # -- streaming ------------------------------------------------------------------------------------
     async def events(self, run: ChatRun):
         """The events of one generation, written as bytes, those of one model step in one chunk (one write):
-        ``response.created`` and ``response.in_progress`` go with the first step's events."""
+        ``response.created`` and ``response.in_progress`` go with the first step's events. The steps are read
+        here (as :meth:`ChatRun.deltas` reads them, without its generator): text that continues the open item
+        is written from its template, with no delta dict for a plain answer (no reasoning parser, no tools)."""
         writer = output.EventWriter()
         started = orjson.dumps(self.response("in_progress", []))
         chunk = writer.wrapped("response.created", started) + writer.wrapped("response.in_progress", started)
         stream = output.OutputStream()
         more_text = stream.more_text
+        choices = run.choices()
+        plain = choices.plain
         usage = run.usage()
         reasoning: list[str] = []
         reason = None
+        step_of = run.run.step
         try:
-            async for delta, reason in run.deltas(usage):
-                if reason is None and len(delta) == 1 and "content" in delta:  # nearly every token of an answer
-                    item = more_text("message", delta["content"])
-                    if item is not None:
-                        yield chunk + writer.delta(item, delta["content"])
-                        chunk = b""
+            while (step := await step_of()) is not None:
+                usage.add_step(step)
+                text, reason = step.texts[0], step.finish[0]
+                if reason is None:
+                    if not text:
                         continue
-                if delta.get("reasoning"):
-                    reasoning.append(delta["reasoning"])
-                    if reason is None and "content" not in delta and "tool_calls" not in delta:
-                        item = more_text("reasoning", delta["reasoning"])
+                    if plain:  # nearly every token of a plain answer
+                        item = more_text("message", text)
                         if item is not None:
-                            yield chunk + writer.delta(item, delta["reasoning"])
+                            yield chunk + writer.delta(item, text)
                             chunk = b""
                             continue
+                        delta = {"content": text}
+                    else:
+                        delta = choices.feed(text)
+                        kind = _only_text(delta)
+                        if kind is not None and (item := more_text(kind, delta[_TEXT_KEYS[kind]])) is not None:
+                            if kind == "reasoning":
+                                reasoning.append(delta["reasoning"])
+                            yield chunk + writer.delta(item, delta[_TEXT_KEYS[kind]])
+                            chunk = b""
+                            continue
+                else:
+                    delta = choices.feed(text) if text else {}
+                    last, reason = choices.finish(reason)
+                    merge(delta, last)
+                if delta.get("reasoning"):
+                    reasoning.append(delta["reasoning"])
                 chunk += writer.events(stream.feed(delta))
-                if reason is None and chunk:  # (the last step's events go with the finishing ones)
+                if reason is not None:
+                    break
+                if chunk:
                     yield chunk
                     chunk = b""
-        except OpenAIError as exc:
+            else:  # a model that reports no finish reason ends here
+                delta, reason = choices.finish(None)
+                if delta.get("reasoning"):
+                    reasoning.append(delta["reasoning"])
+                chunk += writer.events(stream.feed(delta))
+        except ServerError as exc:
+            error = run.error(exc)
             chunk += writer.events(stream.finish("error"))
-            failed = self.response("failed", stream.items, error={"code": "server_error" if exc.status >= 500
-                                                                  else "invalid_request", "message": exc.message})
+            failed = self.response("failed", stream.items, error={"code": "server_error" if error.status >= 500
+                                                                  else "invalid_request", "message": error.message})
             if chunk:
                 yield chunk
             await self.save(failed)
@@ -298,6 +326,19 @@ class _Job:
             stream.feed(delta)
         stream.finish(reason)
         return self.answer(stream.items, reason or "stop", output.usage_doc(run, usage, "".join(reasoning)))
+
+
+_TEXT_KEYS = {"message": "content", "reasoning": "reasoning"}
+
+
+def _only_text(delta: dict) -> str | None:
+    """``message`` or ``reasoning`` when ``delta`` holds only text of that kind (a reasoning delta also carries it
+    as ``reasoning_content``), else None."""
+    if "tool_calls" in delta:
+        return None
+    if delta.get("content"):
+        return "message" if len(delta) == 1 else None
+    return "reasoning" if delta.get("reasoning") and "content" not in delta else None
 
 
 # -- the stored responses ---------------------------------------------------------------------------------
