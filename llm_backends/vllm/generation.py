@@ -103,7 +103,7 @@ class _Deadline:
             return
         self.expired = True
         self.request.response_sender.send_error(deadline_error(self.model_name, self.limit_ms))
-        self.abort.on_cancel()
+        self.abort.on_cancel()  # (a no-op in the engine when the request is still rendering: it never gets there)
 
     def cancel(self) -> None:
         self.handle.cancel()
@@ -155,16 +155,21 @@ class Generator:
             sender.send_error(deadline_error(self.model_name, limit_ms))
             return
         streaming = inputs.stream and request.streaming
+        request_id = f"{self.model_name}-{request.internal_id}"
+        abort = _Abort(self.engine, request_id, asyncio.get_running_loop())
+        # the deadline's timer runs from here: a prompt still rendering (tokenizing) at the deadline is refused then
+        deadline = _Deadline(request, deadline_ns, limit_ms, abort, self.model_name) if deadline_ns else None
         try:
             prompt = await self._render(inputs.prompt, inputs.add_special_tokens)
         except Exception as exc:  # the prompt does not fit the model (too long, bad token ids...)
+            if deadline is not None:
+                deadline.cancel()
             sender.send_error(exc if isinstance(exc, ServerError) else InvalidArgument(f"invalid prompt: {exc}"))
             return
-        request_id = f"{self.model_name}-{request.internal_id}"
+        if deadline is not None and deadline.expired:  # refused while the prompt rendered: never sent to the engine
+            return
         tracker = GenerationTracker(self.metrics, self.model_name, self.version, arrival=request.arrival_ns / 1e9)
-        abort = _Abort(self.engine, request_id, asyncio.get_running_loop())
         request.cancellation.add_callback(abort.on_cancel)
-        deadline = _Deadline(request, deadline_ns, limit_ms, abort, self.model_name) if deadline_ns else None
         last = None
         priority = request.priority if self.priority_scheduling else 0
         cached = inputs.cached_tokens or request.parameters.get(RETURN_CACHED_TOKENS) is True

@@ -435,6 +435,7 @@ async def _stream(stream, scope, receive, send) -> None:
     """Server-sent events, one per response; the first response decides the status (as in Triton)."""
     first: list[bytes] = []
     status = 200
+    headers: dict[str, str] = {}
     try:
         with cancel_on_disconnect(receive):
             async for response in stream:
@@ -442,14 +443,17 @@ async def _stream(stream, scope, receive, send) -> None:
                 if event is not None:
                     first.append(event)
                     if response.error is not None:
-                        status = as_server_error(response.error).http_code
+                        error = as_server_error(response.error)
+                        status = error.http_code
+                        if error.retry_after_s is not None:  # refused (queue full, deadline): when to retry
+                            headers["retry-after"] = str(error.retry_after_s)
                     break
     except ClientGone:
         await stream.aclose()
         return
     except ServerError as exc:  # refused before it was scheduled (a frontend worker learns it here)
         await stream.aclose()
-        await send_error(send, exc.http_code, exc.message)
+        await send_error(send, exc.http_code, exc.message, exc.retry_after_s)
         return
     except BaseException:
         await stream.aclose()
@@ -472,6 +476,7 @@ async def _stream(stream, scope, receive, send) -> None:
             await stream.aclose()  # a disconnect cancels the request; after the final response a no-op
 
     try:
-        await _EventStream(events(), status_code=status, ping=SSE_PING_S, sep="\n")(scope, receive, send)
+        await _EventStream(events(), status_code=status, headers=headers or None, ping=SSE_PING_S,
+                           sep="\n")(scope, receive, send)
     finally:
         await stream.aclose()  # also when the response failed before iterating the events

@@ -296,10 +296,15 @@ def test_deadline_refuses_requests_the_engine_has_not_started(fleet):
                               json={"text_input": "Hello", "parameters": {"max_tokens": 4, "timeout": 200_000}})
         assert generate.status_code == 503 and generate.headers["retry-after"] == "1"
         assert "deadline" in generate.json()["error"]
+        # generate_stream: the refusal is the first response, so the status (and Retry-After) are the stream's
+        streamed = httpx.post(f"{fleet.base_url}/v2/models/{MODEL}/generate_stream", timeout=60,
+                              json={"text_input": "Hello", "parameters": {"max_tokens": 4, "timeout": 200_000}})
+        assert streamed.status_code == 503 and streamed.headers["retry-after"] == "1"
+        assert "deadline" in streamed.text
         load = _load(fleet, model=MODEL)  # the refused requests left the engine
         assert load["num_requests_waiting"] == 0, load
     rejected = metric_value(fleet.metrics(), "nv_inference_request_failure", reason="REJECTED", **labels)
-    assert rejected >= rejected_before + 3
+    assert rejected >= rejected_before + 4
 
     # a header that is no number is a 400; one that started generating runs on past its deadline
     with pytest.raises(openai.BadRequestError):
@@ -310,6 +315,33 @@ def test_deadline_refuses_requests_the_engine_has_not_started(fleet):
                                                extra_headers={"x-request-timeout-ms": "2000"})
     chunks = [c for c in stream if c.choices]
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_deadline_on_responses_and_messages(fleet):
+    """``x-request-timeout-ms`` on ``/v1/responses`` (OpenAI's error shape) and ``/v1/messages`` (Anthropic's,
+    ``overloaded_error``), whole or streamed: 503 + Retry-After while the engine has no room."""
+    import anthropic
+
+    with _Busy(fleet):
+        for stream in (False, True):
+            with pytest.raises(openai.APIStatusError) as refused:
+                _client(fleet).responses.create(model=MODEL, input="Hello", max_output_tokens=4, stream=stream,
+                                                store=False, extra_headers={"x-request-timeout-ms": "300"})
+            assert refused.value.status_code == 503 and refused.value.response.headers["retry-after"] == "1"
+            assert "deadline" in refused.value.body["message"]
+        with anthropic.Anthropic(base_url=fleet.base_url, api_key="none", max_retries=0) as claude:
+            for stream in (False, True):
+                with pytest.raises(anthropic.APIStatusError) as refused_messages:
+                    claude.messages.create(model=MODEL, max_tokens=4, stream=stream,
+                                           messages=[{"role": "user", "content": "Hello"}],
+                                           extra_headers={"x-request-timeout-ms": "300"})
+                answer = refused_messages.value.response
+                assert answer.status_code == 503 and answer.headers["retry-after"] == "1"
+                body = answer.json()
+                assert body["type"] == "error" and body["error"]["type"] == "overloaded_error"
+                assert "deadline" in body["error"]["message"]
+        load = _load(fleet, model=MODEL)  # the refused requests left the engine
+        assert load["num_requests_waiting"] == 0, load
 
 
 # -- 6. SIGTERM while streams run (ends the module's server) ------------------------------------------------
