@@ -99,6 +99,8 @@ class ResponseSender:
             response.final = final
         self._fill(response)
         self._sink(response)
+        if final:
+            self.request = None  # request <-> sender: freed by reference counting, not left to the collector
 
     def send_error(self, error: ServerError) -> None:
         """End the request with ``error`` (ignored if the request is already complete)."""
@@ -110,6 +112,7 @@ class ResponseSender:
         response = InferenceResponse(error=error, final=True)
         self._fill(response)
         self._sink(response)
+        self.request = None
 
     def _fill(self, response: InferenceResponse) -> None:
         request = self.request
