@@ -51,5 +51,29 @@ class GenerationDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_logprobs: list[dict] | None = None  # the prompt's, once (the first token's logprob is null)
     cached_tokens: int | None = None  # prompt tokens the prefix cache served (when asked for), on the last
 
+    def extend(self, later: GenerationDelta) -> None:
+        """Add what the next delta of the same request added (two engine steps as one, as vLLM's output collector
+        merges the outputs its reader has not taken yet)."""
+        texts, finish = self.texts, self.finish
+        for i, text in enumerate(later.texts):
+            if text:
+                texts[i] += text
+            if later.finish[i] is not None:
+                finish[i] = later.finish[i]
+        if later.tokens is not None:
+            self.tokens = later.tokens if self.tokens is None else [a + b for a, b in zip(self.tokens, later.tokens)]
+        if self.prompt_tokens is None:
+            self.prompt_tokens = later.prompt_tokens
+        if later.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = later.logprobs
+            else:
+                self.logprobs = [a if b is None else b if a is None else a + b
+                                 for a, b in zip(self.logprobs, later.logprobs)]
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = later.prompt_logprobs
+        if later.cached_tokens is not None:
+            self.cached_tokens = later.cached_tokens
+
 
 __all__ = ["EngineInfo", "GenerationDelta", "GenerationRequest"]

@@ -45,7 +45,15 @@ class ResponseStream:
             self._loop.call_soon_threadsafe(self._put, response)
 
     def _put(self, response: InferenceResponse) -> None:
-        self._items.append(response)
+        items = self._items
+        delta = response.generation
+        if delta is not None and items and response.error is None and not response.parameters:
+            last = items[-1]  # not taken yet: a typed LLM delta joins it (one chunk for the reader, not two)
+            if last.generation is not None and not last.final and last.error is None and not last.parameters:
+                last.generation.extend(delta)
+                last.final = response.final
+                return
+        items.append(response)
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)

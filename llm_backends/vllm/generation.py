@@ -136,12 +136,22 @@ class Generator:
 
     async def run(self, request: InferenceRequest) -> None:
         sender = request.response_sender
+        generation = request.generation
         try:
-            inputs = parse_inputs(request)
-            lora = self.adapters.select(inputs.sampling.pop(LORA_NAME, None))
-            params = make_sampling_params(inputs.sampling)
+            if generation is not None:  # a typed request, read as it is: its sampling fields become SamplingParams
+                inputs = generation
+                lora = self.adapters.select(generation.lora_name)
+                params = make_sampling_params(generation.sampling)
+                want_prompt_logprobs = generation.prompt_logprobs
+                cached = generation.cached_tokens
+            else:  # Triton's tensor interface
+                inputs = parse_inputs(request)
+                lora = self.adapters.select(inputs.sampling.pop(LORA_NAME, None))
+                params = make_sampling_params(inputs.sampling)
+                want_prompt_logprobs = "prompt_logprobs" in inputs.outputs
+                cached = inputs.cached_tokens
             fit_to_context(params, self.engine.model_config.max_model_len)  # (the OpenAI frontend refuses more)
-            if "prompt_logprobs" in inputs.outputs and params.prompt_logprobs is None:
+            if want_prompt_logprobs and params.prompt_logprobs is None:
                 params.prompt_logprobs = 0  # the prompt tokens' own log probabilities
             builder = ResponseBuilder(inputs, params.n, self.output_dtypes, self._decode_token)
         except ServerError as exc:
@@ -172,7 +182,7 @@ class Generator:
         request.cancellation.add_callback(abort.on_cancel)
         last = None
         priority = request.priority if self.priority_scheduling else 0
-        cached = inputs.cached_tokens or request.parameters.get(RETURN_CACHED_TOKENS) is True
+        cached = cached or request.parameters.get(RETURN_CACHED_TOKENS) is True
         try:
             async for output in self.engine.generate(prompt, params, request_id, lora_request=lora,
                                                      priority=priority):

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from tideserve.backend_api import GenerationRequest, InferenceRequest, InvalidArgument
+from tideserve.backend_api import InferenceRequest, InvalidArgument
 
 # Extra outputs and the flag that asks for each.
 RETURN_FLAGS = {
@@ -47,7 +47,6 @@ class GenerateInputs:
     sampling: dict[str, Any]
     outputs: set[str] = field(default_factory=set)  # the output tensors to build (typed: the fields to fill)
     add_special_tokens: bool = True
-    typed: bool = False  # a typed request (tideserve.generation): answered with GenerationDelta, no tensors
     cached_tokens: bool = False  # report the prefix cache's hits
 
     @property
@@ -57,8 +56,6 @@ class GenerateInputs:
 
 def parse_inputs(request: InferenceRequest) -> GenerateInputs:
     """Read a request; raise InvalidArgument naming the tensor or parameter that is wrong."""
-    if request.generation is not None:
-        return typed_inputs(request.generation)
     prompt = _prompt(request)
     stream = _flag(request, STREAM, False)
     token_interface = not isinstance(prompt, str)
@@ -140,17 +137,3 @@ def _sampling(request: InferenceRequest) -> dict[str, Any]:
             raise InvalidArgument("input 'sampling_parameters' must be a JSON object of sampling parameters")
         sampling.update(parsed)
     return sampling
-
-
-def typed_inputs(generation: GenerationRequest) -> GenerateInputs:
-    """A typed request as it is: nothing to parse (tideserve.generation)."""
-    sampling = dict(generation.sampling)
-    if generation.lora_name is not None:
-        sampling["lora_name"] = generation.lora_name
-    outputs = {"text_output"}
-    if generation.logprobs:
-        outputs.add("logprobs")
-    if generation.prompt_logprobs:
-        outputs.add("prompt_logprobs")
-    return GenerateInputs(generation.prompt, generation.stream, False, sampling, outputs,
-                          generation.add_special_tokens, typed=True, cached_tokens=generation.cached_tokens)

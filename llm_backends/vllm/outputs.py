@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from tideserve.backend_api import GenerationDelta, InferenceResponse, InvalidArgument, Tensor
+from tideserve.backend_api import GenerationDelta, GenerationRequest, InferenceResponse, InvalidArgument, Tensor
 
 from .inputs import GenerateInputs
 
@@ -81,15 +81,17 @@ def prompt_logprobs(entries, prompt_ids: list[int], decode: Callable[[int], str]
 
 
 class ResponseBuilder:
-    """Builds the responses of one request from its engine outputs."""
+    """Builds the responses of one request from its engine outputs: tensors for Triton's tensor interface
+    (``GenerateInputs``), ``GenerationDelta`` s for a typed request (``GenerationRequest``)."""
 
-    def __init__(self, inputs: GenerateInputs, n: int, output_dtypes: dict[str, np.dtype],
+    def __init__(self, inputs: GenerateInputs | GenerationRequest, n: int, output_dtypes: dict[str, np.dtype],
                  decode: Callable[[int], str] | None = None) -> None:
-        self.inputs = inputs
+        self.typed = isinstance(inputs, GenerationRequest)
+        self.prepend = not self.typed and inputs.prepend_input  # a whole answer starts with the prompt
         self.decode = decode  # token id -> text, for the prompt's first token
         self.n = n
         self.dtypes = output_dtypes
-        self.want = inputs.outputs
+        self.want = _typed_fields(inputs) if self.typed else inputs.outputs
         self.want_logprobs = "logprobs" in self.want
         if "output_ids" in self.want and n != 1:
             raise InvalidArgument("output 'output_ids' needs sampling parameter n = 1")
@@ -102,7 +104,7 @@ class ResponseBuilder:
     def delta(self, output: Any) -> InferenceResponse:
         """The response of one streamed step."""
         self._note_prompt(output)
-        if self.inputs.typed:  # straight from the engine's output: one representation per step
+        if self.typed:  # straight from the engine's output: one representation per step
             return InferenceResponse(generation=self._step_delta(output))
         return self._response(completions(output, self.n, self.want_logprobs), prepend=False, whole=False)
 
@@ -129,7 +131,7 @@ class ResponseBuilder:
             total.extend(step)
 
     def whole(self) -> InferenceResponse:
-        return self._response(self.total, prepend=self.inputs.prepend_input, whole=True)
+        return self._response(self.total, prepend=self.prepend, whole=True)
 
     def _note_prompt(self, output: Any) -> None:
         if not self.prompt_ids and output.prompt_token_ids:
@@ -140,7 +142,7 @@ class ResponseBuilder:
             self.prompt_logprobs = prompt_logprobs(entries, self.prompt_ids, self.decode)
 
     def _response(self, parts: list[Completion], prepend: bool, whole: bool) -> InferenceResponse:
-        if self.inputs.typed:
+        if self.typed:
             return InferenceResponse(generation=self._delta(parts, whole))
         want = self.want
         tensors = []
@@ -181,6 +183,16 @@ class ResponseBuilder:
             self._prompt_logprobs_sent = True
             return self.prompt_logprobs
         return None
+
+
+def _typed_fields(generation: GenerationRequest) -> set[str]:
+    """The fields of a typed request's deltas to fill, named as the tensor interface's outputs."""
+    want = {"text_output"}
+    if generation.logprobs:
+        want.add("logprobs")
+    if generation.prompt_logprobs:
+        want.add("prompt_logprobs")
+    return want
 
 
 def _bytes(name: str, values: list[str]) -> Tensor:

@@ -48,6 +48,8 @@ from .body import DEFAULT_MAX_INPUT_SIZE, BodyReader
 from .kserve import INFER_PREFIX, INFER_SUFFIX, JSON, HttpFrontend, error_response, infer_target
 
 log = logging.getLogger(__name__)
+# POST routes answered before routing, as infer is (their app answers every error itself): the LLM streams
+DIRECT_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
 
 
 class HttpApp(FastAPI):
@@ -55,17 +57,22 @@ class HttpApp(FastAPI):
 
     frontend: HttpFrontend
     infer_guard: Guard | None = None  # the access check of the inference group, None when it has none
+    direct: dict = {}  # POST path -> its route's app (behind its guard), answered before routing and middleware
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
+        if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
             path = scope["path"]
-            if path.endswith(INFER_SUFFIX) and path.startswith(INFER_PREFIX) and not scope.get("root_path"):
+            if path.endswith(INFER_SUFFIX) and path.startswith(INFER_PREFIX):
                 target = infer_target(path)
                 if target is not None:
                     guard = self.infer_guard
                     if guard is None or await admit(guard, kserve_body, scope, send):
                         await self.frontend.infer(scope, receive, send, target[0], target[1])
                     return
+            route = self.direct.get(path)
+            if route is not None:  # the LLM routes: each streamed chunk skips the middleware's send wrappers
+                await route(scope, receive, send)
+                return
         await super().__call__(scope, receive, send)
 
 
@@ -112,6 +119,8 @@ def create_app(dataplane: ServingInterface, *, max_input_size: int = DEFAULT_MAX
     policy = access or AccessPolicy()
     guard_routes(app, policy, _openai_refusal, anthropic_refusal)
     app.infer_guard = policy.http_guard(INFERENCE)  # the fast path answers infer before routing
+    app.direct = {route.path: route.app for route in app.router.routes
+                  if getattr(route, "path", None) in DIRECT_ROUTES and "POST" in route.methods}
     return app
 
 

@@ -11,6 +11,8 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import orjson
+
 from ..errors import as_server_error
 from .http import event
 from .llm import LLMModel, Step, StepReader
@@ -186,6 +188,27 @@ class Usage:
         if cached:  # asked for (--enable-prompt-tokens-details) and reported by the engine
             doc["prompt_tokens_details"] = {"cached_tokens": sum(cached)}
         return doc
+
+
+class Chunks:
+    """The SSE events of one streamed request's chunks, ``{**header, "choices": [choice]}`` (and ``usage`` with
+    continuous usage stats): the header's JSON is written once per request, so a chunk costs its choice's JSON,
+    and a chunk of plain content (:meth:`text`) only its text's. The bytes are those of :func:`chunk_event`."""
+
+    __slots__ = ("_head",)
+
+    def __init__(self, header: dict) -> None:
+        whole = orjson.dumps({**header, "choices": []})
+        self._head = b"data: " + whole[:-2]  # ... "choices":[
+
+    def choice(self, choice: dict, usage: Usage | None = None) -> bytes:
+        tail = b"]}\n\n" if usage is None else b'],"usage":' + orjson.dumps(usage.doc()) + b"}\n\n"
+        return self._head + orjson.dumps(choice) + tail
+
+    def text(self, index: int, text: str) -> bytes:
+        """The chunk of ``{"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": None}``."""
+        return b'%s{"index":%d,"delta":{"content":%s},"logprobs":null,"finish_reason":null}]}\n\n' % (
+            self._head, index, orjson.dumps(text))
 
 
 def chunk_event(header: dict, choice: dict, usage: Usage | None = None) -> bytes:

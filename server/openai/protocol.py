@@ -12,7 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .errors import BadRequest
+from ..errors import ServerError
+from .errors import BadRequest, from_server_error
 from .limits import OpenAILimits
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -143,8 +144,20 @@ def structured_output(response_format: ResponseFormat | None) -> dict | None:
     return {"json": response_format.json_schema.json_schema}
 
 
-def parse(model: type[BaseModel], doc: Any) -> Any:
-    """Validate a request body; a bad field is a 400 naming it (``param``)."""
+def parse(model: type[BaseModel], doc: Any, reader=None) -> Any:
+    """Validate a request body; a bad field is a 400 naming it (``param``). ``doc`` is the parsed JSON, or the body's
+    bytes (a route whose handler ``takes_bytes``) with the port's ``reader`` (its JSON limits): a valid body then
+    goes straight into the model, no dict between; any other is answered as the parsed JSON would be."""
+    if isinstance(doc, (bytes, bytearray)):
+        if doc.count(b"[") + doc.count(b"{") <= reader.max_json_depth:  # it nests no deeper than the limit
+            try:
+                return model.model_validate_json(doc)
+            except ValidationError:
+                pass  # answered below, in the words the parsed JSON gets
+        try:
+            doc = reader.parse_json(doc, "request body")
+        except ServerError as exc:
+            raise from_server_error(exc) from None
     if not isinstance(doc, dict):
         raise BadRequest("the request body must be a JSON object")
     try:

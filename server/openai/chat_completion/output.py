@@ -92,6 +92,11 @@ class ChoiceStream:
         self._started = False        # a named call's first entry carries its id and name
         self._buffer: list[str] = []  # required calls are parsed whole at the end
 
+    @property
+    def plain(self) -> bool:
+        """Text goes out as it comes, as ``content`` (no tool mode, no reasoning parser)."""
+        return self.mode == "none" and self._reasoning is None
+
     def feed(self, text: str) -> dict:
         if self._reasoning is None:
             return self._answer(text)

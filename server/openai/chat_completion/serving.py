@@ -22,7 +22,7 @@ from ...tool_parsers import tool_parser
 from ..chat_template import ChatTemplate, TemplateError, special_tokens
 from ..limits import OpenAILimits
 from ..errors import BadRequest, from_server_error
-from ..generation import Run, Usage, chunk_event, close_all, collect, merged
+from ..generation import Chunks, Run, Usage, close_all, collect
 from ..http import DONE, EventStream, event, request_timeout_us
 from ..llm import LLMModel
 from ..logprobs import chat_content
@@ -35,8 +35,8 @@ from .protocol import ChatCompletionRequest
 OBJECT, CHUNK = "chat.completion", "chat.completion.chunk"
 
 
-async def create_chat_completion(server, doc, scope) -> bytes | EventStream:
-    request: ChatCompletionRequest = parse(ChatCompletionRequest, doc)
+async def create_chat_completion(server, body: bytes, scope) -> bytes | EventStream:
+    request: ChatCompletionRequest = parse(ChatCompletionRequest, body, server.body)
     catalog = server.catalog
     llm = catalog.get(request.model) if request.model else catalog.default()
     limits = server.limits
@@ -95,6 +95,9 @@ async def create_chat_completion(server, doc, scope) -> bytes | EventStream:
     return orjson.dumps({**header, "choices": out, "usage": usage.doc()})
 
 
+create_chat_completion.takes_bytes = True  # the body's bytes go straight into the request model
+
+
 def _render(request: ChatCompletionRequest, llm: LLMModel, limits: OpenAILimits) -> str:
     """The prompt (blocking: on a worker thread). A failure of the request's own template names
     ``chat_template``, one of the model's names ``messages``."""
@@ -131,20 +134,27 @@ async def _events(request: ChatCompletionRequest, header: dict, llm: LLMModel, r
     usage.add_prompt(run, prompt)
     finished = [False] * n
     outputs = [output.ChoiceStream(request, llm) for _ in range(n)]
+    chunks = Chunks(header)
+    # the common case: a text delta is one chunk of plain content, its bytes written around the text
+    plain = outputs[0].plain and not request.logprobs and live_usage is None
     for i in range(n):
         first = {"index": i, "delta": {"role": ROLE, "content": ""}, "logprobs": None, "finish_reason": None}
-        yield chunk_event(header, first, live_usage)
+        yield chunks.choice(first, live_usage)
     echoed = request.echo_prefix(ROLE)
     for i in range(n if echoed else 0):  # echo: the final message the answer continues, before the answer
-        yield chunk_event(header, {"index": i, "delta": {"content": echoed}, "logprobs": None, "finish_reason": None},
-                          live_usage)
+        yield chunks.choice({"index": i, "delta": {"content": echoed}, "logprobs": None, "finish_reason": None},
+                            live_usage)
     try:
-        async for _, step in merged([run]):
+        while (step := await run.step()) is not None:
             usage.add_step(step)
             for i in range(n):
                 if finished[i]:
                     continue
                 text, reason = step.texts[i], step.finish[i]
+                if plain and reason is None:
+                    if text:
+                        yield chunks.text(i, text)
+                    continue
                 entries = step.logprobs[i] if step.logprobs is not None else None
                 if not text and reason is None and not entries:
                     continue
@@ -157,7 +167,7 @@ async def _events(request: ChatCompletionRequest, header: dict, llm: LLMModel, r
                 choice = {"index": i, "delta": delta,
                           "logprobs": {"content": chat_content(entries, top)} if request.logprobs else None,
                           "finish_reason": reason}
-                yield chunk_event(header, choice, live_usage)
+                yield chunks.choice(choice, live_usage)
                 if reason is not None:
                     finished[i] = True
     except ServerError as exc:
@@ -166,7 +176,7 @@ async def _events(request: ChatCompletionRequest, header: dict, llm: LLMModel, r
         if not finished[i]:
             delta, reason = outputs[i].finish(None)
             last = {"index": i, "delta": delta, "logprobs": None, "finish_reason": reason}
-            yield chunk_event(header, last, live_usage)
+            yield chunks.choice(last, live_usage)
     if include_usage:
         yield event({**header, "choices": [], "usage": usage.doc()})
     yield DONE
