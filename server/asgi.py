@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 
 import orjson
 
@@ -115,9 +116,10 @@ class cancel_on_disconnect:  # noqa: N801 - a context manager, named as contextl
     watcher stops and, when its cancellation is what ended the block, the cancellation is taken back
     (``Task.uncancel``) and :class:`ClientGone` raised instead; a cancellation from elsewhere, also one
     that comes with the disconnect, stays a ``CancelledError`` (the count is kept as :func:`asyncio.timeout`
-    keeps it). ``delay``: start watching only after this many seconds, so a request answered sooner costs
-    no watcher task (the infer hot path). A plain ``with``, as anyio's cancel scopes: entering and leaving
-    never wait, and the hot path pays for no coroutines.
+    keeps it). ``delay``: start watching only after this many seconds (up to ``_WATCH_TICK_S`` later: the
+    blocks that start watching within one tick share one timer), so a request answered sooner costs no
+    watcher task and no timer of its own (the infer hot path). A plain ``with``, as anyio's cancel scopes:
+    entering and leaving never wait, and the hot path pays for no coroutines.
     """
 
     __slots__ = ("cancelling", "delay", "gone", "receive", "task", "timer", "watcher")
@@ -125,7 +127,7 @@ class cancel_on_disconnect:  # noqa: N801 - a context manager, named as contextl
     def __init__(self, receive, delay: float = 0.0) -> None:
         self.receive = receive
         self.delay = delay
-        self.timer: asyncio.TimerHandle | None = None
+        self.timer: set | None = None  # the blocks due to start watching at the same tick, this one among them
         self.watcher: asyncio.Task | None = None
         self.gone = False
 
@@ -133,14 +135,14 @@ class cancel_on_disconnect:  # noqa: N801 - a context manager, named as contextl
         task = self.task = asyncio.current_task()
         self.cancelling = task.cancelling()
         if self.delay > 0:
-            self.timer = asyncio.get_running_loop().call_later(self.delay, self._start)
+            self.timer = _due(self)
         else:
             self._start()
         return self
 
     def __exit__(self, kind, exc, traceback) -> bool:
         if self.timer is not None:
-            self.timer.cancel()  # not started yet: it never will be
+            self.timer.discard(self)  # not started yet: it never will be
         if self.watcher is not None:
             self.watcher.cancel()  # it cannot cancel the task any more
         if self.gone and self.task.uncancel() <= self.cancelling and kind is asyncio.CancelledError:
@@ -160,3 +162,28 @@ class cancel_on_disconnect:  # noqa: N801 - a context manager, named as contextl
         if message["type"] == "http.disconnect":
             self.gone = True
             self.task.cancel()
+
+
+_WATCH_TICK_S = 0.05
+# event loop -> tick -> the blocks that start watching then
+_ticks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _due(block: cancel_on_disconnect) -> set:
+    """Put ``block`` in the set that starts watching at the first tick after its delay (one timer per tick)."""
+    loop = asyncio.get_running_loop()
+    tick = int((loop.time() + block.delay) / _WATCH_TICK_S) + 1
+    ticks = _ticks.get(loop)
+    if ticks is None:
+        ticks = _ticks[loop] = {}
+    due = ticks.get(tick)
+    if due is None:
+        due = ticks[tick] = set()
+        loop.call_at(tick * _WATCH_TICK_S, _start_watching, ticks, tick)
+    due.add(block)
+    return due
+
+
+def _start_watching(ticks: dict[int, set], tick: int) -> None:
+    for block in ticks.pop(tick, ()):
+        block._start()
