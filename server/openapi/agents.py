@@ -77,7 +77,9 @@ def paths() -> dict[str, dict]:
             "requestBody": {"required": True, "content": {"application/json": {"schema": ref("ResponsesRequest")}}},
             "responses": {"200": {"description": "The response; with stream: true, the Responses event sequence",
                                   "content": {"application/json": {"schema": ref("Response")}, **events}},
-                          **_errors("400", "401", "404", "500", "503")}}},
+                          **_errors("400", "401", "404", "500", "503"),
+                          "424": json_body(ref("OpenAIError"), "An MCP server of the request's tools could not "
+                                                               "list its tools")}}},
         "/v1/responses/{response_id}": retrieve,
         "/v1/responses/{response_id}/cancel": {"post": _stored("post", "Cancel a background response",
                                                                ref("Response"))["post"]},
