@@ -142,11 +142,19 @@ def test_errors_in_anthropic_shape(client, server):
     assert answer.status_code == 200 and answer.json()["content"][0]["text"] == "x"
 
 
-def test_disconnect_cancels_the_generation(server):
-    def failures() -> int:
-        stats = httpx.get(f"{server.base_url}/v2/models/slow/stats", timeout=30).json()
-        return stats["model_stats"][0]["inference_stats"]["fail"]["count"]
+def test_disconnect_cancels_and_requests_are_counted(client, server):
+    def stats(model: str) -> dict:
+        answer = httpx.get(f"{server.base_url}/v2/models/{model}/stats", timeout=30).json()
+        return answer["model_stats"][0]["inference_stats"]
 
+    def failures() -> int:
+        return stats("slow")["fail"]["count"]
+
+    success = stats("agent")["success"]["count"]
+    client.messages.create(model="agent", max_tokens=8, messages=[{"role": "user", "content": "count me"}])
+    with client.messages.stream(model="agent", max_tokens=8, messages=[{"role": "user", "content": "me too"}]) as s:
+        assert s.get_final_text() == "me too"
+    assert stats("agent")["success"]["count"] == success + 2  # in the model's statistics, as chat's
     before = failures()
     with httpx.stream("POST", f"{server.base_url}/v1/messages", headers={"x-api-key": KEY}, timeout=30,
                       json={"model": "slow", "max_tokens": 500, "stream": True,
