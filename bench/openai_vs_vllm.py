@@ -212,7 +212,7 @@ def main() -> None:
             ratio = {"streams": streams, "side": tide["side"],
                      "tokens_per_s": tide["tokens_per_s"] / vllm["tokens_per_s"],
                      "ttft_p50": tide["ttft_p50_s"] / vllm["ttft_p50_s"],
-                     "itl_p50": tide["itl_p50_s"] / vllm["itl_p50_s"]}
+                     "itl_p50": tide["itl_p50_s"] / vllm["itl_p50_s"] if vllm["itl_p50_s"] else float("nan")}
             ratios.append(ratio)
             print(f"{streams} streams, {tide['side']} / vLLM: throughput {ratio['tokens_per_s']:.3f}x, "
                   f"TTFT p50 {ratio['ttft_p50']:.3f}x, ITL p50 {ratio['itl_p50']:.3f}x")
