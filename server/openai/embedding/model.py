@@ -12,6 +12,13 @@ interface:
   of a tokenizer -> encoder ensemble), with the embedding output of the same rule;
 * ``max_model_len`` (parameter; else the model files' ``max_position_embeddings``): longer inputs are a 400
   unless the request sets ``truncate_prompt_tokens``, as vLLM answers;
+* ``openai_tokenize_in_frontend: "true"`` (an ensemble with a ``openai_token_model``): text is tokenized in the
+  frontend (it does so anyway, for usage and lengths) and its ids go straight to the token model, padded with
+  a mask to a multiple of ``openai_pad_to_multiple_of`` (else the tokenizer step's ``pad_to_multiple_of``
+  parameter), skipping the ensemble and its tokenizer step. The config's author vouches that the tokenizer
+  step does what the frontend does with the same ``tokenizer.json`` (special tokens added, no truncation
+  within ``max_model_len``, padding with id 0 and mask 0). The ensemble's statistics still count each such
+  request (success, one execution) where the model runs in this process;
 * ``is_matryoshka: "true"`` (and optionally ``matryoshka_dimensions: "64,128,256"``): the request's
   ``dimensions`` keep that many leading values, normalised again, as vLLM does; other models refuse
   ``dimensions``.
@@ -72,6 +79,9 @@ class EmbeddingModel:
     matryoshka: bool
     matryoshka_dimensions: tuple[int, ...] | None
     tokenizer_dir: Path | None
+    direct: bool = False  # text: the frontend's ids go to the token model (openai_tokenize_in_frontend)
+    pad_to_multiple_of: int | None = None  # token ids sent padded (mask 0) to a multiple of this
+    runtime: Any = field(default=None, repr=False)  # weakref.ref to the model's runtime (its statistics)
     _tokenizer: Any = field(default=None, repr=False)
 
     def tokenizer(self):
@@ -106,10 +116,16 @@ class EmbeddingModel:
                 raise BadRequest(f"model '{self.name}' takes text only: it has no 'input_ids' input and its config "
                                  f"names no '{TOKEN_MODEL_PARAMETER}'", "input")
             ids = np.asarray(prompt, dtype=numpy_dtype(face.datatype))
-            inputs = {face.input: _tensor(face.input, face.datatype, ids, face.batched)}
             if face.attention_mask is not None:
                 mask = np.ones(ids.shape, dtype=numpy_dtype(face.attention_mask))
-                inputs["attention_mask"] = _tensor("attention_mask", face.attention_mask, mask, face.batched)
+                multiple = self.pad_to_multiple_of
+                if multiple and ids.size % multiple:  # requests of similar lengths share a shape to batch
+                    pad = multiple - ids.size % multiple
+                    ids, mask = np.pad(ids, (0, pad)), np.pad(mask, (0, pad))
+                inputs = {face.input: _tensor(face.input, face.datatype, ids, face.batched),
+                          "attention_mask": _tensor("attention_mask", face.attention_mask, mask, face.batched)}
+            else:
+                inputs = {face.input: _tensor(face.input, face.datatype, ids, face.batched)}
         return InferenceRequest(face.model, inputs, id=request_id, outputs=[RequestedOutput(face.output)])
 
     def output_name(self, prompt: str | list[int]) -> str:
@@ -184,9 +200,48 @@ def describe(runtime, lookup) -> EmbeddingModel | None:
     if text is None and tokens is None:
         raise ValueError("it has neither a text (BYTES) input nor an 'input_ids' input")
     directory = chat_template.tokenizer_dir(runtime, lookup)
-    return EmbeddingModel(runtime.name, text, tokens, dimension, _max_model_len(config, directory),
+    max_model_len = _max_model_len(config, directory)
+    direct, multiple = _direct(runtime, lookup, text, tokens, directory, max_model_len)
+    return EmbeddingModel(runtime.name, text, tokens, dimension, max_model_len,
                           (_parameter(config, "is_matryoshka") or "").strip().lower() in ("true", "1"),
-                          _dimensions(_parameter(config, "matryoshka_dimensions")), directory)
+                          _dimensions(_parameter(config, "matryoshka_dimensions")), directory,
+                          direct, multiple, weakref.ref(runtime))
+
+
+def _direct(runtime, lookup, text, tokens, directory, max_model_len) -> tuple[bool, int | None]:
+    """Whether text goes to the token model as the frontend's ids (``openai_tokenize_in_frontend``), and the
+    multiple token ids are padded to. The tokenizer step (the ensemble's step taking the text input) may state
+    ``pad_to_multiple_of`` and ``max_length``; a ``max_length`` below ``max_model_len`` (it would truncate
+    what the frontend accepts whole) keeps text on the ensemble."""
+    config = runtime.config
+    wanted = (_parameter(config, "openai_tokenize_in_frontend") or "").strip().lower() in ("true", "1")
+    multiple = _positive(_parameter(config, "openai_pad_to_multiple_of"))
+    if not wanted or text is None or tokens is None or tokens.model == runtime.name or directory is None:
+        return False, multiple
+    step_config = None
+    for step in config.ensemble_scheduling.step:
+        if text.input in step.input_map.values():
+            try:
+                step_config = lookup(step.model_name).config
+            except ServerError:
+                step_config = None
+            break
+    if step_config is not None:
+        if multiple is None:
+            multiple = _positive(_parameter(step_config, "pad_to_multiple_of"))
+        length = _positive(_parameter(step_config, "max_length"))
+        if length is not None and (max_model_len is None or length < max_model_len):
+            log.warning("model '%s': its tokenizer step truncates at %d tokens, beyond max_model_len %s: text "
+                        "keeps going through the ensemble", runtime.name, length, max_model_len)
+            return False, multiple
+    return True, multiple
+
+
+def _positive(value: str | None) -> int | None:
+    try:
+        return int(value) if value is not None and int(value) > 0 else None
+    except ValueError:
+        return None
 
 
 def _max_model_len(config, directory: Path | None) -> int | None:

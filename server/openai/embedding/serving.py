@@ -2,8 +2,9 @@
 gathers them, with other clients' requests, into batches).
 
 Text goes to the model's text interface as it is; when the request changes its tokens
-(``truncate_prompt_tokens`` cuts an input, ``add_special_tokens`` false), the frontend tokenizes it and its
-token ids go to the token interface. The tokenizer counts ``usage`` and checks lengths on a worker thread.
+(``truncate_prompt_tokens`` cuts an input, ``add_special_tokens`` false), or the model asks for it
+(``openai_tokenize_in_frontend``: no ensemble hop, no tokenizer process), the frontend's token ids go to the
+token interface, padded as the model's tokenizer step pads. The tokenizer counts ``usage`` and checks lengths on a worker thread.
 ``dimensions`` keeps the leading values of a Matryoshka model's vector, normalised again; ``base64`` is
 the vector's bytes (``embed_dtype``, ``endianness``), as vLLM encodes it.
 """
@@ -69,7 +70,8 @@ async def embed(server, model: EmbeddingModel, inputs: list[str | list[int]], re
                 ) -> tuple[list[np.ndarray], list[int]]:
     """Each input's vector (float32) and token count; also what ``/v1/score`` and ``/v1/rerank`` compare."""
     prompts, counts = await server.run_blocking(_prepare, model, inputs, truncate_prompt_tokens, add_special_tokens)
-    return await _embed(server.dataplane, model, prompts, request_id), counts
+    direct = [isinstance(i, str) and not isinstance(p, str) for i, p in zip(inputs, prompts)] if model.direct else None
+    return await _embed(server.dataplane, model, prompts, request_id, direct), counts
 
 
 def _prepare(model: EmbeddingModel, inputs: list[str | list[int]], truncate: int | None,
@@ -102,8 +104,8 @@ def _prepare(model: EmbeddingModel, inputs: list[str | list[int]], truncate: int
                 raise BadRequest(f"This model's maximum context length is {model.max_model_len} tokens. However, "
                                  f"you requested {len(ids)} tokens in the input for embedding generation. Please "
                                  "reduce the length of the input.", "input")
-            if not add_special_tokens:
-                send = ids  # the model's own tokenizer would add them
+            if not add_special_tokens or model.direct:
+                send = ids  # the model's own tokenizer would add them / the frontend's ids skip the ensemble
         prompts.append(send)
         counts.append(len(ids) if ids is not None else 0)
     return prompts, counts
@@ -125,9 +127,12 @@ def _check_ids(model: EmbeddingModel, index: int, ids: list[int], vocabulary: in
                          "tokens)", "input")
 
 
-async def _embed(dataplane, model: EmbeddingModel, prompts: list[str | list[int]], request_id: str) -> list:
-    """Each prompt's vector (float32), the requests run concurrently."""
+async def _embed(dataplane, model: EmbeddingModel, prompts: list[str | list[int]], request_id: str,
+                 direct: list[bool] | None = None) -> list:
+    """Each prompt's vector (float32), the requests run concurrently. ``direct``: the inputs that were text
+    of the model sent as ids to its token model, counted in the model's own statistics too."""
     tasks = []
+    started = time.monotonic_ns()
     try:
         for k, prompt in enumerate(prompts):
             if k and k % SLICE == 0:
@@ -147,7 +152,23 @@ async def _embed(dataplane, model: EmbeddingModel, prompts: list[str | list[int]
         if tensor is None:
             raise OpenAIError(f"model '{model.name}' answered without its embedding output '{name}'", 500)
         vectors.append(np.asarray(tensor.data, dtype=np.float32).reshape(-1))
+    if direct is not None and any(direct):
+        _count(model, started, sum(direct))
     return vectors
+
+
+def _count(model: EmbeddingModel, started: int, requests: int) -> None:
+    """Count ``requests`` served by the short path on the model (an ensemble) as its own runs would be: a
+    success and an execution of one inference each. Only where the model's runtime is in this process (a
+    frontend worker's view has no statistics: the token model counts them there)."""
+    runtime = model.runtime() if model.runtime is not None else None
+    stats = getattr(runtime, "stats", None)
+    if stats is None:
+        return
+    elapsed = time.monotonic_ns() - started
+    for _ in range(requests):
+        stats.record_success(elapsed)
+        stats.record_execution(1, 1, 0, elapsed, 0)
 
 
 def _dimensions(vector: np.ndarray, dimensions: int | None) -> np.ndarray:
