@@ -1,0 +1,351 @@
+"""Queue deadlines under an admission flood: how late a refusal comes, and what the flood costs the goodput.
+
+One tideserve process serves a random Llama (``tideserve.bench.examples.tiny_llama``, ``--size``; the default
+100m, because the ``tiny`` one steps faster than HTTP streams its tokens and its engine never has requests
+waiting) through the vllm backend with ``max_num_seqs`` S (and, optionally, the config parameter
+``max_queue_size`` Q): the engine holds H = S + Q requests at once. Every request carries a deadline of
+``--deadline-ms``, the time it may wait for its first token; a request still waiting then is refused with 503 +
+``Retry-After`` and removed from the engine. Two modes (``--api``), each a series of rounds of its own:
+
+* ``generate``: ``POST /v2/models/llm/generate_stream``, the deadline as Triton's request parameter ``timeout``
+  (microseconds);
+* ``openai``: ``POST /v1/completions`` with ``stream`` true, the deadline as the ``x-request-timeout-ms`` header.
+
+Requests are streamed, ``--tokens`` tokens each (greedy, ``ignore_eos``). Sides alternate (ABAB... per mode),
+``--duration`` seconds each:
+
+* unflooded: a steady workload the engine can serve: S closed-loop clients (each sends its next request when
+  the last one ends), so the engine is full and nothing waits;
+* flooded: the same S clients plus an admission flood of ``--flood-factor`` x H more closed-loop clients (3x what
+  the engine holds by default). A refused client sends again after ``--retry-ms`` (Retry-After is ignored: a
+  retry storm); a served one sends again at once.
+
+The clients run in ``--client-processes`` processes (one event loop alone falls behind the flood on a busy
+machine, and its lag would count as the server's); each reports its own loop lag (how late a 5 ms sleep wakes).
+The server's ``GET /load`` is sampled every 0.25 s: requests in flight and those the engine has waiting, so a
+flood that did not reach the engine shows.
+
+Reported, all rounds of a mode pooled:
+
+1. refusal lateness: the time the 503 arrives (its status line, at the client) minus the request's deadline
+   counted from the client's send time, p50 / p99 / max, over the deadline refusals (503s whose error names the
+   deadline); target p99 <= 10 ms. The server counts the deadline from the request's arrival, a little after
+   the send, so this includes the request's way in and the answer's way out.
+2. goodput: requests per second that got their whole stream with TTFT (send to first token) <= ``--ttft-slo``
+   (2 s), among those sent during the side's window; flooded vs unflooded (target >= 0.9x), for all clients and
+   for the S steady clients alone. Also the counts: served, refused at the deadline, refused busy (the queue
+   bound), other errors.
+
+    python bench/deadlines.py [--api both] [--size 100m] [--max-num-seqs 8] [--max-queue-size 0] [--tokens 32]
+                              [--deadline-ms 1000] [--duration 15] [--rounds 2]
+
+About 5 minutes for ``--rounds 2`` (one engine start, 8 sides of 15 s). Writes bench/results/deadlines-<time>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import aiohttp
+import uvloop
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script from anywhere
+from tideserve.bench.llm_servers import start_tideserve, stop_process, story_prompts
+
+MODEL = "llm"
+APIS = ("generate", "openai")
+
+
+def write_repository(root: Path, model: Path, max_num_seqs: int, max_queue_size: int) -> Path:
+    repo = root / "models"
+    version = repo / MODEL / "1"
+    version.mkdir(parents=True, exist_ok=True)
+    config = 'backend: "vllm"\n'
+    if max_queue_size:
+        config += f'parameters {{ key: "max_queue_size" value {{ string_value: "{max_queue_size}" }} }}\n'
+    (repo / MODEL / "config.pbtxt").write_text(config)
+    (version / "model.json").write_text(json.dumps({
+        "model": str(model), "dtype": "float32", "max_model_len": 512, "enforce_eager": True,
+        "max_num_seqs": max_num_seqs}))
+    return repo
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+
+
+async def one_request(session: aiohttp.ClientSession, base: str, api: str, prompt: str, tokens: int,
+                      deadline_ms: float) -> dict:
+    """One streamed request with a deadline: when it was sent, its status, when the first token / the refusal came,
+    whether the stream finished, and the error text of a refusal."""
+    if api == "generate":
+        url = f"{base}/v2/models/{MODEL}/generate_stream"
+        body = {"text_input": prompt, "stream": True,
+                "parameters": {"max_tokens": tokens, "temperature": 0, "ignore_eos": True,
+                               "timeout": int(deadline_ms * 1000)}}
+        headers = {}
+    else:
+        url = f"{base}/v1/completions"
+        body = {"model": MODEL, "prompt": prompt, "stream": True, "max_tokens": tokens, "temperature": 0,
+                "ignore_eos": True}
+        headers = {"x-request-timeout-ms": str(int(deadline_ms))}
+    result = {"sent": time.monotonic(), "status": None, "first": None, "answered": None, "complete": False,
+              "error": None}
+    try:
+        async with session.post(url, json=body, headers=headers) as response:
+            result["answered"] = time.monotonic()
+            result["status"] = response.status
+            if response.status != 200:
+                result["error"] = (await response.text(errors="replace"))[:300]
+                result["retry_after"] = response.headers.get("retry-after")
+                return result
+            # the first event is parsed (a token, or an error: the refusal inside a stream); after it the stream is
+            # read as raw bytes, its end checked for completion or an error (the client must keep up with the flood)
+            tail = b""
+            async for raw in response.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    result["complete"] = True
+                    return result
+                event = json.loads(data)
+                if "error" in event:
+                    result["error"] = json.dumps(event)[:300]
+                    result["answered"] = time.monotonic()
+                    return result
+                result["first"] = time.monotonic()
+                break
+            async for chunk in response.content.iter_any():
+                tail = (tail + chunk)[-4096:]
+            if b'{"error"' in tail:  # an error ends a stream
+                result["error"] = tail[tail.index(b'{"error"'):].decode(errors="replace")[:300]
+            elif result["first"] is not None:  # generate_stream ends with its last event; /v1 with [DONE]
+                result["complete"] = api == "generate" or b"data: [DONE]" in tail
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        result["status"] = f"client error: {type(exc).__name__}"
+    return result
+
+
+async def closed_loop(session: aiohttp.ClientSession, base: str, api: str, role: str, index: int, tokens: int,
+                      deadline_ms: float, until: float, retry_s: float, out: list[dict]) -> None:
+    prompts = story_prompts(64)
+    sent = 0
+    while time.monotonic() < until:
+        result = await one_request(session, base, api, prompts[(index + sent) % len(prompts)], tokens, deadline_ms)
+        result["role"] = role
+        out.append(result)
+        sent += 1
+        if result["status"] != 200 and retry_s:
+            await asyncio.sleep(retry_s)
+
+
+async def loop_lag(stop: asyncio.Event, lags: list[float], every_s: float = 0.005) -> None:
+    """The client's own event-loop lag (how late a 5 ms sleep wakes), which inflates every client-side time."""
+    while not stop.is_set():
+        start = time.monotonic()
+        await asyncio.sleep(every_s)
+        lags.append((time.monotonic() - start - every_s) * 1000)
+
+
+async def run_clients(base: str, api: str, roles: list[tuple[str, int]], tokens: int, deadline_ms: float,
+                      until: float, retry_s: float) -> tuple[list[dict], list[float]]:
+    connector = aiohttp.TCPConnector(limit=len(roles) + 4)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as session:
+        out: list[dict] = []
+        lags: list[float] = []
+        stop = asyncio.Event()
+        monitor = asyncio.ensure_future(loop_lag(stop, lags))
+        await asyncio.gather(*(closed_loop(session, base, api, role, index, tokens, deadline_ms, until, retry_s, out)
+                               for role, index in roles))
+        stop.set()
+        await monitor
+    return out, lags
+
+
+def _client_process(args: tuple) -> tuple[list[dict], list[float]]:
+    return uvloop.run(run_clients(*args))
+
+
+def sample_load(base: str, until: float, samples: list[tuple[int, int]], every_s: float = 0.25) -> None:
+    """What the server holds while a side runs (``GET /load``): requests in flight, and those the engine has
+    waiting, every ``every_s``."""
+    while time.monotonic() < until:
+        try:
+            with urllib.request.urlopen(f"{base}/load?model={MODEL}", timeout=5) as answer:
+                load = json.loads(answer.read())
+            samples.append((load["server_load"], load["num_requests_waiting"]))
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(every_s)
+
+
+def run_side(pool: ProcessPoolExecutor, processes: int, base: str, api: str, steady: int, flood: int, tokens: int,
+             deadline_ms: float, duration: float, retry_s: float) -> tuple[list[dict], list[float], list]:
+    """The side's clients, spread over ``processes`` client processes (each its own event loop), for ``duration``
+    seconds from now (CLOCK_MONOTONIC: one clock for all of them), and the server's load sampled meanwhile."""
+    roles = [("steady", i) for i in range(steady)] + [("flood", steady + i) for i in range(flood)]
+    until = time.monotonic() + duration
+    shares = [roles[k::processes] for k in range(processes) if roles[k::processes]]
+    samples: list[tuple[int, int]] = []
+    sampler = threading.Thread(target=sample_load, args=(base, until, samples), daemon=True)
+    sampler.start()
+    results = list(pool.map(_client_process, [(base, api, share, tokens, deadline_ms, until, retry_s)
+                                              for share in shares]))
+    sampler.join()
+    return [r for out, _ in results for r in out], [x for _, lags in results for x in lags], samples
+
+
+def summarize(requests: list[dict], lags: list[float], load: list[tuple[int, int]], seconds: float,
+              deadline_ms: float, slo_s: float) -> dict:
+    def good(r: dict) -> bool:
+        return r["status"] == 200 and r["complete"] and r["first"] is not None and r["first"] - r["sent"] <= slo_s
+
+    refused = [r for r in requests if r["status"] == 503]
+    at_deadline = [r for r in refused if "deadline" in (r["error"] or "")]
+    late_ms = [(r["answered"] - r["sent"]) * 1000 - deadline_ms for r in at_deadline]
+    ttfts = [r["first"] - r["sent"] for r in requests if r["status"] == 200 and r["first"] is not None]
+    return {
+        "sent": len(requests), "seconds": seconds,
+        "served": sum(1 for r in requests if r["status"] == 200 and r["complete"]),
+        "good": sum(1 for r in requests if good(r)),
+        "good_steady": sum(1 for r in requests if r["role"] == "steady" and good(r)),
+        "goodput_rps": sum(1 for r in requests if good(r)) / seconds,
+        "goodput_steady_rps": sum(1 for r in requests if r["role"] == "steady" and good(r)) / seconds,
+        "refused_deadline": len(at_deadline), "refused_busy": len(refused) - len(at_deadline),
+        "refused_with_retry_after": sum(1 for r in refused if r.get("retry_after")),
+        "errors": sum(1 for r in requests if r["status"] not in (200, 503)
+                      or (r["status"] == 200 and not r["complete"])),
+        "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
+        "lateness_p50_ms": percentile(late_ms, 50), "lateness_p99_ms": percentile(late_ms, 99),
+        "lateness_max_ms": max(late_ms, default=float("nan")),
+        "early_refusals": sum(1 for ms in late_ms if ms < 0),
+        "in_flight_mean": sum(x for x, _ in load) / len(load) if load else float("nan"),
+        "waiting_mean": sum(w for _, w in load) / len(load) if load else float("nan"),
+        "client_lag_p50_ms": percentile(lags, 50), "client_lag_p99_ms": percentile(lags, 99),
+        "error_samples": sorted({str(r["status"]) + " " + (r["error"] or "")[:160] for r in requests
+                                 if r["status"] not in (200, 503) or (r["status"] == 200 and not r["complete"])})[:5],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--api", choices=(*APIS, "both"), default="both")
+    parser.add_argument("--size", default="100m",
+                        help="tiny_llama size (default 100m: 'tiny' steps faster than HTTP streams its tokens, so "
+                             "its engine never has requests waiting)")
+    parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--max-queue-size", type=int, default=0, help="config parameter max_queue_size (0: none)")
+    parser.add_argument("--tokens", type=int, default=32, help="tokens per request")
+    parser.add_argument("--deadline-ms", type=float, default=1000)
+    parser.add_argument("--ttft-slo", type=float, default=2.0, help="goodput counts TTFT <= this (seconds)")
+    parser.add_argument("--duration", type=float, default=15, help="seconds per side and round")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds per mode, sides alternating (pooled)")
+    parser.add_argument("--flood-factor", type=int, default=3, help="flood clients = factor x (S + Q)")
+    parser.add_argument("--retry-ms", type=float, default=50, help="a refused client's pause before it resends")
+    parser.add_argument("--client-processes", type=int, default=2,
+                        help="processes the clients are spread over (one event loop cannot keep up with the flood)")
+    parser.add_argument("--pause", type=float, default=2.0, help="seconds of rest before each side")
+    parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "tideserve-bench-llm")
+    args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+    from tideserve.bench.examples.tiny_llama import make_model
+
+    work = Path(tempfile.mkdtemp(prefix="tideserve-bench-deadlines-"))
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+           "VLLM_CACHE_ROOT": str(work / "vllm-cache"), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    model = make_model(args.model_dir / args.size, args.size)
+    repo = write_repository(work, model, args.max_num_seqs, args.max_queue_size)
+    holds = args.max_num_seqs + args.max_queue_size
+    flood = args.flood_factor * holds
+    apis = APIS if args.api == "both" else (args.api,)
+    print(f"engine holds {holds} (max_num_seqs {args.max_num_seqs} + max_queue_size {args.max_queue_size}); "
+          f"steady: {args.max_num_seqs} closed-loop clients; flood: {flood} more; {args.tokens} tokens per request, "
+          f"deadline {args.deadline_ms:g} ms, TTFT SLO {args.ttft_slo:g} s, {args.duration:g} s per side; "
+          f"modes {', '.join(apis)}", flush=True)
+    proc, http, _ = start_tideserve(repo, work / "tideserve.log", env, MODEL, weights=model)
+    base = f"http://127.0.0.1:{http}"
+    sides = {api: {"unflooded": [], "flooded": []} for api in apis}
+    pool = ProcessPoolExecutor(args.client_processes)
+    try:
+        for api in apis:  # warm-up: each path with the engine full (its first batches are slow), no deadline
+            run_side(pool, args.client_processes, base, api, args.max_num_seqs, 0, args.tokens, 60_000, 3.0, 0)
+        for round_index in range(args.rounds):
+            order = ("unflooded", "flooded") if round_index % 2 == 0 else ("flooded", "unflooded")
+            for api in apis:
+                for side in order:
+                    time.sleep(args.pause)
+                    requests, lags, load = run_side(pool, args.client_processes, base, api, args.max_num_seqs,
+                                              flood if side == "flooded" else 0, args.tokens, args.deadline_ms,
+                                              args.duration, args.retry_ms / 1000)
+                    sides[api][side].append((requests, lags, load))
+                    row = summarize(requests, lags, load, args.duration, args.deadline_ms, args.ttft_slo)
+                    print(f"round {round_index + 1} {api} {side}: sent {row['sent']}, good {row['good']} "
+                          f"({row['goodput_rps']:.2f}/s), refused at deadline {row['refused_deadline']} "
+                          f"(lateness p99 {row['lateness_p99_ms']:.1f} ms), busy {row['refused_busy']}, "
+                          f"errors {row['errors']}; in flight mean {row['in_flight_mean']:.1f}, engine waiting mean "
+                          f"{row['waiting_mean']:.1f}; client loop lag p99 {row['client_lag_p99_ms']:.1f} ms", flush=True)
+    finally:
+        pool.shutdown()
+        stop_process(proc)
+
+    summary: dict = {}
+    for api in apis:
+        summary[api] = {side: summarize([r for rnd, _, _ in rounds for r in rnd],
+                                        [x for _, lag, _ in rounds for x in lag],
+                                        [x for _, _, load in rounds for x in load],
+                                        args.duration * len(rounds), args.deadline_ms, args.ttft_slo)
+                        for side, rounds in sides[api].items()}
+        un, fl = summary[api]["unflooded"], summary[api]["flooded"]
+        summary[api]["goodput_ratio"] = fl["goodput_rps"] / un["goodput_rps"] if un["goodput_rps"] else float("nan")
+        summary[api]["goodput_steady_ratio"] = (fl["goodput_steady_rps"] / un["goodput_steady_rps"]
+                                                if un["goodput_steady_rps"] else float("nan"))
+
+    print(f"\n| mode | side | sent | served | good (TTFT <= {args.ttft_slo:g} s) | goodput (req/s) | steady goodput "
+          "| refused at deadline | refused busy | errors | in flight / engine waiting (mean) | TTFT p50 / p99 (s) "
+          "| refusal lateness p50 / p99 / max (ms) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for api in apis:
+        for side in ("unflooded", "flooded"):
+            r = summary[api][side]
+            lateness = ("-" if not r["refused_deadline"] else
+                        f"{r['lateness_p50_ms']:.1f} / {r['lateness_p99_ms']:.1f} / {r['lateness_max_ms']:.1f}")
+            print(f"| {api} | {side} | {r['sent']} | {r['served']} | {r['good']} | {r['goodput_rps']:.2f} "
+                  f"| {r['goodput_steady_rps']:.2f} | {r['refused_deadline']} | {r['refused_busy']} | {r['errors']} "
+                  f"| {r['in_flight_mean']:.1f} / {r['waiting_mean']:.1f} | {r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f} | {lateness} |")
+    for api in apis:
+        s = summary[api]
+        print(f"{api}: goodput flooded / unflooded {s['goodput_ratio']:.2f}x (steady clients alone "
+              f"{s['goodput_steady_ratio']:.2f}x); refusal lateness p99 {s['flooded']['lateness_p99_ms']:.1f} ms; "
+              f"503s with Retry-After {s['flooded']['refused_with_retry_after']} of "
+              f"{s['flooded']['refused_deadline'] + s['flooded']['refused_busy']}; the client's own loop lag "
+              f"p50 / p99 {s['flooded']['client_lag_p50_ms']:.1f} / {s['flooded']['client_lag_p99_ms']:.1f} ms flooded, "
+              f"{s['unflooded']['client_lag_p50_ms']:.1f} / {s['unflooded']['client_lag_p99_ms']:.1f} ms unflooded")
+        for sample in s["flooded"]["error_samples"] + s["unflooded"]["error_samples"]:
+            print(f"  error: {sample}")
+    out_dir = ROOT / "bench" / "results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / f"deadlines-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "summary": summary}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
