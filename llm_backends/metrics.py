@@ -70,8 +70,9 @@ class LLMMetrics:
 def observe_many(hist, value: float, count: int) -> None:
     """``count`` observations of ``value`` in a prometheus_client Histogram, as ``count`` ``observe`` calls leave it
     (one sum and one bucket update instead of ``count`` of each)."""
-    if count == 1:
-        hist.observe(value)
+    if count == 1 or not _BULK_OBSERVE:
+        for _ in range(count):
+            hist.observe(value)
         return
     hist._raise_if_not_observable()
     hist._sum.inc(value * count)
@@ -79,6 +80,21 @@ def observe_many(hist, value: float, count: int) -> None:
         if value <= bound:
             hist._buckets[i].inc(count)
             break
+
+
+def _bulk_observe_works() -> bool:
+    """Whether this prometheus_client's Histogram has the members :func:`observe_many` writes to (its own, not an
+    API: a release that renames them gets ``count`` ``observe`` calls instead)."""
+    from prometheus_client import Histogram
+    try:
+        probe = Histogram("probe", "", registry=None)
+        return (callable(getattr(probe, "_raise_if_not_observable", None)) and hasattr(probe._sum, "inc")
+                and len(probe._upper_bounds) == len(probe._buckets))
+    except Exception:  # noqa: BLE001 (any difference means: do not write to its members)
+        return False
+
+
+_BULK_OBSERVE = _bulk_observe_works()
 
 
 class GenerationTracker:

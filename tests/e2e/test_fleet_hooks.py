@@ -301,8 +301,10 @@ def test_deadline_refuses_requests_the_engine_has_not_started(fleet):
                               json={"text_input": "Hello", "parameters": {"max_tokens": 4, "timeout": 200_000}})
         assert streamed.status_code == 503 and streamed.headers["retry-after"] == "1"
         assert "deadline" in streamed.text
-        load = _load(fleet, model=MODEL)  # the refused requests left the engine
-        assert load["num_requests_waiting"] == 0, load
+        # the refused requests left the engine (its load is what its last step reported: poll for the next)
+        load = _wait_for(lambda: (lambda load: load if load["num_requests_waiting"] == 0 else None)(
+            _load(fleet, model=MODEL)), timeout=30)
+        assert load, _load(fleet, model=MODEL)
     rejected = metric_value(fleet.metrics(), "nv_inference_request_failure", reason="REJECTED", **labels)
     assert rejected >= rejected_before + 4
 
@@ -340,8 +342,10 @@ def test_deadline_on_responses_and_messages(fleet):
                 body = answer.json()
                 assert body["type"] == "error" and body["error"]["type"] == "overloaded_error"
                 assert "deadline" in body["error"]["message"]
-        load = _load(fleet, model=MODEL)  # the refused requests left the engine
-        assert load["num_requests_waiting"] == 0, load
+        # the refused requests left the engine (its load is what its last step reported: poll for the next)
+        load = _wait_for(lambda: (lambda load: load if load["num_requests_waiting"] == 0 else None)(
+            _load(fleet, model=MODEL)), timeout=30)
+        assert load, _load(fleet, model=MODEL)
 
 
 # -- 6. SIGTERM while streams run (ends the module's server) ------------------------------------------------

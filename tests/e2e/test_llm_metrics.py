@@ -56,7 +56,7 @@ def llm_server(tmp_path_factory, tiny_model):
     tmp = tmp_path_factory.mktemp("llm_metrics")
     tiny = tiny_model
     repository = tmp / "models"
-    write_vllm_model(repository, MODEL, {"model": str(tiny), "dtype": "float32", "max_model_len": 512,
+    write_vllm_model(repository, MODEL, {"model": str(tiny), "dtype": "float32", "max_model_len": 2048,
                                          "enforce_eager": True, "max_num_seqs": MAX_NUM_SEQS,
                                          "scheduling_policy": "priority"}, config=CONFIG)
     server = start_server([repository], "--allowed-model-root", str(tiny), "--enable-prompt-tokens-details",
@@ -217,7 +217,7 @@ class TestAdmission:
         (generate) wait. vLLM runs the lower value first: the later request starts first. The fillers differ in
         length, so one slot frees first (two freed in one step would start both waiting requests together)."""
         fillers = [threading.Thread(target=_generate,
-                                    args=(llm_server, f"Filler {i}", {**LONGER, "max_tokens": 400 * (i + 1)}))
+                                    args=(llm_server, f"Filler {i}", {**LONGER, "max_tokens": 1000 * (i + 1)}))
                    for i in range(MAX_NUM_SEQS)]
         for thread in fillers:
             thread.start()

@@ -143,7 +143,8 @@ def test_config_is_auto_completed(llm_server):
 
 def test_server_answers_while_the_engine_starts(llm_server):
     assert len(llm_server.health_latencies) > 20  # the probe ran all through the engine start-up
-    assert max(llm_server.health_latencies) < 2.0  # a blocking start would stall it for ~40 s
+    # a blocking start would stall it for the whole engine start (40 s or more); a loaded machine, seconds at most
+    assert max(llm_server.health_latencies) < 10.0
     assert MODEL not in llm_server.load_errors
 
 
