@@ -7,12 +7,14 @@ All updates happen on the event loop thread.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import time
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import Metric
+from prometheus_client import CollectorRegistry, disable_created_metrics, generate_latest
+from prometheus_client.core import HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
 
 from .cpu_metrics import CpuMetrics
 
@@ -36,6 +38,22 @@ class Duration:
 
     def as_dict(self) -> dict:
         return {"count": self.count, "ns": self.ns}
+
+
+class LatencyHistogram:
+    """One model version's latency histogram (LATENCY_BUCKETS_MS) in plain counters, written as a Prometheus
+    histogram when scraped (:class:`_LatencyCollector`). Observed on the event loop, once or twice per request:
+    no lock, as the other counters here (a ``prometheus_client`` Histogram takes one per bucket and sum)."""
+
+    __slots__ = ("counts", "sum")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(LATENCY_BUCKETS_MS) + 1)  # per bucket (not cumulative), the last +Inf
+        self.sum = 0.0
+
+    def observe(self, ms: float) -> None:
+        self.counts[bisect.bisect_left(LATENCY_BUCKETS_MS, ms)] += 1  # the first bucket whose bound >= ms
+        self.sum += ms
 
 
 @dataclass
@@ -66,21 +84,22 @@ class ModelStats:
         self.cache_miss = Duration()  # response cache: lookup and insertion of requests that ran
         self.cache_enabled = False    # the model uses the response cache: its nv_cache_* series are written
         self.batch_stats: dict[int, BatchStat] = {}
-        self._latency = self._first_response = None
+        self.latency: LatencyHistogram | None = None  # Prometheus histograms: None without metrics
+        self.first_response: LatencyHistogram | None = None
         if metrics is not None:
-            self._latency = metrics.request_latency.labels(name, version)
-            self._first_response = metrics.first_response.labels(name, version)
+            self.latency = LatencyHistogram()
+            self.first_response = LatencyHistogram()
 
     # -- recorded by the DataPlane ---------------------------------------------------------
     def record_first_response(self, elapsed_ns: int) -> None:
-        if self._first_response is not None:
-            self._first_response.observe(elapsed_ns / 1e6)
+        if self.first_response is not None:
+            self.first_response.observe(elapsed_ns / 1e6)
 
     def record_success(self, elapsed_ns: int) -> None:
         self.success.add(elapsed_ns)
         self.last_inference_ms = int(time.time() * 1000)
-        if self._latency is not None:
-            self._latency.observe(elapsed_ns / 1e6)
+        if self.latency is not None:
+            self.latency.observe(elapsed_ns / 1e6)
 
     def record_failure(self, elapsed_ns: int, reason: str) -> None:
         self.fail.add(elapsed_ns)
@@ -149,14 +168,7 @@ class Metrics:
         self.cpu = cpu  # Triton's nv_cpu_* gauges (server/cpu_metrics.py), None when off
         self._models: dict[tuple[str, str], ModelStats] = {}
         self._extensions: dict[str, object] = {}
-        self.request_latency = Histogram(
-            "nv_inference_request_duration_histogram_ms",
-            "End-to-end inference request duration in milliseconds (to the final response)",
-            ["model", "version"], buckets=LATENCY_BUCKETS_MS, registry=self.registry)
-        self.first_response = Histogram(
-            "nv_inference_first_response_histogram_ms",
-            "Duration from request arrival to its first response in milliseconds",
-            ["model", "version"], buckets=LATENCY_BUCKETS_MS, registry=self.registry)
+        self.registry.register(_LatencyCollector(self._models))
         self._counters = _StatsCollector(self._models)
 
     def render(self) -> bytes:
@@ -195,6 +207,36 @@ class Metrics:
 
 def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+class _LatencyCollector:
+    """The per-model latency histograms (:class:`LatencyHistogram`), as Prometheus histogram families."""
+
+    _FAMILIES = (
+        ("nv_inference_request_duration_histogram_ms",
+         "End-to-end inference request duration in milliseconds (to the final response)", "latency"),
+        ("nv_inference_first_response_histogram_ms",
+         "Duration from request arrival to its first response in milliseconds", "first_response"),
+    )
+    _BOUNDS = [floatToGoString(bound) for bound in LATENCY_BUCKETS_MS] + ["+Inf"]
+
+    def __init__(self, models: dict[tuple[str, str], ModelStats]) -> None:
+        self._models = models
+
+    def collect(self):
+        models = list(self._models.values())
+        for name, doc, attribute in self._FAMILIES:
+            family = HistogramMetricFamily(name, doc, labels=["model", "version"])
+            for stats in models:
+                histogram = getattr(stats, attribute)
+                if histogram is None:
+                    continue
+                buckets, total = [], 0
+                for bound, count in zip(self._BOUNDS, histogram.counts):
+                    total += count
+                    buckets.append((bound, total))
+                family.add_metric([stats.name, stats.version], buckets, histogram.sum)
+            yield family
 
 
 class _StatsCollector:
