@@ -47,6 +47,7 @@ async def send_response(send, status: int, body: bytes, headers: list) -> None:
 
 
 try:  # uvicorn's httptools protocol (the one the server runs): a whole answer can skip its two ASGI sends
+    import uvicorn
     from uvicorn.protocols.http.httptools_impl import HEADER_RE as _HEADER_RE
     from uvicorn.protocols.http.httptools_impl import HEADER_VALUE_RE as _HEADER_VALUE_RE
     from uvicorn.protocols.http.httptools_impl import STATUS_LINE as _STATUS_LINE
@@ -65,11 +66,19 @@ def _write_whole(cycle, status: int, body: bytes, headers: list) -> bool:
     fewer). False, having done nothing, where the ASGI sends must decide (a response already started, a
     paused or closed connection, an access log to write, HEAD, a connection or transfer-encoding header, a
     header uvicorn would refuse)."""
-    if (cycle.response_started or cycle.disconnected or cycle.flow.write_paused or cycle.access_log
-            or cycle.scope["method"] == "HEAD" or status not in _STATUS_LINE):
+    global _UvicornCycle
+    try:
+        if (cycle.response_started or cycle.disconnected or cycle.flow.write_paused or cycle.access_log
+                or cycle.scope["method"] == "HEAD" or status not in _STATUS_LINE):
+            return False
+        default_headers, keep_alive, transport = cycle.default_headers, cycle.keep_alive, cycle.transport
+        message_event, on_response = cycle.message_event, cycle.on_response
+    except AttributeError:  # a uvicorn whose cycle differs from the one this was written for: its ASGI sends
+        log.warning("uvicorn %s: whole answers go through its ASGI sends", getattr(uvicorn, "__version__", "?"))
+        _UvicornCycle = None
         return False
     content = [_STATUS_LINE[status]]
-    for name, value in cycle.default_headers:
+    for name, value in default_headers:
         content += (name.lower(), b": ", value, b"\r\n")
     for name, value in headers:
         name = name.lower()
@@ -80,10 +89,9 @@ def _write_whole(cycle, status: int, body: bytes, headers: list) -> bool:
     cycle.waiting_for_100_continue = False
     cycle.chunked_encoding = False
     cycle.expected_content_length = 0
-    if not cycle.keep_alive:
+    if not keep_alive:
         content.append(b"connection: close\r\n")
     content.append(b"\r\n")
-    transport = cycle.transport
     write = getattr(transport, "write_now", transport.write)
     if len(body) <= _WHOLE_MAX:
         content.append(body)
@@ -92,10 +100,10 @@ def _write_whole(cycle, status: int, body: bytes, headers: list) -> bool:
         write(b"".join(content))
         write(body)
     cycle.response_complete = True
-    cycle.message_event.set()
-    if not cycle.keep_alive:
+    message_event.set()
+    if not keep_alive:
         transport.close()
-    cycle.on_response()
+    on_response()
     return True
 
 
