@@ -47,9 +47,10 @@ class ResponseStream:
     def _put(self, response: InferenceResponse) -> None:
         items = self._items
         delta = response.generation
-        if delta is not None and items and response.error is None and not response.parameters:
+        if delta is not None and items and response.error is None and not response.parameters and not response.outputs:
             last = items[-1]  # not taken yet: a typed LLM delta joins it (one chunk for the reader, not two)
-            if last.generation is not None and not last.final and last.error is None and not last.parameters:
+            if (last.generation is not None and not last.final and last.error is None and not last.parameters
+                    and not last.outputs):
                 last.generation.extend(delta)
                 last.final = response.final
                 return
