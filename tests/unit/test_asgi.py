@@ -11,6 +11,7 @@ import asyncio
 import orjson
 import pytest
 
+from tideserve import asgi
 from tideserve.asgi import ClientGone, cancel_on_disconnect, error_body, send_error
 
 
@@ -77,8 +78,8 @@ async def test_a_block_done_before_the_delay_never_watches():
     await asyncio.sleep(0.01)
     assert connection.reads == 0
 
-    with cancel_on_disconnect(connection.receive, delay=0.01) as watch:
-        await asyncio.sleep(0.05)
+    with cancel_on_disconnect(connection.receive, delay=0.01) as watch:  # it watches from the first tick after 10 ms
+        await asyncio.sleep(0.01 + 3 * asgi._WATCH_TICK_S)
     assert connection.reads == 1 and not watch.gone
 
 
