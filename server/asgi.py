@@ -36,6 +36,16 @@ def error_body(message: str) -> bytes:
     return orjson.dumps({"error": message})
 
 
+RECEIVED_NS = "tideserve.received_ns"
+"""The scope key of when the server began to parse the request (``time.monotonic_ns``, set by the HTTP protocol):
+a queue deadline counts from there, not from when a busy event loop got to the request's handler."""
+
+
+def received_ns(scope) -> int:
+    """When the server began to parse the request (monotonic ns), or 0 where the protocol did not say."""
+    return scope.get(RECEIVED_NS, 0)
+
+
 async def send_response(send, status: int, body: bytes, headers: list) -> None:
     """One complete answer; ``headers`` (a list of byte pairs) gets the Content-Length appended."""
     headers.append((b"content-length", str(len(body)).encode()))

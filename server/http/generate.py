@@ -36,7 +36,7 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.routing import Route
 from tritonclient.grpc import model_config_pb2 as mc
 
-from ..asgi import JSON_HEADER, ClientGone, cancel_on_disconnect, error_body, send_error, send_response
+from ..asgi import JSON_HEADER, ClientGone, cancel_on_disconnect, error_body, received_ns, send_error, send_response
 from ..datatypes import config_to_datatype, element_size, numpy_dtype
 from ..errors import InvalidArgument, ServerError, Unsupported, as_server_error
 from ..responses import content_responses
@@ -397,6 +397,8 @@ async def handle_generate(dataplane, reader: BodyReader, scope, receive, send, m
         for key, value in scope["headers"]:
             if key == b"traceparent":
                 request.trace_context = value.decode("latin-1")
+        if request.timeout_us and 0 < received_ns(scope) < request.arrival_ns:
+            request.arrival_ns = received_ns(scope)  # Triton's 'timeout' counts from when the server read the request
         if not streaming:
             request.streaming = False  # the model's one response
             with cancel_on_disconnect(receive):

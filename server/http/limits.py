@@ -24,10 +24,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from dataclasses import dataclass
 
 import orjson
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from ..asgi import RECEIVED_NS
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +155,8 @@ class CoalescingTransport:
 
 
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with limits on the head's size and header count, and read timeouts."""
+    """uvicorn's httptools protocol with limits on the head's size and header count, and read timeouts; it
+    stamps each request's scope with when its parsing began (:data:`RECEIVED_NS`)."""
 
     def __init__(self, *args, limits: ConnectionLimits, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -165,6 +169,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._head_count = 0     # headers of the request whose body is being read (more are trailers)
         self._unseen = 0         # bytes read while waiting for a body with none of it seen: trailers
         self._refusal: tuple[int, str] | None = None
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self.scope[RECEIVED_NS] = time.monotonic_ns()
 
     # -- what the connection waits for, and the one timer that bounds it -------------------
     def _wait_for(self, what: int, timeout: float) -> None:

@@ -90,10 +90,11 @@ class ChatRun:
 
 
 async def start(server, request: ChatCompletionRequest, llm: LLMModel, *, stream: bool, request_id: str,
-                max_tokens_field: str = "max_tokens", timeout_us: int = 0) -> ChatRun:
+                max_tokens_field: str = "max_tokens", timeout_us: int = 0, received_ns: int = 0) -> ChatRun:
     """Check ``request`` (one choice), render its prompt and start its DataPlane request; with ``stream`` the
     first model response is awaited, so an error the model raises at once is still a plain HTTP error.
-    ``timeout_us``: the request's queue deadline (``x-request-timeout-ms``, :func:`.http.request_timeout_us`)."""
+    ``timeout_us``: the request's queue deadline (``x-request-timeout-ms``, :func:`.http.request_timeout_us`),
+    counted from ``received_ns`` (when the server began to read the request) where given."""
     limits = server.limits
     request.check_chat(limits, auto_tools=llm.tool_call_parser is not None)
     mode = request.tool_mode
@@ -112,7 +113,7 @@ async def start(server, request: ChatCompletionRequest, llm: LLMModel, *, stream
     try:
         inference = llm.request(prompt, sampling, stream=stream, logprobs=False, add_special_tokens=False,
                                 request_id=request_id)
-        llm.admission(inference, request.priority, limits.prompt_tokens_details, timeout_us)
+        llm.admission(inference, request.priority, limits.prompt_tokens_details, timeout_us, received_ns)
         run = Run(server.dataplane, llm, inference, 1)
         if stream:
             await run.peek()

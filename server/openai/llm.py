@@ -171,12 +171,14 @@ class LLMModel:
         return request
 
     def admission(self, request: InferenceRequest, priority: int, cached_tokens: bool,
-                  timeout_us: int = 0) -> InferenceRequest:
+                  timeout_us: int = 0, received_ns: int = 0) -> InferenceRequest:
         """Set the request's scheduling priority and deadline (``x-request-timeout-ms``: an LLM refuses it when it
-        has not started generating by then), and ask a vLLM model for its prefix-cache hits
-        (``usage.prompt_tokens_details``)."""
+        has not started generating by then, counted from ``received_ns``, when the server began to read it), and
+        ask a vLLM model for its prefix-cache hits (``usage.prompt_tokens_details``)."""
         request.priority = priority
         request.timeout_us = timeout_us
+        if timeout_us and 0 < received_ns < request.arrival_ns:
+            request.arrival_ns = received_ns
         if cached_tokens and request.generation is not None:
             request.generation.cached_tokens = True
         return request

@@ -23,7 +23,7 @@ from ..chat_template import ChatTemplate, TemplateError, special_tokens
 from ..limits import OpenAILimits
 from ..errors import BadRequest, from_server_error
 from ..generation import Chunks, Run, Usage, close_all, collect
-from ..http import DONE, EventStream, event, request_timeout_us
+from ..http import DONE, EventStream, event, request_received_ns, request_timeout_us
 from ..llm import LLMModel
 from ..logprobs import chat_content
 from ..protocol import parse
@@ -61,7 +61,8 @@ async def create_chat_completion(server, body: bytes, scope) -> bytes | EventStr
     try:
         inference = llm.request(prompt, sampling, stream=stream, logprobs=bool(request.logprobs),
                                 add_special_tokens=False, request_id=request_id)
-        llm.admission(inference, request.priority, server.limits.prompt_tokens_details, request_timeout_us(scope))
+        llm.admission(inference, request.priority, server.limits.prompt_tokens_details, request_timeout_us(scope),
+                      request_received_ns(scope))
         run = Run(server.dataplane, llm, inference, request.n)
         if stream:
             await run.peek()

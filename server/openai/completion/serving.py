@@ -20,7 +20,7 @@ import orjson
 from ...errors import ServerError
 from ..errors import BadRequest, from_server_error
 from ..generation import Choice, Run, Usage, chunk_event, close_all, collect, merged, peek_all
-from ..http import DONE, EventStream, event, request_timeout_us
+from ..http import DONE, EventStream, event, request_received_ns, request_timeout_us
 from ..logprobs import CompletionLogprobs
 from ..protocol import parse
 from .protocol import CompletionRequest
@@ -59,7 +59,8 @@ async def create_completion(server, doc, scope) -> bytes | EventStream:
             inference = llm.request(prompt, sampling, stream=stream, logprobs=request.logprobs is not None,
                                     add_special_tokens=request.add_special_tokens, request_id=f"{request_id}-{k}",
                                     prompt_logprobs=request.prompt_logprobs)
-            llm.admission(inference, request.priority, server.limits.prompt_tokens_details, timeout_us)
+            llm.admission(inference, request.priority, server.limits.prompt_tokens_details, timeout_us,
+                          request_received_ns(scope))
             runs.append(Run(server.dataplane, llm, inference, n, index=k * n))
         if stream:
             await peek_all(runs)

@@ -18,7 +18,7 @@ import orjson
 
 from ..chat_run import ChatRun, render, start
 from ..errors import BadRequest, OpenAIError
-from ..http import EventStream, request_timeout_us
+from ..http import EventStream, request_received_ns, request_timeout_us
 from .http import sse
 from .protocol import CountTokensRequest, MessagesRequest, chat_request, parse_request, renamed
 
@@ -52,7 +52,7 @@ async def create_message(server, doc, scope) -> bytes | EventStream:
     message_id = f"msg_{uuid.uuid4().hex}"
     try:
         run = await start(server, chat, llm, stream=request.stream, request_id=message_id,
-                          max_tokens_field="max_tokens", timeout_us=timeout_us)
+                          max_tokens_field="max_tokens", timeout_us=timeout_us, received_ns=request_received_ns(scope))
     except OpenAIError as exc:
         raise renamed(exc) from None
     head = {"id": message_id, "type": "message", "role": "assistant", "model": llm.name}

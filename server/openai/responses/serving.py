@@ -27,7 +27,7 @@ from ...errors import ServerError
 from ..chat_completion.output import merge
 from ..chat_run import ChatRun, start
 from ..errors import BadRequest, OpenAIError
-from ..http import EventStream, request_timeout_us
+from ..http import EventStream, request_received_ns, request_timeout_us
 from ..protocol import parse
 from . import mcp, output
 from .protocol import ResponsesRequest, chat_request, input_items, new_id, renamed, to_messages
@@ -94,7 +94,8 @@ async def create_response(server, doc, scope) -> bytes | EventStream:
         return await job.in_background(launch)
     try:
         run = await start(server, chat, llm, stream=request.stream, request_id=response_id,
-                          max_tokens_field="max_output_tokens", timeout_us=timeout_us)
+                          max_tokens_field="max_output_tokens", timeout_us=timeout_us,
+                          received_ns=request_received_ns(scope))
     except OpenAIError as exc:
         raise renamed(exc) from None
     if request.stream:
