@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import signal
 import sys
 import tempfile
@@ -35,28 +34,12 @@ from pathlib import Path
 
 import httpx
 
-from tideserve.bench.llm_servers import ROOT, start_tideserve, stop_process, story_prompts
+from tideserve.bench.llm_servers import (ROOT, engine_env, percentile, start_tideserve, stop_process, story_prompts,
+                                         write_vllm_repository)
 
 MODEL = "llm"
 
 
-def write_repository(root: Path, model: Path, max_num_seqs: int, max_queue_size: int) -> Path:
-    repo = root / "models"
-    version = repo / MODEL / "1"
-    version.mkdir(parents=True, exist_ok=True)
-    (repo / MODEL / "config.pbtxt").write_text(
-        f'backend: "vllm"\nparameters {{ key: "max_queue_size" value {{ string_value: "{max_queue_size}" }} }}\n')
-    (version / "model.json").write_text(json.dumps({
-        "model": str(model), "dtype": "float32", "max_model_len": 512, "enforce_eager": True,
-        "max_num_seqs": max_num_seqs}))
-    return repo
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
 
 
 async def admitted_request(client: httpx.AsyncClient, base: str, prompt: str, tokens: int) -> dict:
@@ -143,10 +126,9 @@ def main() -> None:
     from tideserve.bench.examples.tiny_llama import make_model
 
     work = Path(tempfile.mkdtemp(prefix="tideserve-bench-admission-"))
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
-           "VLLM_CACHE_ROOT": str(work / "vllm-cache"), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    env = engine_env(work)
     model = make_model(args.model_dir / args.size, args.size)
-    repo = write_repository(work, model, args.max_num_seqs, args.max_queue_size)
+    repo = write_vllm_repository(work, model, args.max_num_seqs, args.max_queue_size)
     bound = args.max_num_seqs + args.max_queue_size
     flood_clients = args.flood_factor * args.max_queue_size
     print(f"bound {bound} in flight (max_num_seqs {args.max_num_seqs} + max_queue_size {args.max_queue_size}); "

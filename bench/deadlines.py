@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import signal
 import sys
 import tempfile
@@ -62,31 +61,13 @@ import uvloop
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
-from tideserve.bench.llm_servers import start_tideserve, stop_process, story_prompts
+from tideserve.bench.llm_servers import (engine_env, percentile, start_tideserve, stop_process, story_prompts,
+                                         write_vllm_repository)
 
 MODEL = "llm"
 APIS = ("generate", "openai")
 
 
-def write_repository(root: Path, model: Path, max_num_seqs: int, max_queue_size: int) -> Path:
-    repo = root / "models"
-    version = repo / MODEL / "1"
-    version.mkdir(parents=True, exist_ok=True)
-    config = 'backend: "vllm"\n'
-    if max_queue_size:
-        config += f'parameters {{ key: "max_queue_size" value {{ string_value: "{max_queue_size}" }} }}\n'
-    (repo / MODEL / "config.pbtxt").write_text(config)
-    (version / "model.json").write_text(json.dumps({
-        "model": str(model), "dtype": "float32", "max_model_len": 512, "enforce_eager": True,
-        "max_num_seqs": max_num_seqs}))
-    return repo
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
 
 
 async def one_request(session: aiohttp.ClientSession, base: str, api: str, prompt: str, tokens: int,
@@ -269,10 +250,9 @@ def main() -> None:
     from tideserve.bench.examples.tiny_llama import make_model
 
     work = Path(tempfile.mkdtemp(prefix="tideserve-bench-deadlines-"))
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
-           "VLLM_CACHE_ROOT": str(work / "vllm-cache"), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    env = engine_env(work)
     model = make_model(args.model_dir / args.size, args.size)
-    repo = write_repository(work, model, args.max_num_seqs, args.max_queue_size)
+    repo = write_vllm_repository(work, model, args.max_num_seqs, args.max_queue_size)
     holds = args.max_num_seqs + args.max_queue_size
     flood = args.flood_factor * holds
     apis = APIS if args.api == "both" else (args.api,)

@@ -1,9 +1,11 @@
-"""What the benchmark scripts share: free ports, a process's CPU time, the fixed story prompts of the LLM
-comparisons, starting a tideserve process until it (or one model) is ready, and stopping a server's whole
-process group (its engine and model processes included)."""
+"""What the benchmark scripts share: free ports, a process's CPU time, percentiles, the fixed story prompts of the
+LLM comparisons, the environment of a vLLM CPU engine, a one-model vLLM repository, starting a tideserve process
+until it (or one model) is ready, and stopping a server's whole process group (its engine and model processes
+included)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -33,6 +35,38 @@ def cpu_seconds(pid: int) -> float:
 
 def story_prompts(count: int) -> list[str]:
     return [f"Story {i}: once upon a time {SUBJECTS[i % len(SUBJECTS)]} woke up and" for i in range(count)]
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q``-th percentile (nearest rank) of ``values``; nan for none."""
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+
+
+def engine_env(work: Path) -> dict:
+    """This process's environment plus what a vLLM CPU engine needs here (1 GiB of KV cache, no hub, its cache
+    under ``work``, no usage reports)."""
+    return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+            "VLLM_CACHE_ROOT": str(work / "vllm-cache"), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+
+
+def write_vllm_repository(root: Path, model: Path, max_num_seqs: int, max_queue_size: int = 0,
+                          name: str = "llm") -> Path:
+    """``root/models`` with one vLLM model ``name`` on ``model`` (float32, eager, 512 tokens of context) and, when
+    given, the ``max_queue_size`` config parameter."""
+    repo = root / "models"
+    version = repo / name / "1"
+    version.mkdir(parents=True, exist_ok=True)
+    config = 'backend: "vllm"\n'
+    if max_queue_size:
+        config += f'parameters {{ key: "max_queue_size" value {{ string_value: "{max_queue_size}" }} }}\n'
+    (repo / name / "config.pbtxt").write_text(config)
+    (version / "model.json").write_text(json.dumps({
+        "model": str(model), "dtype": "float32", "max_model_len": 512, "enforce_eager": True,
+        "max_num_seqs": max_num_seqs}))
+    return repo
 
 
 def start_tideserve(repo: Path, log: Path, env: dict, ready_model: str | None, timeout: float = 900,
