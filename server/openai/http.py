@@ -19,7 +19,7 @@ import orjson
 
 from .. import load_report
 from ..asgi import JSON_HEADER, ClientGone, cancel_on_disconnect, send_response
-from ..asgi import received_ns as request_received_ns
+from ..asgi import received_ns as request_received_ns  # noqa: F401 (the /v1 routes read it beside request_timeout_us)
 from ..errors import ServerError
 from .errors import BadRequest, OpenAIError, from_server_error
 from .limits import OpenAILimits
