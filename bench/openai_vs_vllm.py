@@ -12,7 +12,13 @@ Per round: output tokens/s (the usage chunks' completion tokens over the batch's
 reports the median of each measure over its rounds.
 
     python bench/openai_vs_vllm.py [--streams 32 [64 ...]] [--tokens 128] [--size 100m|tiny] [--dtype bfloat16]
-        [--eager] [--rounds 4] [--tideserve-args "--frontend-workers 2" [--tideserve-args ...]]
+        [--eager] [--rounds 4] [--tideserve-args "--frontend-workers 2" [--tideserve-args ...]] [--one-at-a-time]
+
+``--one-at-a-time`` starts each side for its turn of a round and stops it after, so only one engine is up at a
+time: the two CPU engines both pin their worker to core 0, and an idle engine beside the measured one still
+wakes on that core (the stalls of several seconds seen with both up). Each start costs an engine start (about a
+minute for ``--size tiny --eager``), and every turn then measures a freshly started server after its warm-up
+request.
 
 ``--tideserve-args`` (repeatable) adds a tideserve server started with those extra command-line flags
 (split as a shell would); each one is a side of its own, measured in the same rounds as the others (the
@@ -147,6 +153,8 @@ def main() -> None:
     parser.add_argument("--tideserve-args", action="append", default=None, metavar="FLAGS",
                         help="extra tideserve command-line flags, e.g. \"--frontend-workers 2\"; repeatable, each "
                              "one another tideserve server measured in the same rounds (default: one, no extra flags)")
+    parser.add_argument("--one-at-a-time", action="store_true",
+                        help="start each side for its turn and stop it after (one engine up at a time)")
     parser.add_argument("--pause", type=float, default=3.0, help="seconds of rest before each round (default 3)")
     parser.add_argument("--kv-cache-gib", default="1", help="VLLM_CPU_KVCACHE_SPACE for each side")
     parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "tideserve-bench-llm")
@@ -166,25 +174,36 @@ def main() -> None:
     variants = args.tideserve_args if args.tideserve_args is not None else [""]
 
     # Both servers stay up (an idle engine waits on its sockets) and the load rounds alternate, so a busy
-    # machine's background load falls on both sides alike. They start one after the other.
+    # machine's background load falls on both sides alike. They start one after the other. With
+    # --one-at-a-time each side is started for its turn and stopped after it.
+    sides: list[tuple[str, list[str], int, Path]] = []
     vllm_port = free_port()
-    vllm_cmd = vllm_command(model, vllm_port, engine_args, args.vllm_disable_log_stats)
-    servers = [Server("vLLM api_server", vllm_cmd, vllm_port, work / "vllm.log", env)]
-    ready: dict[str, float] = {}
+    sides.append(("vLLM api_server", vllm_command(model, vllm_port, engine_args, args.vllm_disable_log_stats),
+                  vllm_port, work / "vllm.log"))
+    for index, flags in enumerate(variants):
+        port = free_port()
+        sides.append((f"tideserve {flags}".strip(),
+                       tideserve_command(engine_args, port, work / f"tideserve-{index}", shlex.split(flags)),
+                       port, work / f"tideserve-{index}.log"))
+    names = [side[0] for side in sides]
+    up: dict[str, Server] = {}
+    ready: dict[str, list[float]] = {name: [] for name in names}
+
+    def start(side) -> Server:
+        name, cmd, port, log = side
+        server = up[name] = Server(name, cmd, port, log, env)
+        ready[name].append(server.wait_ready())
+        print(f"{name} ready in {ready[name][-1]:.0f}s", flush=True)
+        return server
+
     try:
-        ready[servers[0].name] = servers[0].wait_ready()
-        print(f"vLLM api_server ready in {ready[servers[0].name]:.0f}s", flush=True)
-        for index, flags in enumerate(variants):
-            name = f"tideserve {flags}".strip()
-            port = free_port()
-            servers.append(Server(name, tideserve_command(engine_args, port, work / f"tideserve-{index}",
-                                                          shlex.split(flags)),
-                                  port, work / f"tideserve-{index}.log", env))
-            ready[name] = servers[-1].wait_ready()
-            print(f"{name} ready in {ready[name]:.0f}s", flush=True)
-        runs: dict[tuple[str, int], list[dict]] = {(s.name, n): [] for s in servers for n in args.streams}
+        if not args.one_at_a_time:
+            for side in sides:
+                start(side)
+        runs: dict[tuple[str, int], list[dict]] = {(name, n): [] for name in names for n in args.streams}
         for round_index in range(args.rounds):
-            for server in (servers if round_index % 2 == 0 else servers[::-1]):  # ABBA...
+            for side in (sides if round_index % 2 == 0 else sides[::-1]):  # ABBA...
+                server = start(side) if args.one_at_a_time else up[side[0]]
                 for streams in args.streams:
                     time.sleep(args.pause)  # let the other server's engine go idle
                     result = load(server.port, streams, args.tokens)
@@ -193,10 +212,12 @@ def main() -> None:
                     print(f"round {round_index + 1} {server.name} {streams} streams: {result['tokens_per_s']:.1f} "
                           f"tok/s, TTFT p50 {result['ttft_p50_s']:.3f}s, ITL p50 {result['itl_p50_s'] * 1000:.1f}ms "
                           f"(load average {result['load_average']:.1f})", flush=True)
+                if args.one_at_a_time:
+                    up.pop(server.name).stop()
     finally:
-        for server in servers:
+        for server in up.values():
             server.stop()
-    rows = [medians(s.name, n, ready[s.name], runs[s.name, n]) for n in args.streams for s in servers]
+    rows = [medians(name, n, statistics.median(ready[name]), runs[name, n]) for n in args.streams for name in names]
 
     print("\n| streams | server | output tok/s | TTFT p50 (s) | ITL p50 (ms) | wall (s) | output tokens "
           "| tok/s per round |\n|---|---|---|---|---|---|---|---|")
@@ -207,8 +228,8 @@ def main() -> None:
     ratios = []
     print()
     for streams in args.streams:
-        vllm = next(r for r in rows if r["streams"] == streams and r["side"] == servers[0].name)
-        for tide in (r for r in rows if r["streams"] == streams and r["side"] != servers[0].name):
+        vllm = next(r for r in rows if r["streams"] == streams and r["side"] == names[0])
+        for tide in (r for r in rows if r["streams"] == streams and r["side"] != names[0]):
             ratio = {"streams": streams, "side": tide["side"],
                      "tokens_per_s": tide["tokens_per_s"] / vllm["tokens_per_s"],
                      "ttft_p50": tide["ttft_p50_s"] / vllm["ttft_p50_s"],
@@ -222,7 +243,8 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / f"openai-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps({"streams": args.streams, "tokens": args.tokens, "engine_args": engine_args,
-                               "tideserve_args": variants, "results": rows, "ratios": ratios}, indent=2))
+                               "tideserve_args": variants,
+                               "one_at_a_time": args.one_at_a_time, "results": rows, "ratios": ratios}, indent=2))
     print(f"wrote {out}")
 
 
