@@ -94,6 +94,9 @@ class ServerOptions:
     mcp: McpSettings = field(default_factory=McpSettings)
     # processes serving HTTP and gRPC (server/workers): 1 serves them in this process, beside the models
     frontend_workers: int = 1
+    # --frontend-direct: with frontend workers, eligible requests to Python models go from the worker straight to
+    # the model's instance processes (server/workers/direct.py), not through the core
+    frontend_direct: bool = False
     # Freeze the garbage collector's heap once models are loaded (the CLI does; see tideserve.heap). Off by default
     # for servers embedded in another program, whose heap is that program's business.
     freeze_heap: bool = False

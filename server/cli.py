@@ -47,6 +47,15 @@ def _count(text: str, least: int = 1) -> int:
     return value
 
 
+def _on_off(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("on", "true", "1", "yes"):
+        return True
+    if value in ("off", "false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected on or off, got '{text}'")
+
+
 def _workers(text: str) -> int:
     from .workers.pool import worker_count
 
@@ -287,6 +296,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="processes that serve the HTTP and gRPC ports (same ports, shared), each talking to the core "
                         "process that runs the models; 1 serves them in the core process itself. 'auto' "
                         "(default): one per two cores, at most 8")
+    p.add_argument("--frontend-direct", type=_on_off, default=False, metavar="on|off",
+                   help="with more than one frontend worker: plain inference requests to Python models (process "
+                        "mode; no sequence batching, response cache, ensemble or --rate-limit) go from the worker "
+                        "straight to the model's instance processes, which batch them with the model's "
+                        "dynamic_batching settings (one queue per instance), instead of through the core process. "
+                        "Default off")
     p.add_argument("--log-verbose", type=int, default=0, help="0: info, 1 or more: debug")
     p.add_argument("--version", action="version", version=f"tideserve {__version__}")
     return p
@@ -331,7 +346,7 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
                                      args.response_store_max_bytes),
         mcp=_mcp_settings(args),
         log_verbose=args.log_verbose, api_key=args.api_key, freeze_heap=True,
-        frontend_workers=args.frontend_workers,
+        frontend_workers=args.frontend_workers, frontend_direct=args.frontend_direct,
         openapi=args.openapi if args.openapi is not None else not args.http_restricted_api,
         metrics_address=args.metrics_address, api_key_scope=scope,
         http_restricted_apis=parse_restrictions(args.http_restricted_api, "--http-restricted-api"),

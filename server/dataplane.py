@@ -229,6 +229,7 @@ class DataPlane(ServingInterface):
     async def metrics_text(self) -> bytes:
         """The Prometheus text exposition of the server's registry (``GET /metrics`` on either port; in a
         frontend worker, a call to the core)."""
+        await self._refresh_direct(self.repository.runtimes())
         return self.metrics.render()
 
     def server_metadata(self) -> dict[str, Any]:
@@ -261,7 +262,17 @@ class DataPlane(ServingInterface):
             if entry is None or not entry.versions:
                 raise NotFound(f"requested model '{name}' is not available")
             runtimes = list(entry.versions.values())
+        await self._refresh_direct(runtimes)
         return [r.stats.as_dict() for r in runtimes]
+
+    @staticmethod
+    async def _refresh_direct(runtimes) -> None:
+        """--frontend-direct: add what models' processes counted for requests they took straight from the frontend
+        workers (asked now, so that a client reading statistics right after its response sees it counted)."""
+        refresh = [r.model.refresh_direct_statistics() for r in runtimes
+                   if getattr(r.model, "direct_processes", None)]
+        if refresh:
+            await asyncio.gather(*refresh, return_exceptions=True)
 
     # -- repository ----------------------------------------------------------------------
     def repository_index(self, ready_only: bool = False) -> list[dict]:

@@ -89,6 +89,10 @@ class ModelStats:
         if metrics is not None:
             self.latency = LatencyHistogram()
             self.first_response = LatencyHistogram()
+        # --frontend-direct: what the model's instance processes counted for the requests they took straight from
+        # the frontend workers (their latest exported counters, by process), and those of processes now gone
+        self.remote: dict[object, dict] = {}
+        self.retired: list[dict] = []
 
     # -- recorded by the DataPlane ---------------------------------------------------------
     def record_first_response(self, elapsed_ns: int) -> None:
@@ -133,8 +137,74 @@ class ModelStats:
         stat.compute_infer.add(infer_ns)
         stat.compute_output.add(output_ns)
 
+    # -- counted elsewhere (--frontend-direct) ---------------------------------------------
+    _DURATIONS = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output", "cache_hit",
+                  "cache_miss")
+
+    def export(self) -> dict:
+        """Every counter, as plain values (what a model process sends the core)."""
+        out = {name: [getattr(self, name).count, getattr(self, name).ns] for name in self._DURATIONS}
+        out["failures"] = dict(self.failures)
+        out["inference_count"] = self.inference_count
+        out["execution_count"] = self.execution_count
+        out["last_inference_ms"] = self.last_inference_ms
+        out["batch_stats"] = {size: [s.compute_input.count, s.compute_input.ns, s.compute_infer.count,
+                                     s.compute_infer.ns, s.compute_output.count, s.compute_output.ns]
+                              for size, s in self.batch_stats.items()}
+        for name in ("latency", "first_response"):
+            histogram = getattr(self, name)
+            if histogram is not None:
+                out[name] = [list(histogram.counts), histogram.sum]
+        return out
+
+    def add_exported(self, data: dict) -> None:
+        """Add counters :meth:`export` gave."""
+        for name in self._DURATIONS:
+            count, ns = data.get(name, (0, 0))
+            getattr(self, name).add(ns, count)
+        for reason, count in data.get("failures", {}).items():
+            self.failures[reason] = self.failures.get(reason, 0) + count
+        self.inference_count += data.get("inference_count", 0)
+        self.execution_count += data.get("execution_count", 0)
+        self.last_inference_ms = max(self.last_inference_ms, data.get("last_inference_ms", 0))
+        for size, values in data.get("batch_stats", {}).items():
+            size = int(size)
+            stat = self.batch_stats.get(size)
+            if stat is None:
+                stat = self.batch_stats[size] = BatchStat()
+            stat.compute_input.add(values[1], values[0])
+            stat.compute_infer.add(values[3], values[2])
+            stat.compute_output.add(values[5], values[4])
+        for name in ("latency", "first_response"):
+            histogram, found = getattr(self, name), data.get(name)
+            if histogram is not None and found is not None:
+                histogram.counts = [a + b for a, b in zip(histogram.counts, found[0])]
+                histogram.sum += found[1]
+
+    def retire(self, key: object) -> None:
+        """The process ``key`` is gone: its last counters stay counted."""
+        data = self.remote.pop(key, None)
+        if data is not None:
+            self.retired.append(data)
+
+    def view(self) -> "ModelStats":
+        """These counters plus what the model's processes counted (itself when they counted nothing)."""
+        if not self.remote and not self.retired:
+            return self
+        total = ModelStats(self.name, self.version)
+        if self.latency is not None:
+            total.latency, total.first_response = LatencyHistogram(), LatencyHistogram()
+        total.pending_fn = self.pending_fn
+        total.cache_enabled = self.cache_enabled
+        total.add_exported(self.export())
+        for data in [*self.retired, *self.remote.values()]:
+            total.add_exported(data)
+        return total
+
     def as_dict(self) -> dict:
         """Triton's ``$model_stat`` JSON object."""
+        if self.remote or self.retired:
+            return self.view().as_dict()
         return {
             "name": self.name,
             "version": self.version,
@@ -224,7 +294,7 @@ class _LatencyCollector:
         self._models = models
 
     def collect(self):
-        models = list(self._models.values())
+        models = [stats.view() for stats in self._models.values()]
         for name, doc, attribute in self._FAMILIES:
             family = HistogramMetricFamily(name, doc, labels=["model", "version"])
             for stats in models:
@@ -276,7 +346,7 @@ class _StatsCollector:
         self._models = models
 
     def collect(self):
-        models = list(self._models.values())
+        models = [stats.view() for stats in self._models.values()]
         for name, doc, read in self._COUNTERS:
             metric = Metric(name, doc, "counter")
             for s in models:

@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 
+import msgspec
 from tritonclient.grpc import model_config_pb2 as mc
 
 from tideserve.backend_api import (
@@ -124,6 +125,18 @@ class ProcessModel(Model):
         super().__init__(backend, ctx)
         self.arena_bytes = arena_bytes(ctx)
         self._spare: ModelProcess | None = None  # started for auto-complete, kept for the first instance
+        self.direct_processes: list[ModelProcess] = []  # --frontend-direct: those that take workers' requests
+
+    def stats(self):
+        """The model version's statistics (the core's, where direct requests' counters are added)."""
+        metrics = self.ctx.metrics
+        return metrics.model_stats(self.ctx.name, str(self.ctx.version)) if metrics is not None else None
+
+    async def refresh_direct_statistics(self) -> None:
+        """Fetch what each instance process counted for direct requests (before statistics are read)."""
+        if self.direct_processes:
+            await asyncio.gather(*(p.direct_counters() for p in list(self.direct_processes)),
+                                 return_exceptions=True)
 
     def spec(self) -> protocol.ModelSpec:
         return protocol.ModelSpec(self.ctx.name, self.ctx.version, str(self.ctx.model_path),
@@ -182,6 +195,11 @@ class ProcessInstance(ModelInstance):
     def pid(self) -> int:
         return self.process.pid if self.process is not None else 0
 
+    async def open_direct(self, path: str) -> ModelProcess:
+        """--frontend-direct: the process listens for frontend workers at ``path``."""
+        await self.process.open_direct(path)
+        return self.process
+
     @property
     def requests_in_flight(self) -> int:
         """Requests sent to the process whose final response has not come back."""
@@ -214,6 +232,7 @@ class ModelProcess:
         self._closed = False
         self._gone_task: asyncio.Task | None = None
         self._pending_out: collections.deque[tuple[memoryview, int | None]] = collections.deque()
+        self.direct_path: str | None = None  # --frontend-direct: where it listens for frontend workers
         self._releases: collections.deque[int] = collections.deque()
         self._release_scheduled = False
         size = model.arena_bytes
@@ -257,8 +276,59 @@ class ModelProcess:
         self.label = ctx.name
         self.serves_instance = True
 
+    # -- --frontend-direct -------------------------------------------------------------------------
+    async def open_direct(self, path: str) -> None:
+        await self._call(lambda call: protocol.OpenDirect(call, path))
+        self.direct_path = path
+        self.model.direct_processes.append(self)
+
+    async def direct_counters(self) -> None:
+        """Fetch the process's counters of direct requests into the model version's statistics."""
+        if self.direct_path is None or self.failure is not None or self._closed:
+            return
+        reply = await asyncio.wait_for(self._call(protocol.DirectStats), 5.0)
+        self._store_counters(reply.config)
+
+    def _store_counters(self, data: bytes) -> None:
+        stats = self.model.stats()
+        if stats is not None and data:
+            stats.remote[self] = msgspec.msgpack.decode(data)
+
+    def _retire_counters(self) -> None:
+        if self.direct_path is None:
+            return
+        try:
+            self.model.direct_processes.remove(self)
+        except ValueError:
+            pass
+        stats = self.model.stats()
+        if stats is not None:
+            stats.retire(self)
+
+    async def direct_failure(self, count: int) -> str:
+        """A worker lost its link to this process with ``count`` requests in flight: they fail with the error
+        requests in flight here get (once the process's end is known), and are counted as failed."""
+        deadline = time.monotonic() + EXIT_STATUS_WAIT_S + 1.0
+        while self.failure is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        stats = self.model.stats()
+        if stats is not None:
+            for _ in range(count):
+                stats.record_failure(0, "BACKEND")
+        if self.failure is not None:
+            return self.failure.message
+        return (f"Failed to process the request(s) for model '{self.model.ctx.name}', message: the process of "
+                f"instance '{self.label}' (pid {self.pid}) closed its connection")
+
     async def finalize(self) -> None:
         """Run the model's finalize in the process and let it exit (killed if it does not)."""
+        if self.direct_path is not None and not self._closed and self.failure is None:
+            try:  # the workers no longer see its address: wait for their requests in flight here
+                reply = await asyncio.wait_for(
+                    self._call(lambda call: protocol.DirectDrain(call, FINALIZE_TIMEOUT_S)), FINALIZE_TIMEOUT_S + 5)
+                self._store_counters(reply.config)
+            except (TimeoutError, ServerError) as exc:
+                log.warning("instance '%s': direct requests did not drain: %s", self.label, exc)
         self._stopping = True
         if not self._closed and self.failure is None:
             try:
@@ -275,6 +345,7 @@ class ModelProcess:
         self._close()
         self._fail(f"instance '{self.label}' was unloaded")
         self._drop_metrics()
+        self._retire_counters()
 
     def kill(self) -> None:
         if self.pid and not self._returncode.done() and not self._closed:
@@ -606,6 +677,8 @@ class ModelProcess:
             stream.cancel()
         for task in list(self._served.values()):
             task.cancel()
+        if not self._stopping:
+            self._retire_counters()
 
     def _close(self) -> None:
         if self._closed:

@@ -73,6 +73,26 @@ class Finalize(msgspec.Struct, tag=True, array_like=True):
     call: int
 
 
+# --frontend-direct (general_backends/python/direct.py): each answered by a Reply; DirectStats and DirectDrain carry
+# the process's counters of direct requests in ``config`` (msgpack of ``ModelStats.export()``)
+class OpenDirect(msgspec.Struct, tag=True, array_like=True):
+    """Listen for frontend workers' direct links on the Unix socket ``path``."""
+
+    call: int
+    path: str
+
+
+class DirectStats(msgspec.Struct, tag=True, array_like=True):
+    call: int
+
+
+class DirectDrain(msgspec.Struct, tag=True, array_like=True):
+    """Take no new direct request; answer once those in flight are done (or ``timeout_s`` passed)."""
+
+    call: int
+    timeout_s: float
+
+
 # -- model process -> server ------------------------------------------------------------------------------
 class Reply(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
     """The end of AutoComplete (with the completed configuration), CreateInstance or Finalize."""
@@ -172,7 +192,7 @@ class Exiting(msgspec.Struct, tag=True, array_like=True):
 
 
 ToProcess = (AutoComplete | CreateInstance | Execute | wire.Cancel | CallResponse | ControlResult | Finalize
-             | wire.Release)
+             | wire.Release | OpenDirect | DirectStats | DirectDrain)
 ToServer = (Reply | Respond | Executed | Call | CancelCall | LoadModel | UnloadModel | ModelReady | Log | Series
             | Exiting | wire.Release)
 

@@ -35,6 +35,7 @@ import threading
 from functools import partial
 from pathlib import Path
 
+import msgspec
 from tritonclient.grpc import model_config_pb2 as mc
 
 from tideserve.backend_api import (
@@ -119,6 +120,7 @@ class Stub:
         self._tasks: set[asyncio.Task] = set()
         self.model: PythonModel | None = None
         self.instance: PythonInstance | None = None
+        self.direct = None  # a DirectServer (direct.py) once the server opens frontend workers' direct links
         self.requests: dict[int, CoreRequest] = {}  # by the server's id, until their final response
         self.calls: dict[int, RemoteCall] = {}  # BLS calls in flight
         self.controls: dict[int, asyncio.Future] = {}
@@ -195,6 +197,12 @@ class Stub:
                 loop.call_soon_threadsafe(self._spawn, self._reply(call, self._create_instance(model, instance)))
             case protocol.Finalize(call=call):
                 loop.call_soon_threadsafe(self._spawn, self._finalize(call))
+            case protocol.OpenDirect(call=call, path=path):
+                loop.call_soon_threadsafe(self._spawn, self._reply(call, self._open_direct(path)))
+            case protocol.DirectStats(call=call):
+                loop.call_soon_threadsafe(self._direct_counters, call)
+            case protocol.DirectDrain(call=call, timeout_s=timeout_s):
+                loop.call_soon_threadsafe(self._spawn, self._reply(call, self._direct_drain(timeout_s)))
 
     def _fd_of(self, payload: wire.Payload | None) -> int | None:
         return self.reader.take_fd() if payload is not None and payload.offset == arena.OWN_FILE else None
@@ -316,6 +324,23 @@ class Stub:
         self.instance = created
         self.spec.label = instance.name
         _name_process(instance.name)
+
+    # -- --frontend-direct ---------------------------------------------------------------------------------
+    async def _open_direct(self, path: str) -> None:
+        if self.direct is None:
+            from .direct import DirectServer
+
+            direct = DirectServer(self, path)
+            await direct.start()
+            self.direct = direct
+
+    def _direct_counters(self, call: int) -> None:
+        counters = self.direct.counters() if self.direct is not None else {}
+        self.send(protocol.Reply(call, config=msgspec.msgpack.encode(counters)))
+
+    async def _direct_drain(self, timeout_s: float) -> bytes:
+        counters = await self.direct.drain(timeout_s) if self.direct is not None else {}
+        return msgspec.msgpack.encode(counters)
 
     async def _finalize(self, call: int) -> None:
         try:

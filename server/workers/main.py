@@ -41,6 +41,10 @@ async def serve(link_fd: int, http_fd: int | None, arena: tuple[int, int, int] |
     access = AccessPolicy(options.http_restricted_apis, options.grpc_restricted_protocols, options.api_key,
                           options.api_key_scope)
     dataplane = RemoteDataPlane(link)
+    if getattr(options, "frontend_direct", False):
+        from .direct import DirectRouter
+
+        dataplane.direct = DirectRouter(dataplane)
     frontends = Frontends(dataplane, options, access)
     http = socket.socket(fileno=http_fd) if http_fd is not None else None
     await frontends.start(http_socket=http, grpc_shared=True)

@@ -13,10 +13,12 @@ import asyncio
 import logging
 import os
 import pickle
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -180,6 +182,13 @@ class FrontendWorkers:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ticker: asyncio.Task | None = None
         self._restarts: set[asyncio.Task] = set()
+        # --frontend-direct: the instance processes' addresses by runtime uid, and which process each one is
+        self.direct: dict[int, list[str]] = {}
+        self._opening: set[int] = set()
+        self._direct_dir: str | None = None
+        if options.frontend_direct:
+            self._direct_dir = tempfile.mkdtemp(prefix="tideserve-direct-")  # only this user may enter (0700)
+            dataplane.direct_endpoints = {}
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -276,6 +285,8 @@ class FrontendWorkers:
         for sock in (self._http, self._grpc):
             if sock is not None:
                 sock.close()
+        if self._direct_dir is not None:
+            shutil.rmtree(self._direct_dir, ignore_errors=True)
         try:
             self.dataplane.repository.listeners.remove(self.changed)
         except ValueError:
@@ -298,6 +309,8 @@ class FrontendWorkers:
 
     def push_all(self) -> None:
         self._push_scheduled = False
+        if self._direct_dir is not None:
+            self._open_direct()
         for link in self.links:
             if link is not None:
                 self.push_to(link)
@@ -306,6 +319,57 @@ class FrontendWorkers:
         while True:
             await asyncio.sleep(SNAPSHOT_INTERVAL_S)
             self.push_all()
+
+    # -- --frontend-direct ------------------------------------------------------------------------------------
+    @staticmethod
+    def direct_eligible(runtime) -> bool:
+        """Whether frontend workers may send the model's requests straight to its instance processes: a Python
+        model in process mode whose requests the core would only batch (no sequence batching, response cache,
+        ensemble or rate limiter)."""
+        config = runtime.config
+        if (runtime.rate_limiter is not None or config.HasField("sequence_batching") or config.response_cache.enable
+                or runtime.steps or getattr(runtime.model, "create_scheduler", None) is not None
+                or not runtime.slots):
+            return False
+        return all(hasattr(slot.instance, "open_direct") for slot in runtime.slots)
+
+    def _open_direct(self) -> None:
+        """Open the direct links of every READY eligible model not yet open; forget the others."""
+        live = {}
+        for runtime in self.dataplane.repository.runtimes():
+            live[runtime.uid] = runtime
+            if (runtime.state.value == "READY" and runtime.uid not in self.direct and runtime.uid not in self._opening
+                    and self.direct_eligible(runtime)):
+                self._opening.add(runtime.uid)
+                task = self._loop.create_task(self._open(runtime))
+                self._restarts.add(task)
+                task.add_done_callback(self._restarts.discard)
+        for uid in [uid for uid in self.direct if uid not in live]:
+            del self.direct[uid]
+
+    async def _open(self, runtime) -> None:
+        endpoints = self.dataplane.direct_endpoints
+        addresses = []
+        try:
+            for index, slot in enumerate(list(runtime.slots)):
+                address = os.path.join(self._direct_dir, f"{runtime.uid}-{index}.sock")
+                endpoints[address] = await slot.instance.open_direct(address)
+                addresses.append(address)
+        except Exception:
+            log.exception("model '%s' version %s: frontend workers cannot reach its processes directly; its "
+                          "requests go through the core", runtime.name, runtime.version)
+            return
+        finally:
+            self._opening.discard(runtime.uid)
+        self.direct[runtime.uid] = addresses
+        self.push_all()
+
+    def _direct_snapshot(self) -> dict[int, list[str]]:
+        dataplane = self.dataplane
+        if not self.direct or not dataplane.accepting or dataplane.tracer.active:
+            return {}
+        ready = {r.uid for r in dataplane.repository.runtimes() if r.state.value == "READY"}
+        return {uid: addresses for uid, addresses in self.direct.items() if uid in ready}
 
     def describe(self, link: _Link, runtime) -> int:
         uid = runtime.uid
@@ -351,7 +415,7 @@ class FrontendWorkers:
             log.exception("listing the adapters")
             adapters = []
         link.send(p.Snapshot(dataplane.accepting, dataplane.ready(), dataplane.healthy(), index, lookups, fresh,
-                             adapters))
+                             adapters, self._direct_snapshot()))
 
 
 def _names(repository) -> list[str]:

@@ -175,6 +175,21 @@ class ResetPrefixCache(_Call, tag=True):
         return await plane.reset_prefix_cache(self.model_name, self.reset_running_requests)
 
 
+class DirectFailure(_Call, tag=True):
+    """``--frontend-direct``: the instance process at ``address`` went away with ``count`` of this worker's
+    requests in flight; the answer is the error text the core gives requests in flight in a process that died
+    (the core counts them as failed)."""
+
+    address: str
+    count: int
+
+    async def run(self, plane):
+        endpoint = getattr(plane, "direct_endpoints", {}).get(self.address)
+        if endpoint is None:
+            return "Failed to process the request(s): the model's process exited"
+        return await endpoint.direct_failure(self.count)
+
+
 Call = (Statistics | MetricsText | Index | LoadModel | UnloadModel | RegisterSystemSharedMemory
         | UnregisterSystemSharedMemory | SystemSharedMemoryStatus | RegisterCudaSharedMemory
         | UnregisterCudaSharedMemory | CudaSharedMemoryStatus | TraceSetting | LoadAdapter | UnloadAdapter
@@ -239,13 +254,15 @@ class Snapshot(msgspec.Struct, tag=True, array_like=True):
     lookups: dict[str, dict[str, int | wire.Error]]
     runtimes: list[RuntimeInfo]  # those the worker has not been sent yet
     adapters: list[dict[str, str]]
+    # --frontend-direct: by runtime uid, the addresses of the instance processes that take its requests straight
+    direct: dict[int, list[str]] = {}
 
 
 class Stop(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
-ToCore = Infer | wire.Cancel | wire.Release | Ready | Call
+ToCore = Infer | wire.Cancel | wire.Release | Ready | Call | DirectFailure
 ToWorker = Start | Respond | Result | Snapshot | Stop | wire.Release
 
 # -- the link ---------------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from .. import wire
 from ..backend import ModelContext
-from ..dataplane import model_metadata, server_metadata
+from ..dataplane import DataPlane, model_metadata, server_metadata
 from ..errors import InvalidArgument, NotFound, ServerError, Unavailable
 from ..serving import ServingInterface
 from ..types import InferenceRequest, InferenceResponse
@@ -191,6 +191,7 @@ class RemoteDataPlane(ServingInterface):
 
     def __init__(self, link: CoreLink) -> None:
         self.link = link
+        self.direct = None  # a DirectRouter (workers/direct.py) with --frontend-direct on
 
     # -- health and metadata (from the pushed snapshot) ----------------------------------------------------
     @property
@@ -269,6 +270,10 @@ class RemoteDataPlane(ServingInterface):
         """Send ``request`` to the core; a refusal is raised by the stream's first step."""
         if not self.accepting:
             raise Unavailable("the server is shutting down and accepts no new requests")
+        if self.direct is not None:
+            stream = self.direct.route(request, False)
+            if stream is not None:
+                return stream
         return self._submit(request, False)
 
     def _submit(self, request: InferenceRequest, unary: bool) -> RemoteInferenceStream:
@@ -287,6 +292,10 @@ class RemoteDataPlane(ServingInterface):
         if not self.accepting:
             raise Unavailable("the server is shutting down and accepts no new requests")
         request.streaming = False
+        if self.direct is not None:
+            stream = self.direct.route(request, True)
+            if stream is not None:
+                return await DataPlane.collect_unary(self, stream)
         stream = self._submit(request, True)
         try:
             response = await stream.__anext__()

@@ -1,0 +1,201 @@
+"""``--frontend-direct on``: the model process's side of the frontend workers' direct links.
+
+When the core asks (``OpenDirect``), the instance process listens on a Unix socket (in a directory only the
+server's user can enter) for links from the frontend workers (``tideserve.workers.direct``). Requests that come
+that way meet a scheduler here, the one the core would use for the model (the dynamic batcher with the model's
+``dynamic_batching`` settings, else one request per execute), whose batches run on the instance's thread between
+the batches the core sends (BLS calls, ensembles, requests that are not eligible). Its queue is this instance's
+own, where Triton keeps one per model.
+
+What this process runs for direct requests it counts in a ``ModelStats`` of its own, as the core would count
+them (success, failure and its reason, queue, compute, batches, executions, latency histograms); the core asks
+for those counters (``DirectStats``) before it answers statistics or ``/metrics``, and adds them. An unload
+first drains (``DirectDrain``): new requests are handed back to the worker (``retry``: it sends them through
+the core) while those in flight finish. A worker whose link closes has its requests cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+
+from tideserve.backend_api import ResponseSender, ServerError, wire
+from tideserve.errors import Status
+from tideserve.runtime import InstanceSlot, ModelRuntime
+from tideserve.schedulers import DirectScheduler, DynamicBatcher
+from tideserve.stats import ModelStats
+from tideserve.workers.direct import Answer, Submit, ToProcess
+
+log = logging.getLogger(__name__)
+
+_FAILURE_REASON = {Status.CANCELLED: "CANCELED", Status.UNAVAILABLE: "REJECTED"}
+
+
+class _Runtime:
+    """What the schedulers and ``ModelRuntime.execute`` read of a model version: here, this one instance."""
+
+    execute = ModelRuntime.execute
+    _send_returned = ModelRuntime._send_returned
+    rate_limiter = None
+
+    def __init__(self, name: str, config, instance, stats: ModelStats) -> None:
+        self.name = name
+        self.config = config
+        self.stats = stats
+        self.decoupled = config.model_transaction_policy.decoupled
+        self.slots = [InstanceSlot(instance)]
+
+
+class _Entry:
+    __slots__ = ("request", "first", "counted")
+
+    def __init__(self, request) -> None:
+        self.request = request
+        self.first = True
+        self.counted = False  # its success or failure is recorded (a cancellation records it at once)
+
+
+class _Connection(asyncio.Protocol):
+    """One frontend worker's link."""
+
+    def __init__(self, server: "DirectServer") -> None:
+        self.server = server
+        self.transport: asyncio.Transport | None = None
+        self.reader = wire.FrameReader(ToProcess)
+        self.requests: dict[int, _Entry] = {}
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self.server.connections.add(self)
+        log.debug("instance '%s': a frontend worker linked directly", self.server.stub.spec.label)
+
+    def connection_lost(self, exc) -> None:
+        self.transport = None
+        self.server.connections.discard(self)
+        for rid in list(self.requests):  # the worker is gone: nobody reads the answers
+            self.server.cancel(self, rid)
+
+    def data_received(self, data: bytes) -> None:
+        server = self.server
+        for message in self.reader.feed(data):
+            if type(message) is Submit:
+                server.submit(self, message.request)
+            else:
+                server.cancel(self, message.rid)
+
+    def send(self, message) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(wire.frame(message))
+
+
+class DirectServer:
+    """The instance's listening socket, its scheduler and its counters."""
+
+    def __init__(self, stub, path: str) -> None:
+        self.stub = stub
+        self.path = path
+        self.loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+        model = stub.model
+        config = model.config
+        self.stats = ModelStats(model.ctx.name, str(model.ctx.version), metrics=True)  # with its histograms
+        self.runtime = _Runtime(model.ctx.name, config, stub.instance, self.stats)
+        self.scheduler = (DynamicBatcher(self.runtime) if config.HasField("dynamic_batching")
+                          else DirectScheduler(self.runtime))
+        self.max_batch_size = config.max_batch_size
+        self.connections: set[_Connection] = set()
+        self.inflight = 0
+        self.draining = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> None:
+        await self.scheduler.start()
+        self._server = await self.loop.create_unix_server(lambda: _Connection(self), self.path)
+
+    def counters(self) -> dict:
+        return self.stats.export()
+
+    async def drain(self, timeout: float) -> dict:
+        """Take no new request (the workers send them through the core), wait for those in flight."""
+        self.draining = True
+        if self._server is not None:
+            self._server.close()
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            log.warning("instance '%s': %d direct request(s) still in flight after %.0fs", self.stub.spec.label,
+                        self.inflight, timeout)
+        return self.counters()
+
+    # -- requests ------------------------------------------------------------------------------------------
+    def submit(self, connection: _Connection, meta: wire.Request) -> None:
+        rid = meta.rid
+        if self.draining:
+            connection.send(Answer(rid, wire.Response(), retry=True))
+            return
+        request = wire.core_request(meta)
+        if self.max_batch_size > 0:
+            for tensor in request.inputs.values():  # validated by the worker: every input has the batch
+                if tensor.shape:
+                    request.batch_size = tensor.shape[0]
+                break
+        entry = _Entry(request)
+        request.response_sender = ResponseSender(request, lambda response: self._respond(connection, rid, entry,
+                                                                                          response))
+        request.queue_start_ns = time.monotonic_ns()
+        try:
+            self.scheduler.enqueue(request)
+        except ServerError as exc:
+            self.stats.record_failure(time.monotonic_ns() - request.arrival_ns,
+                                      _FAILURE_REASON.get(exc.status, "OTHER"))
+            connection.send(Answer(rid, wire.Response(error=wire.error_data(exc)), rejected=True))
+            return
+        connection.requests[rid] = entry
+        self.inflight += 1
+        self._idle.clear()
+
+    def cancel(self, connection: _Connection, rid: int) -> None:
+        entry = connection.requests.get(rid)
+        if entry is None or entry.counted:
+            return
+        entry.counted = True
+        entry.request.cancellation.cancel()
+        self.stats.record_failure(time.monotonic_ns() - entry.request.arrival_ns, "CANCELED")
+
+    def _respond(self, connection: _Connection, rid: int, entry: _Entry, response) -> None:
+        """The response sender's sink, from whichever thread the model answers on."""
+        if threading.get_ident() != self._loop_thread:
+            try:
+                self.loop.call_soon_threadsafe(self._respond, connection, rid, entry, response)
+            except RuntimeError:  # the loop is closed: the process is exiting
+                pass
+            return
+        stats = self.stats
+        elapsed = time.monotonic_ns() - entry.request.arrival_ns
+        if entry.first:
+            entry.first = False
+            stats.record_first_response(elapsed)
+        final = response.final
+        if final:
+            if connection.requests.pop(rid, None) is not None:
+                self.inflight -= 1
+                if not self.inflight:
+                    self._idle.set()
+            if not entry.counted:
+                entry.counted = True
+                if response.error is None:
+                    stats.record_success(elapsed)
+                else:
+                    stats.record_failure(elapsed, _FAILURE_REASON.get(response.error.status, "BACKEND"))
+        try:
+            message = Answer(rid, wire.response_message(response))
+        except Exception as exc:  # an output the link cannot carry
+            log.exception("model '%s': a response cannot be sent to the frontend", self.runtime.name)
+            if not final:
+                return
+            message = Answer(rid, wire.Response(error=wire.error_data(exc)))
+        connection.send(message)

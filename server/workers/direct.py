@@ -1,0 +1,297 @@
+"""``--frontend-direct on``: a frontend worker sends an eligible request straight to an instance process of its
+Python model, and reads its responses straight back, so the core's event loop never sees it.
+
+The core publishes, in the snapshot it pushes, the address of a Unix socket that each instance process of an
+eligible model listens on (``Snapshot.direct``, by runtime uid; see ``FrontendWorkers.direct_addresses``). A
+worker keeps one link per address, opened at first use; each request goes to the instance with the fewest of
+this worker's requests in flight (round robin among equals) as a :class:`Submit`, its responses come back as
+:class:`Answer`; a stream closed early sends ``wire.Cancel``. In the process the requests meet a scheduler of
+their own (``general_backends/python/direct.py``). Everything else goes through the core as before: a request
+that is not eligible, one the worker's validation refuses (the core answers it, and counts it, exactly as it
+always does), one whose link cannot be opened, and one the process hands back (``retry``: it is draining for an
+unload).
+
+Eligible: plain inference (no shared-memory inputs or outputs, no sequence parameters, no priority, no timeout,
+not a typed generation request) to a model the core publishes addresses for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from .. import wire
+from ..errors import InternalError, ServerError
+from ..shared_memory import REGION
+from ..types import InferenceRequest, InferenceResponse
+from ..validation import RequestValidator
+
+if TYPE_CHECKING:
+    from .remote import RemoteDataPlane, RemoteRuntime
+
+log = logging.getLogger(__name__)
+
+SEQUENCE_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end")
+
+
+# -- the link's messages (worker <-> instance process) -----------------------------------------------------
+class Submit(msgspec.Struct, tag=True, array_like=True):
+    """A request to run (tensors inline)."""
+
+    request: wire.Request
+
+
+class Answer(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
+    """One response of request ``rid``. ``rejected``: refused before it was scheduled (the queue is full: what
+    ``DataPlane.infer`` raises); ``retry``: not taken (the instance is draining): send it through the core."""
+
+    rid: int
+    response: wire.Response
+    rejected: bool = False
+    retry: bool = False
+
+
+ToProcess = Submit | wire.Cancel
+ToWorker = Answer
+
+_RETRY = object()
+
+
+# -- the worker's side ---------------------------------------------------------------------------------------
+class DirectStream:
+    """The responses of one request sent straight to an instance process; closing it early cancels it there.
+    Before its first response it may turn into a stream through the core (``_fallback``)."""
+
+    def __init__(self, router: "DirectRouter", link: "DirectLink", rid: int, request: InferenceRequest,
+                 runtime: "RemoteRuntime", unary: bool) -> None:
+        self._router = router
+        self._link = link
+        self.rid = rid
+        self.request = request
+        self.runtime = runtime
+        self._unary = unary
+        self._pending: collections.deque = collections.deque()
+        self._waiter: asyncio.Future | None = None
+        self._done = False
+        self._fallback = None  # a RemoteInferenceStream through the core
+
+    def _put(self, item) -> None:
+        self._pending.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def __aiter__(self) -> "DirectStream":
+        return self
+
+    async def __anext__(self) -> InferenceResponse:
+        if self._fallback is not None:
+            return await self._fallback.__anext__()
+        if self._done:
+            raise StopAsyncIteration
+        pending = self._pending
+        while not pending:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            except asyncio.CancelledError:
+                self.cancel()
+                raise
+            finally:
+                self._waiter = None
+        item = pending.popleft()
+        if item is _RETRY:  # the process did not take it: the core does
+            self._finish()
+            self._fallback = self._router.plane._submit(self.request, self._unary)
+            return await self._fallback.__anext__()
+        if isinstance(item, BaseException):  # refused before it was scheduled
+            self._finish()
+            raise item
+        item.model_version = str(self.runtime.version)
+        if item.final:
+            self._finish()
+        return item
+
+    def _finish(self) -> None:
+        if not self._done:
+            self._done = True
+            self._link.forget(self.rid)
+
+    def cancel(self) -> None:
+        if self._fallback is not None:
+            self._fallback.cancel()
+            return
+        if self._done:
+            return
+        self._finish()
+        self.request.cancellation.cancel()
+        self._link.send(wire.Cancel(self.rid))
+
+    async def aclose(self) -> None:
+        self.cancel()
+
+
+class DirectLink(asyncio.Protocol):
+    """The worker's link to one instance process."""
+
+    def __init__(self, router: "DirectRouter", address: str) -> None:
+        self.router = router
+        self.address = address
+        self.transport: asyncio.Transport | None = None
+        self.reader = wire.FrameReader(ToWorker)
+        self.streams: dict[int, DirectStream] = {}
+        self.waiting: list[bytes] = []  # frames sent before the connection is up
+        self.state = "new"  # new -> connecting -> up -> down
+
+    def connect(self) -> None:
+        self.state = "connecting"
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(loop.create_unix_connection(lambda: self, self.address))
+        task.add_done_callback(self._connected)
+
+    def _connected(self, task: asyncio.Task) -> None:
+        if task.cancelled() or task.exception() is not None:
+            if not task.cancelled():
+                log.debug("direct link to %s: %s", self.address, task.exception())
+            self.state = "down"
+            self.router.links.pop(self.address, None)
+            for stream in list(self.streams.values()):  # never sent: the core takes them
+                stream._put(_RETRY)
+            self.streams.clear()
+            self.waiting.clear()
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self.state = "up"
+        if self.waiting:
+            transport.write(b"".join(self.waiting))
+            self.waiting.clear()
+
+    def connection_lost(self, exc) -> None:
+        self.state = "down"
+        self.transport = None
+        if self.router.links.get(self.address) is self:
+            del self.router.links[self.address]
+        streams = list(self.streams.values())
+        self.streams.clear()
+        if streams:
+            asyncio.get_running_loop().create_task(self.router.fail(self.address, streams))
+
+    def data_received(self, data: bytes) -> None:
+        for message in self.reader.feed(data):
+            stream = self.streams.get(message.rid)
+            if stream is None:
+                continue
+            if message.retry:
+                stream._put(_RETRY)
+            elif message.rejected:
+                stream._put(wire.server_error(message.response.error))
+            else:
+                stream._put(wire.core_response(message.response))
+
+    def send(self, message) -> None:
+        frame = wire.frame(message)
+        if self.state == "up":
+            self.transport.write(frame)
+        elif self.state == "connecting":
+            self.waiting.append(frame)
+
+    def forget(self, rid: int) -> None:
+        self.streams.pop(rid, None)
+
+
+class DirectRouter:
+    """Picks, per request, whether it goes straight to an instance process, and which."""
+
+    def __init__(self, plane: "RemoteDataPlane") -> None:
+        self.plane = plane
+        self.links: dict[str, DirectLink] = {}
+        self._ids = itertools.count(1)
+        self._turn = 0
+        self._validators: dict[int, RequestValidator | None] = {}  # by runtime uid (None: reshapes, not taken)
+
+    def _validator(self, runtime: "RemoteRuntime") -> RequestValidator | None:
+        uid = runtime.uid
+        try:
+            return self._validators[uid]
+        except KeyError:
+            pass
+        if len(self._validators) > 256:
+            self._validators.clear()
+        config = runtime.config
+        # validation reshapes such inputs in place: the request could no longer go through the core as it came
+        reshapes = any(t.HasField("reshape") for t in config.input)
+        validator = self._validators[uid] = None if reshapes else RequestValidator(config)
+        return validator
+
+    def route(self, request: InferenceRequest, unary: bool) -> DirectStream | None:
+        """A stream straight to an instance process, or None: the request goes through the core."""
+        snapshot = self.plane.link.snapshot
+        if not snapshot.direct or request.generation is not None or request.priority or request.timeout_us:
+            return None
+        try:
+            runtime = self.plane.model(request.model_name, request.model_version)
+        except ServerError:
+            return None  # the core answers it
+        addresses = snapshot.direct.get(runtime.uid)
+        if not addresses:
+            return None
+        parameters = request.parameters
+        if parameters and any(name in parameters for name in SEQUENCE_PARAMETERS):
+            return None
+        for tensor in request.inputs.values():
+            if tensor.parameters and REGION in tensor.parameters:
+                return None
+        for output in request.outputs:
+            if output.parameters and REGION in output.parameters:
+                return None
+        validator = self._validator(runtime)
+        if validator is None:
+            return None
+        try:
+            validator.validate(request)
+        except ServerError:
+            return None  # the core refuses it with the same error, and counts it
+        link = self._pick(addresses)
+        rid = next(self._ids)
+        stream = DirectStream(self, link, rid, request, runtime, unary)
+        link.streams[rid] = stream
+        link.send(Submit(wire.request_message(rid, request)))
+        return stream
+
+    def _pick(self, addresses: list[str]) -> DirectLink:
+        links = self.links
+        best, best_load = None, None
+        count = len(addresses)
+        start = self._turn = (self._turn + 1) % count
+        for i in range(count):
+            address = addresses[(start + i) % count]
+            link = links.get(address)
+            load = len(link.streams) if link is not None else 0
+            if best_load is None or load < best_load:
+                best, best_load = address, load
+                if load == 0:
+                    break
+        link = links.get(best)
+        if link is None:
+            link = links[best] = DirectLink(self, best)
+            link.connect()
+        return link
+
+    async def fail(self, address: str, streams: list[DirectStream]) -> None:
+        """The process at ``address`` went away with ``streams`` in flight: each ends with the error the core
+        gives requests in flight in a process that died (it counts them)."""
+        from . import protocol as p
+
+        try:
+            text = await self.plane.link.call(p.DirectFailure(0, address, len(streams)))
+        except Exception:  # noqa: BLE001 - the core is gone too
+            text = "the model's process exited"
+        error = InternalError(text)
+        for stream in streams:
+            stream._put(InferenceResponse(error=error, final=True))
