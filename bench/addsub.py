@@ -7,7 +7,9 @@ add_sub model, two FP32 [4] inputs, max_batch_size 8, dynamic batching, 2 CPU in
     python bench/addsub.py [--concurrency 1 8 32] [--http-format json|binary]
                            [--servers triton tideserve:w1 tideserve:w2]
 
-``tideserve:wN`` runs tideserve with ``--frontend-workers N``. Besides throughput and latency it reports
+``tideserve:wN`` runs tideserve with ``--frontend-workers N``; ``tideserve:wN@PATH`` runs it from another
+checkout of this repository at PATH (an A/B of two commits in one run: ``git worktree add /tmp/prev HEAD~``,
+then ``--servers tideserve:w1@/tmp/prev tideserve:w1``). Besides throughput and latency it reports
 the server's CPU time per request: the server process and all its descendants (core, frontend workers,
 model processes; Triton and its Python stubs), measured over each perf_analyzer run.
 
@@ -44,6 +46,29 @@ def free_ports(n: int) -> list[int]:
     for s in socks:
         s.close()
     return ports
+
+
+# Put first on PYTHONPATH, this module points the editable install's packages (tideserve, its backends,
+# triton_python_backend_utils) at the checkout in TIDESERVE_TREE, in the server and every process it starts.
+_TREE_HOOK = """import os, sys
+_tree = os.environ.get("TIDESERVE_TREE")
+if _tree:
+    for _name, _module in list(sys.modules.items()):
+        _mapping = getattr(_module, "MAPPING", None) if _name.startswith("__editable__") else None
+        if isinstance(_mapping, dict):
+            for _key, _path in _mapping.items():
+                _mapping[_key] = _path.replace(%r, _tree, 1)
+"""
+
+
+def tree_env(tree: str | None) -> dict[str, str]:
+    """The environment that runs tideserve from checkout ``tree`` (nothing for this one)."""
+    if not tree:
+        return {}
+    hook = Path(tempfile.gettempdir()) / "tideserve-bench-tree-hook"
+    hook.mkdir(exist_ok=True)
+    (hook / "sitecustomize.py").write_text(_TREE_HOOK % str(ROOT))
+    return {"TIDESERVE_TREE": str(Path(tree).resolve()), "PYTHONPATH": str(hook)}
 
 
 def ensure_peers() -> None:
@@ -96,6 +121,8 @@ def start_server(kind: str, repo: Path, log: Path, model: str = "add_sub",
     ``triton``, ``tideserve`` or ``tideserve:wN`` (``--frontend-workers N``); ``args``: more flags."""
     http, grpc, metrics = free_ports(3)
     ports = ["--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
+    kind, _, tree = kind.partition("@")
+    env = dict(os.environ, **tree_env(tree))
     if kind.startswith("tideserve"):
         _, _, workers = kind.partition(":w")
         cmd = [sys.executable, "-m", "tideserve.cli", "--model-repository", str(repo), *ports,
@@ -105,7 +132,7 @@ def start_server(kind: str, repo: Path, log: Path, model: str = "add_sub",
     # Triton runs from the log's folder: started in this repository, its Python stub would import
     # tideserve's own triton_python_backend_utils module from the working directory.
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
-                            cwd=ROOT if kind.startswith("tideserve") else log.parent)
+                            cwd=(tree or ROOT) if kind.startswith("tideserve") else log.parent, env=env)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -179,7 +206,7 @@ def main() -> None:
     servers = {}
     try:
         for kind in args.servers:
-            label = kind.replace(":", "-")
+            label = kind.replace(":", "-").replace("@", "-").replace("/", "_")
             repo = work / f"{label}-repo"
             shutil.copytree(SHARED / "peers" / "repos" / "triton", repo)
             servers[kind] = start_server(kind, repo, work / f"{label}.log")
@@ -189,7 +216,7 @@ def main() -> None:
                     for kind, (proc, http, grpc) in servers.items():
                         port = http if protocol == "http" else grpc
                         r = perf_analyzer(protocol, port, c, args.http_format,
-                                          work / f"pa-{kind.replace(':', '-')}-{protocol}-{c}-{round_}.txt", proc.pid)
+                                          work / f"pa-{kind.replace(':', '-').replace('@', '-').replace('/', '_')}-{protocol}-{c}-{round_}.txt", proc.pid)
                         results["all"].setdefault(f"{kind}/{protocol}/{c}", []).append(r)
                         print(f"round {round_ + 1} {kind:13s} {protocol:5s} c={c:<3d} {r['infer_per_s']:9.0f} infer/s "
                               f"p50 {r.get('p50_ms', float('nan')):.2f} ms p99 {r.get('p99_ms', float('nan')):.2f} ms "
