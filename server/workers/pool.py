@@ -199,6 +199,9 @@ class FrontendWorkers:
         if opts.allow_grpc:
             self._grpc = reserved_port(opts.host, opts.grpc_port)
         self.dataplane.repository.listeners.append(self.changed)
+        if self._direct_dir is not None:  # the models loaded at start are reached directly from the first request
+            self._open_direct()
+            await asyncio.gather(*list(self._restarts), return_exceptions=True)
         starting = [self._spawn(i) for i in range(self.count)]
         links = await asyncio.gather(*starting)
         try:
@@ -362,7 +365,8 @@ class FrontendWorkers:
         finally:
             self._opening.discard(runtime.uid)
         self.direct[runtime.uid] = addresses
-        self.push_all()
+        if any(link is not None for link in self.links):
+            self.push_all()
 
     def _direct_snapshot(self) -> dict[int, list[str]]:
         dataplane = self.dataplane

@@ -1,0 +1,292 @@
+"""``--frontend-workers 2 --frontend-direct on``: the workers send plain requests to Python models straight to the
+models' instance processes (server/workers/direct.py, general_backends/python/direct.py). Batching across
+workers, one statistics and metrics view, the core's errors, decoupled streams, cancellation, unload / reload
+and a dying instance process, with tritonclient over HTTP and gRPC."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import textwrap
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from support import TEST_MODELS, start_server
+
+SLOW = """
+import json, os, time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        self.sleep = float(config["parameters"]["sleep"]["string_value"])
+        marker = config["parameters"].get("marker")
+        if marker:
+            with open(marker["string_value"], "w") as f:
+                f.write(str(os.getpid()))
+
+    def execute(self, requests):
+        time.sleep(self.sleep)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", pb_utils.get_input_tensor_by_name(r, "IN")
+                                                            .as_numpy() * 2)]) for r in requests]
+"""
+
+SLOW_CONFIG = """
+backend: "python"
+max_batch_size: 8
+input [ { name: "IN" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 1 ] } ]
+instance_group [ { kind: KIND_CPU count: 1 } ]
+dynamic_batching { }
+"""
+
+
+def _parameters(**values: str) -> str:
+    return "".join(f'parameters {{ key: "{k}" value {{ string_value: "{v}" }} }}\n' for k, v in values.items())
+
+
+def _add_sub_copy(repo: Path, name: str, tail: str) -> None:
+    shutil.copytree(TEST_MODELS / "add_sub", repo / name)
+    config = (TEST_MODELS / "add_sub" / "config.pbtxt").read_text().replace('name: "add_sub"', f'name: "{name}"')
+    config = re.sub(r"instance_group.*\n", "", config)
+    config = re.sub(r"dynamic_batching.*\n", "", config)
+    (repo / name / "config.pbtxt").write_text(config + tail)
+
+
+def _slow(repo: Path, name: str, **params: str) -> None:
+    (repo / name / "1").mkdir(parents=True)
+    (repo / name / "1" / "model.py").write_text(textwrap.dedent(SLOW))
+    (repo / name / "config.pbtxt").write_text(SLOW_CONFIG + _parameters(**params))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    repo = tmp_path_factory.mktemp("direct-models")
+    shutil.copytree(TEST_MODELS / "repeat", repo / "repeat")
+    _add_sub_copy(repo, "add_sub", "instance_group [ { kind: KIND_CPU count: 2 } ]\n"
+                                   "dynamic_batching { max_queue_delay_microseconds: 100 }\n")
+    # a batch of 4 runs as soon as 4 are queued; fewer wait for up to 5 s
+    _add_sub_copy(repo, "batcher", "instance_group [ { kind: KIND_CPU count: 1 } ]\n"
+                                   "dynamic_batching { preferred_batch_size: [ 4 ] max_queue_delay_microseconds: 5000000 }\n")
+    _add_sub_copy(repo, "checked", "instance_group [ { kind: KIND_CPU count: 1 } ]\n")
+    marker = tmp_path_factory.mktemp("direct-marker") / "victim.pid"
+    _slow(repo, "victim", sleep="3", marker=str(marker))
+    _slow(repo, "slow", sleep="0.3")
+    running = start_server([repo], "--frontend-workers", "2", "--frontend-direct", "on", "--log-verbose", "1",
+                           "--model-control-mode", "explicit", "--load-model", "*",
+                           tmp_dir=tmp_path_factory.mktemp("direct-server"))
+    running.victim_marker = marker
+    yield running
+    running.stop()
+
+
+def _add_sub_inputs(module, rows: int = 1, width: int = 4, offset: float = 0.0):
+    a = (np.arange(rows * width, dtype=np.float32) + offset).reshape(rows, width)
+    inputs = [module.InferInput("INPUT0", [rows, width], "FP32"), module.InferInput("INPUT1", [rows, width], "FP32")]
+    inputs[0].set_data_from_numpy(a)
+    inputs[1].set_data_from_numpy(np.ones_like(a))
+    return inputs, a
+
+
+def _stats(server, name: str) -> dict:
+    with httpclient.InferenceServerClient(server.http_url) as client:
+        return client.get_inference_statistics(name)["model_stats"][0]
+
+
+def _metric(text: str, family: str, model: str, **labels: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(family + "{") and f'model="{model}"' in line and all(
+                f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _metrics(server) -> str:
+    with urllib.request.urlopen(f"{server.base_url}/metrics", timeout=10) as response:
+        return response.read().decode()
+
+
+def _live(server) -> int:
+    with urllib.request.urlopen(f"{server.base_url}/v2/health/live", timeout=10) as response:
+        return response.status
+
+
+def test_requests_from_both_workers_batch_in_the_instance_process(server):
+    with httpclient.InferenceServerClient(server.http_url, concurrency=4, network_timeout=60) as client:
+        sent = []
+        for i in range(4):
+            inputs, a = _add_sub_inputs(httpclient, offset=10 * i)
+            sent.append((client.async_infer("batcher", inputs), a))
+        for pending, a in sent:
+            result = pending.get_result()
+            np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + 1)
+            np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - 1)
+    stats = _stats(server, "batcher")
+    assert stats["inference_stats"]["success"]["count"] == 4
+    assert stats["inference_count"] == 4
+    assert stats["execution_count"] == 1, stats
+    assert [b["batch_size"] for b in stats["batch_stats"]] == [4]
+    assert "a frontend worker linked directly" in server.log()
+
+
+def test_grpc_and_http_requests_are_counted_once_in_statistics_and_metrics(server):
+    with grpcclient.InferenceServerClient(server.grpc_url) as grpc_client:
+        for i in range(5):
+            inputs, a = _add_sub_inputs(grpcclient, offset=i)
+            result = grpc_client.infer("add_sub", inputs)
+            np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + 1)
+        stats = grpc_client.get_inference_statistics("add_sub", as_json=True)["model_stats"][0]
+    assert int(stats["inference_stats"]["success"]["count"]) == 5
+    with httpclient.InferenceServerClient(server.http_url) as client:
+        for i in range(3):
+            inputs, _ = _add_sub_inputs(httpclient, rows=2)
+            client.infer("add_sub", inputs)
+    stats = _stats(server, "add_sub")
+    assert stats["inference_stats"]["success"]["count"] == 8
+    assert stats["inference_count"] == 11  # 5 of one row, 3 of two
+    text = _metrics(server)
+    assert _metric(text, "nv_inference_request_success", "add_sub") == 8
+    assert _metric(text, "nv_inference_count", "add_sub") == 11
+    assert _metric(text, "nv_inference_exec_count", "add_sub") == stats["execution_count"]
+    assert _metric(text, "nv_inference_request_duration_histogram_ms_count", "add_sub") == 8
+
+
+def test_a_bad_input_gets_the_core_paths_error_and_is_counted(server):
+    expected = "unexpected shape for input 'INPUT0' for model 'checked'. Expected [-1, 4], got [1, 3]"
+    before = _stats(server, "checked")["inference_stats"]["fail"]["count"]
+    inputs, _ = _add_sub_inputs(httpclient, width=3)
+    with httpclient.InferenceServerClient(server.http_url) as client:
+        with pytest.raises(InferenceServerException) as caught:
+            client.infer("checked", inputs)
+    assert caught.value.status() == "400" and expected in caught.value.message()
+    inputs, _ = _add_sub_inputs(grpcclient, width=3)
+    with grpcclient.InferenceServerClient(server.grpc_url) as grpc_client:
+        with pytest.raises(InferenceServerException) as caught:
+            grpc_client.infer("checked", inputs)
+    assert caught.value.status() == "StatusCode.INVALID_ARGUMENT" and expected in caught.value.message()
+    assert _stats(server, "checked")["inference_stats"]["fail"]["count"] == before + 2
+
+
+def _repeat_inputs(values, delay_ms: int = 0):
+    tensor = grpcclient.InferInput("IN", [len(values)], "INT32")
+    tensor.set_data_from_numpy(np.array(values, np.int32))
+    inputs = [tensor]
+    if delay_ms:
+        delay = grpcclient.InferInput("DELAY", [1], "UINT32")
+        delay.set_data_from_numpy(np.array([delay_ms], np.uint32))
+        inputs.append(delay)
+    return inputs
+
+
+def test_a_decoupled_model_streams_its_responses_and_a_closed_stream_cancels(server):
+    received: list = []
+    done = threading.Event()
+
+    def callback(result, error):
+        received.append(error if error is not None else result)
+        if error is not None or result.get_response().parameters["triton_final_response"].bool_param:
+            done.set()
+
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        client.start_stream(callback)
+        client.async_stream_infer("repeat", _repeat_inputs([5, 6, 7]), enable_empty_final_response=True)
+        assert done.wait(30)
+        client.stop_stream()
+    outs = [r.as_numpy("OUT")[0] for r in received if r.as_numpy("OUT") is not None]
+    assert outs == [5, 6, 7]
+    assert _stats(server, "repeat")["inference_stats"]["success"]["count"] == 1
+
+    first = threading.Event()
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        client.start_stream(lambda result, error: first.set())
+        client.async_stream_infer("repeat", _repeat_inputs(list(range(20)), delay_ms=200))
+        assert first.wait(30)
+        client.stop_stream(cancel_requests=True)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if _metric(_metrics(server), "nv_inference_request_failure", "repeat", reason="CANCELED") == 1:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail("the cancelled request was not counted")
+    assert _stats(server, "repeat")["inference_stats"]["fail"]["count"] == 1
+
+
+def test_unload_and_reload_while_requests_run(server):
+    results: list = []
+
+    def send(i):
+        with httpclient.InferenceServerClient(server.http_url, network_timeout=60) as client:
+            tensor = httpclient.InferInput("IN", [1, 1], "FP32")
+            tensor.set_data_from_numpy(np.array([[i]], np.float32))
+            try:
+                results.append(bool(client.infer("slow", [tensor]).as_numpy("OUT")[0][0] == 2 * i))
+            except InferenceServerException as exc:
+                results.append(exc)
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.05)
+    with httpclient.InferenceServerClient(server.http_url, network_timeout=60) as client:
+        client.unload_model("slow")
+        for thread in threads:
+            thread.join(60)
+        assert not any(thread.is_alive() for thread in threads)
+        assert len(results) == 6
+        for result in results:  # answered in full before the unload, or refused plainly
+            assert result is True or (isinstance(result, InferenceServerException)
+                                      and result.status() in ("400", "404", "503")), result
+        assert any(result is True for result in results)
+        client.load_model("slow")
+        tensor = httpclient.InferInput("IN", [1, 1], "FP32")
+        tensor.set_data_from_numpy(np.array([[21]], np.float32))
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                assert client.infer("slow", [tensor]).as_numpy("OUT")[0][0] == 42
+                break
+            except InferenceServerException:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+
+def test_a_killed_instance_process_fails_its_direct_requests_and_the_server_serves_on(server):
+    pid = int(server.victim_marker.read_text())
+    errors: list = []
+    with httpclient.InferenceServerClient(server.http_url, concurrency=2, network_timeout=60) as client:
+        pending = []
+        for i in range(2):
+            tensor = httpclient.InferInput("IN", [1, 1], "FP32")
+            tensor.set_data_from_numpy(np.array([[i]], np.float32))
+            pending.append(client.async_infer("victim", [tensor]))
+        time.sleep(1.0)
+        os.kill(pid, signal.SIGKILL)
+        for request in pending:
+            try:
+                request.get_result()
+            except InferenceServerException as exc:
+                errors.append(exc)
+        assert len(errors) == 2
+        for error in errors:
+            assert error.status() == "500"
+            assert "Failed to process the request(s) for model 'victim'" in error.message()
+            assert "SIGKILL" in error.message()
+        assert _live(server) == 200
+        inputs, a = _add_sub_inputs(httpclient)
+        np.testing.assert_array_equal(client.infer("add_sub", inputs).as_numpy("OUTPUT0"), a + 1)
+    assert _stats(server, "victim")["inference_stats"]["fail"]["count"] == 2
