@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import sys
 import tempfile
@@ -66,8 +67,21 @@ from tideserve.bench.llm_servers import (engine_env, percentile, start_tideserve
 
 MODEL = "llm"
 APIS = ("generate", "openai")
+LATE_HEADER = "tideserve-deadline-late-us"
+PROMPTS = 64  # the prompts every client cycles through (story_prompts)
 
 
+def server_lateness(value: str | None) -> tuple[float, float] | None:
+    """The server's own account of a deadline refusal (its ``tideserve-deadline-late-us`` header): how late its
+    timer fired and how late it wrote the answer, in ms after the deadline it counted from the request's first
+    byte; None without the header."""
+    if not value:
+        return None
+    try:
+        fields = dict(part.strip().split("=", 1) for part in value.split(","))
+        return int(fields["timer"]) / 1000, int(fields["answer"]) / 1000
+    except (KeyError, ValueError):
+        return None
 
 
 async def one_request(session: aiohttp.ClientSession, base: str, api: str, prompt: str, tokens: int,
@@ -94,6 +108,7 @@ async def one_request(session: aiohttp.ClientSession, base: str, api: str, promp
             if response.status != 200:
                 result["error"] = (await response.text(errors="replace"))[:300]
                 result["retry_after"] = response.headers.get("retry-after")
+                result["server_late"] = server_lateness(response.headers.get(LATE_HEADER))
                 return result
             # the first event is parsed (a token, or an error: the refusal inside a stream); after it the stream is
             # read as raw bytes, its end checked for completion or an error (the client must keep up with the flood)
@@ -126,7 +141,7 @@ async def one_request(session: aiohttp.ClientSession, base: str, api: str, promp
 
 async def closed_loop(session: aiohttp.ClientSession, base: str, api: str, role: str, index: int, tokens: int,
                       deadline_ms: float, until: float, retry_s: float, out: list[dict]) -> None:
-    prompts = story_prompts(64)
+    prompts = story_prompts(PROMPTS)
     sent = 0
     while time.monotonic() < until:
         result = await one_request(session, base, api, prompts[(index + sent) % len(prompts)], tokens, deadline_ms)
@@ -162,6 +177,33 @@ async def run_clients(base: str, api: str, roles: list[tuple[str, int]], tokens:
 
 def _client_process(args: tuple) -> tuple[list[dict], list[float]]:
     return uvloop.run(run_clients(*args))
+
+
+async def prime(base: str, api: str, count: int, concurrency: int) -> int:
+    """Every one of the ``count`` prompts once, one token each, ``concurrency`` at a time, no deadline: the
+    engine's prefix cache holds the same prompts before every side. The number served."""
+    prompts = story_prompts(count)
+    gate = asyncio.Semaphore(concurrency)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        async def one(prompt: str) -> bool:
+            async with gate:
+                result = await one_request(session, base, api, prompt, 1, 600_000)
+                return result["status"] == 200 and result["complete"]
+        return sum(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+def _prime_process(args: tuple) -> int:
+    return uvloop.run(prime(*args))
+
+
+def reset_prefix_cache(base: str) -> bool:
+    """``POST /reset_prefix_cache`` of the model (True when the engine dropped its cache)."""
+    request = urllib.request.Request(f"{base}/reset_prefix_cache?model={MODEL}", data=b"", method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            return answer.status == 200
+    except OSError:
+        return False
 
 
 def sample_load(base: str, until: float, samples: list[tuple[int, int]], every_s: float = 0.25) -> None:
@@ -201,6 +243,15 @@ def summarize(requests: list[dict], lags: list[float], load: list[tuple[int, int
     refused = [r for r in requests if r["status"] == 503]
     at_deadline = [r for r in refused if "deadline" in (r["error"] or "")]
     late_ms = [(r["answered"] - r["sent"]) * 1000 - deadline_ms for r in at_deadline]
+    # the server's account (its header): (a) its timer after the deadline, (b) the timer to the answer's bytes;
+    # (c) the rest of what the client saw: the request's way in (the client counts from its send, the server from
+    # the first byte it parsed), the answer's way back and the client's own loop
+    told = [(r["server_late"], (r["answered"] - r["sent"]) * 1000 - deadline_ms) for r in at_deadline
+            if r.get("server_late")]
+    timer_ms = [t for (t, _), _ in told]
+    to_answer_ms = [a - t for (t, a), _ in told]
+    answer_ms = [a for (_, a), _ in told]
+    client_rest_ms = [c - a for (_, a), c in told]
     ttfts = [r["first"] - r["sent"] for r in requests if r["status"] == 200 and r["first"] is not None]
     return {
         "sent": len(requests), "seconds": seconds,
@@ -217,6 +268,17 @@ def summarize(requests: list[dict], lags: list[float], load: list[tuple[int, int
         "lateness_p50_ms": percentile(late_ms, 50), "lateness_p99_ms": percentile(late_ms, 99),
         "lateness_max_ms": max(late_ms, default=float("nan")),
         "early_refusals": sum(1 for ms in late_ms if ms < 0),
+        "server_reported": len(told),
+        "server_timer_late_p50_ms": percentile(timer_ms, 50), "server_timer_late_p99_ms": percentile(timer_ms, 99),
+        "server_timer_late_max_ms": max(timer_ms, default=float("nan")),
+        "server_timer_to_answer_p50_ms": percentile(to_answer_ms, 50),
+        "server_timer_to_answer_p99_ms": percentile(to_answer_ms, 99),
+        "server_timer_to_answer_max_ms": max(to_answer_ms, default=float("nan")),
+        "server_answer_late_p50_ms": percentile(answer_ms, 50), "server_answer_late_p99_ms": percentile(answer_ms, 99),
+        "server_answer_late_max_ms": max(answer_ms, default=float("nan")),
+        "server_early_refusals": sum(1 for ms in timer_ms if ms < 0),
+        "client_rest_p50_ms": percentile(client_rest_ms, 50), "client_rest_p99_ms": percentile(client_rest_ms, 99),
+        "client_rest_max_ms": max(client_rest_ms, default=float("nan")),
         "in_flight_mean": sum(x for x, _ in load) / len(load) if load else float("nan"),
         "waiting_mean": sum(w for _, w in load) / len(load) if load else float("nan"),
         "client_lag_p50_ms": percentile(lags, 50), "client_lag_p99_ms": percentile(lags, 99),
@@ -243,6 +305,8 @@ def main() -> None:
     parser.add_argument("--client-processes", type=int, default=2,
                         help="processes the clients are spread over (one event loop cannot keep up with the flood)")
     parser.add_argument("--pause", type=float, default=2.0, help="seconds of rest before each side")
+    parser.add_argument("--no-prime", dest="prime", action="store_false",
+                        help="before each side, do not reset the engine's prefix cache and send every prompt once")
     parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "tideserve-bench-llm")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -263,6 +327,7 @@ def main() -> None:
     proc, http, _ = start_tideserve(repo, work / "tideserve.log", env, MODEL, weights=model)
     base = f"http://127.0.0.1:{http}"
     sides = {api: {"unflooded": [], "flooded": []} for api in apis}
+    rounds_out: list[dict] = []
     pool = ProcessPoolExecutor(args.client_processes)
     try:
         for api in apis:  # warm-up: each path with the engine full (its first batches are slow), no deadline
@@ -271,15 +336,25 @@ def main() -> None:
             order = ("unflooded", "flooded") if round_index % 2 == 0 else ("flooded", "unflooded")
             for api in apis:
                 for side in order:
+                    primed = ""
+                    if args.prime:  # the same start for every side: the cache emptied, then every prompt once
+                        reset = reset_prefix_cache(base)
+                        served = pool.submit(_prime_process, (base, api, PROMPTS, args.max_num_seqs)).result()
+                        primed = f" (cache reset {'ok' if reset else 'FAILED'}, primed {served}/{PROMPTS})"
                     time.sleep(args.pause)
+                    loadavg = os.getloadavg()[0]
                     requests, lags, load = run_side(pool, args.client_processes, base, api, args.max_num_seqs,
                                               flood if side == "flooded" else 0, args.tokens, args.deadline_ms,
                                               args.duration, args.retry_ms / 1000)
                     sides[api][side].append((requests, lags, load))
                     row = summarize(requests, lags, load, args.duration, args.deadline_ms, args.ttft_slo)
-                    print(f"round {round_index + 1} {api} {side}: sent {row['sent']}, good {row['good']} "
-                          f"({row['goodput_rps']:.2f}/s), refused at deadline {row['refused_deadline']} "
-                          f"(lateness p99 {row['lateness_p99_ms']:.1f} ms), busy {row['refused_busy']}, "
+                    rounds_out.append({"round": round_index + 1, "api": api, "side": side, "load_average": loadavg,
+                                       **{k: v for k, v in row.items() if k != "error_samples"}})
+                    print(f"round {round_index + 1} {api} {side}{primed}: load {loadavg:.2f}; sent {row['sent']}, "
+                          f"good {row['good']} ({row['goodput_rps']:.2f}/s), TTFT p50 {row['ttft_p50_s']:.2f} s, "
+                          f"refused at deadline {row['refused_deadline']} (lateness p99 {row['lateness_p99_ms']:.1f} "
+                          f"ms; server: timer p99 {row['server_timer_late_p99_ms']:.1f}, answer p99 "
+                          f"{row['server_answer_late_p99_ms']:.1f} ms), busy {row['refused_busy']}, "
                           f"errors {row['errors']}; in flight mean {row['in_flight_mean']:.1f}, engine waiting mean "
                           f"{row['waiting_mean']:.1f}; client loop lag p99 {row['client_lag_p99_ms']:.1f} ms", flush=True)
     finally:
@@ -310,6 +385,18 @@ def main() -> None:
             print(f"| {api} | {side} | {r['sent']} | {r['served']} | {r['good']} | {r['goodput_rps']:.2f} "
                   f"| {r['goodput_steady_rps']:.2f} | {r['refused_deadline']} | {r['refused_busy']} | {r['errors']} "
                   f"| {r['in_flight_mean']:.1f} / {r['waiting_mean']:.1f} | {r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f} | {lateness} |")
+    print("\nRefusal lateness, split (ms after the deadline, flooded sides pooled; p50 / p99 / max): (a) the "
+          "server's timer; (b) from the timer to the answer's bytes written; server total (a + b); (c) the rest the "
+          "client saw (way in, way back, client loop); client total")
+    print("| mode | refusals (server-reported) | (a) timer | (b) timer to answer | server total | (c) client rest "
+          "| client total | client loop lag p99 |")
+    print("|---|---|---|---|---|---|---|---|")
+    for api in apis:
+        r = summary[api]["flooded"]
+        trio = lambda key, r=r: f"{r[key + '_p50_ms']:.1f} / {r[key + '_p99_ms']:.1f} / {r[key + '_max_ms']:.1f}"
+        print(f"| {api} | {r['refused_deadline']} ({r['server_reported']}) | {trio('server_timer_late')} "
+              f"| {trio('server_timer_to_answer')} | {trio('server_answer_late')} | {trio('client_rest')} "
+              f"| {trio('lateness')} | {r['client_lag_p99_ms']:.1f} |")
     for api in apis:
         s = summary[api]
         print(f"{api}: goodput flooded / unflooded {s['goodput_ratio']:.2f}x (steady clients alone "
@@ -323,7 +410,8 @@ def main() -> None:
     out_dir = ROOT / "bench" / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / f"deadlines-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "summary": summary}, indent=2))
+    out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "summary": summary,
+                               "rounds": rounds_out}, indent=2))
     print(f"wrote {out}")
 
 

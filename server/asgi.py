@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import weakref
 
 import orjson
@@ -44,6 +45,20 @@ a queue deadline counts from there, not from when a busy event loop got to the r
 def received_ns(scope) -> int:
     """When the server began to parse the request (monotonic ns), or 0 where the protocol did not say."""
     return scope.get(RECEIVED_NS, 0)
+
+
+DEADLINE_LATE_HEADER = b"tideserve-deadline-late-us"
+
+
+def deadline_late_header(exc: BaseException) -> tuple[bytes, bytes] | None:
+    """On a refusal at a queue deadline, how late the server was, in microseconds after the deadline:
+    ``timer=`` when its timer refused the request, ``answer=`` now, as the answer is written (a client on another
+    clock can tell the server's lateness from the network's and its own); None for any other error."""
+    deadline = getattr(exc, "deadline_ns", 0)
+    if not deadline:
+        return None
+    now = time.monotonic_ns()
+    return DEADLINE_LATE_HEADER, f"timer={(exc.fired_ns - deadline) // 1000}, answer={(now - deadline) // 1000}".encode()
 
 
 async def send_response(send, status: int, body: bytes, headers: list) -> None:
@@ -117,11 +132,15 @@ def _write_whole(cycle, status: int, body: bytes, headers: list) -> bool:
     return True
 
 
-async def send_error(send, status: int, message: str, retry_after_s: int | None = None) -> None:
-    """A KServe v2 error answer: ``{"error": message}`` with ``status`` (and ``Retry-After`` when given)."""
+async def send_error(send, status: int, message: str, retry_after_s: int | None = None,
+                     error: BaseException | None = None) -> None:
+    """A KServe v2 error answer: ``{"error": message}`` with ``status`` (and ``Retry-After`` when given; the
+    deadline header of :func:`deadline_late_header` when ``error`` is a refusal at a deadline)."""
     headers = [JSON_HEADER]
     if retry_after_s is not None:
         headers.append((b"retry-after", str(retry_after_s).encode()))
+    if error is not None and (late := deadline_late_header(error)) is not None:
+        headers.append(late)
     await send_response(send, status, error_body(message), headers)
 
 

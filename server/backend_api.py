@@ -89,6 +89,7 @@ from .datatypes import config_to_datatype, datatype_of, datatype_to_config, nump
 from .errors import (
     Cancelled,
     DeadlineExceeded,
+    DeadlinePassed,
     InternalError,
     InvalidArgument,
     NotFound,
@@ -132,7 +133,7 @@ __all__ = [
     "Tensor", "InferenceRequest", "InferenceResponse", "RequestedOutput", "CancellationToken",
     "GenerationRequest", "GenerationDelta", "EngineInfo",
     "ServerError", "Status", "InvalidArgument", "NotFound", "Unavailable", "QueueFull", "Unsupported", "Cancelled",
-    "DeadlineExceeded", "InternalError", "as_server_error", "error_of_status",
+    "DeadlineExceeded", "DeadlinePassed", "InternalError", "as_server_error", "error_of_status",
     # backends
     "Backend", "Model", "ModelInstance", "ModelContext", "InstanceContext", "TensorModelInstance",
     "ResponseSender",

@@ -24,6 +24,7 @@ from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 from tideserve.llm_backends.metrics import GenerationTracker, LLMMetrics
 from tideserve.backend_api import (
     Cancelled,
+    DeadlinePassed,
     InferenceRequest,
     InternalError,
     InvalidArgument,
@@ -58,6 +59,10 @@ class _Abort:
         except RuntimeError:  # the loop is closed: the engine is gone with it
             pass
 
+    def on_loop(self) -> None:
+        """As :meth:`on_cancel`, from the loop's own thread (no wake-up of the loop)."""
+        self.loop.call_soon(self._start)
+
     def _start(self) -> None:
         if not self.done:
             self.done = True
@@ -75,43 +80,54 @@ class _Abort:
         log.info("[vllm] Successfully cancelled the request '%s'", self.request_id)
 
 
-class DeadlineExpired(QueueFull):
+class DeadlineExpired(DeadlinePassed):
     """A request that had not started generating by its deadline: refused (503 + Retry-After, gRPC UNAVAILABLE,
     counted as REJECTED) so that a router or client retries it elsewhere."""
 
 
 class _Deadline:
     """Refuses a request whose first token has not come by its deadline: answers it at once and aborts it in the
-    engine. A request that has started generating is left to run on."""
+    engine. A request that has started generating is left to run on.
 
-    __slots__ = ("abort", "expired", "handle", "limit_ms", "model_name", "reaborted", "request", "started")
+    One loop timer per request, due at the deadline itself. The loop's timers count whole milliseconds from a
+    clock read at the start of its turn, so one can fire up to a millisecond early: then it is set again for the
+    rest, and no request is refused before its deadline."""
+
+    __slots__ = ("abort", "deadline_ns", "expired", "handle", "limit_ms", "loop", "model_name", "reaborted",
+                 "request", "started")
 
     def __init__(self, request: InferenceRequest, deadline_ns: int, limit_ms: float, abort: _Abort,
                  model_name: str) -> None:
         self.request = request
         self.abort = abort
+        self.deadline_ns = deadline_ns
         self.limit_ms = limit_ms
         self.model_name = model_name
         self.started = False
         self.expired = False
         self.reaborted = False
-        delay = max(0.0, (deadline_ns - time.monotonic_ns()) / 1e9)
-        self.handle = asyncio.get_running_loop().call_later(delay, self._expire)
+        self.loop = asyncio.get_running_loop()
+        self.handle = self.loop.call_later(max(0.0, (deadline_ns - time.monotonic_ns()) / 1e9), self._expire)
 
     def _expire(self) -> None:
         if self.started or self.request.is_cancelled():
             return
+        now = time.monotonic_ns()
+        if now < self.deadline_ns:  # the timer came early: wait for the rest
+            self.handle = self.loop.call_later((self.deadline_ns - now) / 1e9, self._expire)
+            return
         self.expired = True
-        self.request.response_sender.send_error(deadline_error(self.model_name, self.limit_ms))
-        self.abort.on_cancel()  # (a no-op in the engine when the request is still rendering: it never gets there)
+        # the answer first (the handler's task is woken before the abort's starts), the engine's abort after it
+        self.request.response_sender.send_error(deadline_error(self.model_name, self.limit_ms, self.deadline_ns, now))
+        self.abort.on_loop()  # (a no-op in the engine when the request is still rendering: it never gets there)
 
     def cancel(self) -> None:
         self.handle.cancel()
 
 
-def deadline_error(model_name: str, limit_ms: float) -> DeadlineExpired:
+def deadline_error(model_name: str, limit_ms: float, deadline_ns: int = 0, fired_ns: int = 0) -> DeadlineExpired:
     return DeadlineExpired(f"model '{model_name}': the request did not start generating within its deadline of "
-                           f"{limit_ms:g} ms; retry later or on another replica")
+                           f"{limit_ms:g} ms; retry later or on another replica", deadline_ns, fired_ns)
 
 
 class Generator:
@@ -161,8 +177,8 @@ class Generator:
             sender.send_error(Cancelled("the request was cancelled before generation started"))
             return
         deadline_ns, limit_ms = self._deadline(request)
-        if deadline_ns and time.monotonic_ns() >= deadline_ns:
-            sender.send_error(deadline_error(self.model_name, limit_ms))
+        if deadline_ns and (now := time.monotonic_ns()) >= deadline_ns:
+            sender.send_error(deadline_error(self.model_name, limit_ms, deadline_ns, now))
             return
         streaming = inputs.stream and request.streaming
         request_id = f"{self.model_name}-{request.internal_id}"

@@ -36,7 +36,16 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.routing import Route
 from tritonclient.grpc import model_config_pb2 as mc
 
-from ..asgi import JSON_HEADER, ClientGone, cancel_on_disconnect, error_body, received_ns, send_error, send_response
+from ..asgi import (
+    JSON_HEADER,
+    ClientGone,
+    cancel_on_disconnect,
+    deadline_late_header,
+    error_body,
+    received_ns,
+    send_error,
+    send_response,
+)
 from ..datatypes import config_to_datatype, element_size, numpy_dtype
 from ..errors import InvalidArgument, ServerError, Unsupported, as_server_error
 from ..responses import content_responses
@@ -50,6 +59,7 @@ log = logging.getLogger(__name__)
 GENERATE = "/generate"
 GENERATE_STREAM = "/generate_stream"
 MODEL_ROUTES = ("/v2/models/{model_name}", "/v2/models/{model_name}/versions/{model_version}")
+SSE_CONTENT_TYPE = (b"content-type", b"text/event-stream; charset=utf-8")  # as the event stream's
 SSE_PING_S = 0  # keep-alive comments between events; Triton sends none, so neither do we by default
 
 _PARAMETERS = "parameters"
@@ -408,7 +418,7 @@ async def handle_generate(dataplane, reader: BodyReader, scope, receive, send, m
             stream = dataplane.infer(request)
     except ServerError as exc:
         log.debug("generate request for model '%s' failed: %s", model_name, exc.message)
-        await send_error(send, exc.http_code, exc.message, exc.retry_after_s)
+        await send_error(send, exc.http_code, exc.message, exc.retry_after_s, exc)
         return
     except ClientGone:
         return
@@ -436,8 +446,7 @@ async def _one_response(stream) -> InferenceResponse:
 async def _stream(stream, scope, receive, send) -> None:
     """Server-sent events, one per response; the first response decides the status (as in Triton)."""
     first: list[bytes] = []
-    status = 200
-    headers: dict[str, str] = {}
+    error: ServerError | None = None
     try:
         with cancel_on_disconnect(receive):
             async for response in stream:
@@ -446,20 +455,26 @@ async def _stream(stream, scope, receive, send) -> None:
                     first.append(event)
                     if response.error is not None:
                         error = as_server_error(response.error)
-                        status = error.http_code
-                        if error.retry_after_s is not None:  # refused (queue full, deadline): when to retry
-                            headers["retry-after"] = str(error.retry_after_s)
                     break
     except ClientGone:
         await stream.aclose()
         return
     except ServerError as exc:  # refused before it was scheduled (a frontend worker learns it here)
         await stream.aclose()
-        await send_error(send, exc.http_code, exc.message, exc.retry_after_s)
+        await send_error(send, exc.http_code, exc.message, exc.retry_after_s, exc)
         return
     except BaseException:
         await stream.aclose()
         raise
+    if error is not None:  # the first response is the error (a refusal: queue full, deadline): the whole answer
+        await stream.aclose()  # at once, its one event, the error's status (no stream left to keep open)
+        headers = [SSE_CONTENT_TYPE, (b"cache-control", b"no-store"), (b"x-accel-buffering", b"no")]
+        if error.retry_after_s is not None:  # when to retry
+            headers.append((b"retry-after", str(error.retry_after_s).encode()))
+        if (late := deadline_late_header(error)) is not None:
+            headers.append(late)
+        await send_response(send, error.http_code, first[0], headers)
+        return
 
     async def events():
         try:
@@ -478,7 +493,6 @@ async def _stream(stream, scope, receive, send) -> None:
             await stream.aclose()  # a disconnect cancels the request; after the final response a no-op
 
     try:
-        await _EventStream(events(), status_code=status, headers=headers or None, ping=SSE_PING_S,
-                           sep="\n")(scope, receive, send)
+        await _EventStream(events(), ping=SSE_PING_S, sep="\n")(scope, receive, send)
     finally:
         await stream.aclose()  # also when the response failed before iterating the events

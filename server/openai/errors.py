@@ -39,6 +39,7 @@ class OpenAIError(Exception):
         self.param = param
         self.retry_after_s: int | None = None  # a Retry-After header (a queue at its bound: 503)
         self.error_type: str | None = None  # a ``type`` other than the status's (vLLM's overload answer)
+        self.deadline_ns = self.fired_ns = 0  # a refusal at a queue deadline (errors.DeadlinePassed)
 
     @property
     def type(self) -> str:
@@ -98,6 +99,7 @@ def from_server_error(exc: BaseException, fields: dict[str, str] | None = None,
         param = "model"
     error = OpenAIError(message, status, param)
     error.retry_after_s = exc.retry_after_s
+    error.deadline_ns, error.fired_ns = getattr(exc, "deadline_ns", 0), getattr(exc, "fired_ns", 0)
     if isinstance(exc, QueueFull) or exc.retry_after_s is not None:
         error.error_type = "Service Unavailable"  # as vLLM answers its own queue limit (the status's phrase)
     return error

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import orjson
 
 from .. import load_report
-from ..asgi import JSON_HEADER, ClientGone, cancel_on_disconnect, send_response
+from ..asgi import JSON_HEADER, ClientGone, cancel_on_disconnect, deadline_late_header, send_response
 from ..asgi import received_ns as request_received_ns  # noqa: F401 (the /v1 routes read it beside request_timeout_us)
 from ..errors import ServerError
 from .errors import BadRequest, OpenAIError, from_server_error
@@ -203,4 +203,6 @@ async def _send_error(send, exc: OpenAIError) -> None:
     headers = [JSON_HEADER]
     if exc.retry_after_s is not None:
         headers.append((b"retry-after", str(exc.retry_after_s).encode()))
+    if (late := deadline_late_header(exc)) is not None:
+        headers.append(late)
     await send_response(send, exc.status, exc.json(), headers)

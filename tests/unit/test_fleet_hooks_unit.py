@@ -108,6 +108,84 @@ def test_request_timeout_header():
         request_timeout_us({"headers": [(b"x-request-timeout-ms", b"-3")]})
 
 
+def test_deadline_timer_refuses_at_the_deadline_never_before_and_answers_before_the_abort():
+    """The per-request deadline timer: the loop's millisecond timers may fire early, the refusal never does; the
+    refusal carries the deadline and the time it was made (the answer's lateness header), and the request's
+    answer is sent before its engine abort starts."""
+    import asyncio
+    import random
+    import time
+
+    import uvloop
+
+    from tideserve.errors import DeadlinePassed
+    from tideserve.llm_backends.vllm.generation import _Abort, _Deadline
+
+    events: list = []
+
+    class Engine:
+        async def abort(self, request_id):
+            events.append(("abort", request_id, time.monotonic_ns()))
+
+    class Sender:
+        def __init__(self, key):
+            self.key = key
+
+        def send_error(self, error):
+            events.append(("answer", self.key, error))
+
+    def request(key):
+        return SimpleNamespace(response_sender=Sender(key), is_cancelled=lambda: False)
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        deadlines = {}
+        for key in range(60):
+            deadline_ns = time.monotonic_ns() + random.randint(1_000_000, 12_000_000)
+            deadlines[key] = deadline_ns
+            _Deadline(request(key), deadline_ns, 5.0, _Abort(Engine(), key, loop), "llm")
+            spin = time.perf_counter() + random.uniform(0, 0.002)  # a busy loop: its cached time goes stale
+            while time.perf_counter() < spin:
+                pass
+            if key % 3 == 0:
+                await asyncio.sleep(0)
+        started = _Deadline(request("started"), time.monotonic_ns() + 2_000_000, 5.0,
+                            _Abort(Engine(), "started", loop), "llm")
+        started.started = True  # its first token came: left to run on
+        await asyncio.sleep(0.05)
+        return deadlines
+
+    deadlines = uvloop.run(run())
+    answers = [(key, error) for kind, key, error in events if kind == "answer"]
+    assert sorted(key for key, _ in answers) == list(range(60))  # each refused once, "started" not at all
+    for key, error in answers:
+        assert isinstance(error, DeadlinePassed) and error.retry_after_s == 1
+        assert error.deadline_ns == deadlines[key] and error.fired_ns >= error.deadline_ns  # never early
+        assert "within its deadline of 5 ms" in error.message
+    order = [(kind, key) for kind, key, _ in events]
+    for key in range(60):
+        assert order.index(("answer", key)) < order.index(("abort", key))
+
+
+def test_deadline_refusal_reports_its_lateness_in_a_header():
+    import time
+
+    from tideserve.asgi import DEADLINE_LATE_HEADER, deadline_late_header
+    from tideserve.errors import DeadlinePassed, QueueFull
+    from tideserve.openai.errors import from_server_error
+
+    deadline = time.monotonic_ns() - 5_000_000
+    refusal = DeadlinePassed("late", deadline, deadline + 1_500_000)
+    name, value = deadline_late_header(refusal)
+    fields = dict(part.split("=") for part in value.decode().split(", "))
+    assert name == DEADLINE_LATE_HEADER == b"tideserve-deadline-late-us"
+    assert int(fields["timer"]) == 1500 and int(fields["answer"]) >= 5000
+    assert deadline_late_header(from_server_error(refusal))[1].startswith(b"timer=1500, answer=")
+    assert from_server_error(refusal).retry_after_s == 1 and from_server_error(refusal).status == 503
+    assert deadline_late_header(QueueFull("full")) is None  # only refusals at a deadline carry it
+    assert deadline_late_header(from_server_error(QueueFull("full"))) is None
+
+
 def test_deployment_rolls_without_dropping_streams():
     """A rolling restart: the new pod is ready before an old one goes (maxUnavailable 0), the old one leaves the
     Service before SIGTERM (preStop) and gets the whole drain before the kubelet's SIGKILL."""
