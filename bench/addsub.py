@@ -7,7 +7,8 @@ add_sub model, two FP32 [4] inputs, max_batch_size 8, dynamic batching, 2 CPU in
     python bench/addsub.py [--concurrency 1 8 32] [--http-format json|binary]
                            [--servers triton tideserve:w1 tideserve:w2]
 
-``tideserve:wN`` runs tideserve with ``--frontend-workers N``; ``tideserve:wN@PATH`` runs it from another
+``tideserve:wN`` runs tideserve with ``--frontend-workers N``, ``tideserve:wN:direct`` adds ``--frontend-direct on``
+(the workers send add_sub's requests straight to its instance processes); ``tideserve:wN@PATH`` runs it from another
 checkout of this repository at PATH (an A/B of two commits in one run: ``git worktree add /tmp/prev HEAD~``,
 then ``--servers tideserve:w1@/tmp/prev tideserve:w1``). Besides throughput and latency it reports
 the server's CPU time per request: the server process and all its descendants (core, frontend workers,
@@ -125,6 +126,9 @@ def start_server(kind: str, repo: Path, log: Path, model: str = "add_sub",
     env = dict(os.environ, **tree_env(tree))
     if kind.startswith("tideserve"):
         _, _, workers = kind.partition(":w")
+        workers, _, mode = workers.partition(":")
+        if mode == "direct":
+            args = (*args, "--frontend-direct", "on")
         cmd = [sys.executable, "-m", "tideserve.cli", "--model-repository", str(repo), *ports,
                "--frontend-workers", workers or "1", *args]
     else:
@@ -249,6 +253,25 @@ def main() -> None:
                       f"{t.get('p50_ms', 0):.2f} / {t.get('p99_ms', 0):.2f} | {q.get('p50_ms', 0):.2f} / "
                       f"{q.get('p99_ms', 0):.2f} | {t.get('cpu_us_per_request', 0):.0f} / "
                       f"{q.get('cpu_us_per_request', 0):.0f} |")
+    # the core's own CPU per request (the issue's target with frontend workers: <= 20 us), each server beside
+    # tideserve:w1's throughput
+    tideserves = [k for k in args.servers if k.startswith("tideserve")]
+    if tideserves:
+        base = next((k for k in tideserves if k.split("@")[0] == "tideserve:w1"), tideserves[0])
+        print(f"\ncore CPU us/request (all processes us/request), throughput vs {base}\n\n| protocol | concurrency | "
+              + " | ".join(tideserves) + " |\n|---|---|" + "---|" * len(tideserves))
+        for protocol in ("http", "grpc"):
+            for c in args.concurrency:
+                cells, b = [], runs.get(f"{base}/{protocol}/{c}")
+                for kind in tideserves:
+                    r = runs.get(f"{kind}/{protocol}/{c}")
+                    if not r or "cpu_us_per_request_by_role" not in r:
+                        cells.append("-")
+                        continue
+                    ratio = r["infer_per_s"] / b["infer_per_s"] if b and b.get("infer_per_s") else float("nan")
+                    cells.append(f"{r['cpu_us_per_request_by_role'].get('core', 0):.0f} "
+                                 f"({r['cpu_us_per_request']:.0f}), {r['infer_per_s']:.0f}/s {ratio:.2f}x")
+                print(f"| {protocol} | {c} | " + " | ".join(cells) + " |")
     print(f"\nload {results['load_before']} -> {results['load_after']}; results: {out}; logs: {work}")
 
 
