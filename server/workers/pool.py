@@ -347,8 +347,10 @@ class FrontendWorkers:
                 task = self._loop.create_task(self._open(runtime))
                 self._restarts.add(task)
                 task.add_done_callback(self._restarts.discard)
+        endpoints = self.dataplane.direct_endpoints
         for uid in [uid for uid in self.direct if uid not in live]:
-            del self.direct[uid]
+            for address in self.direct.pop(uid):
+                endpoints.pop(address, None)
 
     async def _open(self, runtime) -> None:
         endpoints = self.dataplane.direct_endpoints
