@@ -18,7 +18,7 @@ from .datatypes import config_to_datatype
 from .errors import InvalidArgument, NotFound, ServerError, Status, Unavailable, Unsupported
 from .repository import ModelRepository
 from .response_cache import ResponseCache, request_key
-from .responses import ResponseSender, ResponseStream, content_responses
+from .responses import ResponseSender, ResponseStream
 from .runtime import ModelRuntime, ModelState
 from .serving import ServingInterface
 from .shared_memory import REGION, SharedMemoryRegistry, cuda_unsupported
@@ -77,32 +77,43 @@ class InferenceStream:
     async def __anext__(self) -> InferenceResponse:
         if self._done:
             raise StopAsyncIteration
-        try:
-            response = await self._stream.get()
-        except asyncio.CancelledError:
-            self.cancel()
-            raise
-        response.model_version = str(self.runtime.version)
+        items = self._stream._items
+        if not items:  # the stream's own wait, awaited here: one coroutine fewer per response
+            try:
+                while not items:
+                    await self._stream.wait()
+            except asyncio.CancelledError:
+                self.cancel()
+                raise
+        response = items.popleft()
+        runtime = self.runtime
+        response.model_version = str(runtime.version)
         if response.error is None and (self._cache_key is not None or self._shm_outputs is not None):
             response = self._store(response)
-        stats = self.runtime.stats
-        elapsed = time.monotonic_ns() - self.request.arrival_ns
-        if self._first:
+        stats = runtime.stats
+        request = self.request
+        elapsed = time.monotonic_ns() - request.arrival_ns
+        first = self._first
+        if first:
             self._first = False
-            stats.record_first_response(elapsed)
-            if self.request.trace is not None:
-                self.request.trace.first_response(time.monotonic_ns())
+            if request.trace is not None:
+                request.trace.first_response(time.monotonic_ns())
         if response.final:
             self._done = True
-            self._release_regions()
-            if self.request.trace is not None:
-                self._dataplane.tracer.finish(self.request.trace, self.request, time.monotonic_ns(), response.outputs)
+            if self._shm_held:
+                self._release_regions()
+            if request.trace is not None:
+                self._dataplane.tracer.finish(request.trace, request, time.monotonic_ns(), response.outputs)
             self._dataplane.active.discard(self)
-            self.runtime.request_finished()
+            runtime.request_finished()
             if response.error is None:
-                stats.record_success(elapsed)
+                stats.record_success(elapsed, first)
             else:
+                if first:
+                    stats.record_first_response(elapsed)
                 stats.record_failure(elapsed, _FAILURE_REASON.get(response.error.status, "BACKEND"))
+        elif first:
+            stats.record_first_response(elapsed)
         return response
 
     def _store(self, response: InferenceResponse) -> InferenceResponse:
@@ -442,7 +453,17 @@ class DataPlane(ServingInterface):
         """The one response of ``stream`` (its model's error raised); Unsupported for a decoupled model
         that sends none or several."""
         request = stream.request
-        responses = await content_responses(stream)
+        responses = []
+        try:  # content_responses, inlined: the unary protocols' hot path
+            async for response in stream:
+                if response.error is not None:
+                    raise response.error
+                if not response.empty:
+                    responses.append(response)
+                if response.final:
+                    break
+        finally:
+            stream.cancel()  # nothing once the final response is in
         if len(responses) == 1:
             return responses[0]
         if not responses:

@@ -56,17 +56,22 @@ class ResponseStream:
                 return
         items.append(response)
         waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def wait(self) -> asyncio.Future:
+        """A future done once a response is there to take (a reader awaits it directly: no coroutine of its
+        own per response); cancelling it leaves the stream as it was."""
+        waiter = self._waiter = self._loop.create_future()
+        return waiter
 
     async def get(self) -> InferenceResponse:
-        while not self._items:
-            self._waiter = self._loop.create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        return self._items.popleft()
+        items = self._items
+        while not items:
+            await self.wait()
+        return items.popleft()
 
 
 class ResponseSender:
@@ -129,6 +134,14 @@ class ResponseSender:
             response.model_name = request.model_name
         if not response.id:
             response.id = request.id
-        if request.outputs and response.outputs:
-            wanted = {o.name for o in request.outputs}
-            response.outputs = [t for t in response.outputs if t.name in wanted]
+        requested = request.outputs
+        if requested and response.outputs:
+            if len(requested) == 1:
+                name = requested[0].name
+                response.outputs = [t for t in response.outputs if t.name == name]
+                return
+            wanted = {o.name for o in requested}
+            for tensor in response.outputs:
+                if tensor.name not in wanted:  # keep only those asked for (rare: most send just those)
+                    response.outputs = [t for t in response.outputs if t.name in wanted]
+                    return

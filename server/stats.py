@@ -99,11 +99,17 @@ class ModelStats:
         if self.first_response is not None:
             self.first_response.observe(elapsed_ns / 1e6)
 
-    def record_success(self, elapsed_ns: int) -> None:
-        self.success.add(elapsed_ns)
+    def record_success(self, elapsed_ns: int, first: bool = False) -> None:
+        """A request's success; ``first``: its final response was also its first (record_first_response too)."""
+        success = self.success
+        success.count += 1
+        success.ns += elapsed_ns
         self.last_inference_ms = int(time.time() * 1000)
         if self.latency is not None:
-            self.latency.observe(elapsed_ns / 1e6)
+            ms = elapsed_ns / 1e6
+            self.latency.observe(ms)
+            if first:
+                self.first_response.observe(ms)
 
     def record_failure(self, elapsed_ns: int, reason: str) -> None:
         self.fail.add(elapsed_ns)

@@ -64,7 +64,7 @@ class RequestValidator:
     def validate(self, request: InferenceRequest) -> None:
         """Raise InvalidArgument naming the tensor and the problem; set ``request.batch_size``."""
         model = self.model
-        if self.inputs:
+        if self.inputs and request.inputs.keys() != self.inputs.keys():  # equal: none unknown, none missing
             unknown = [n for n in request.inputs if n not in self.inputs]
             if unknown:
                 raise InvalidArgument(f"unexpected inference input '{unknown[0]}' for model '{model}'")
@@ -78,20 +78,25 @@ class RequestValidator:
                     f"input(s) {given}, but missing required input(s) {needed}. Please provide all required "
                     "input(s).")
         batch = None
+        batching = self.max_batch_size > 0
+        specs = self.inputs
         for name, tensor in request.inputs.items():
-            if tensor.data is not None and tuple(tensor.data.shape) != tuple(tensor.shape):
+            shape = tensor.shape
+            if type(shape) is not tuple:
+                shape = tuple(shape)
+            data = tensor.data
+            if data is not None and data.shape != shape:
                 raise InvalidArgument(
-                    f"input '{name}': data holds {tensor.data.size} elements, shape {list(tensor.shape)} needs "
-                    f"{_count(tensor.shape)}")
-            spec = self.inputs.get(name)
+                    f"input '{name}': data holds {data.size} elements, shape {list(shape)} needs "
+                    f"{_count(shape)}")
+            spec = specs.get(name)
             if spec is None:
                 continue
             if tensor.datatype != spec.datatype:
                 raise InvalidArgument(
                     f"inference input '{name}' data-type is '{tensor.datatype}', but model '{model}' "
                     f"expects '{spec.datatype}'")
-            shape = tuple(tensor.shape)
-            if self.max_batch_size > 0:
+            if batching:
                 if not shape:
                     raise InvalidArgument(
                         f"input '{name}' for model '{model}' must have a batch dimension: expected shape "
@@ -105,7 +110,7 @@ class RequestValidator:
                 body = shape[1:]
             else:
                 body = shape
-            if not _shape_matches(body, spec.dims):
+            if body != spec.dims and not _shape_matches(body, spec.dims):
                 expected = [-1, *spec.dims] if self.max_batch_size > 0 else list(spec.dims)
                 raise InvalidArgument(
                     f"unexpected shape for input '{name}' for model '{model}'. Expected {expected}, "
@@ -114,7 +119,7 @@ class RequestValidator:
                 new_shape = ((shape[0],) if self.max_batch_size > 0 else ()) + _fill_reshape(spec.reshape, body)
                 tensor.data = tensor.data.reshape(new_shape)
                 tensor.shape = new_shape
-        if self.max_batch_size > 0 and batch is not None:
+        if batching and batch is not None:
             if batch < 1 or batch > self.max_batch_size:
                 raise InvalidArgument(
                     f"inference request batch-size must be <= {self.max_batch_size} for '{model}', got {batch}")

@@ -67,7 +67,8 @@ def param_value(param) -> Any:
 
 
 def params_to_dict(params) -> dict[str, Any]:
-    return {key: param_value(value) for key, value in params.items()} if len(params) else {}
+    # a protobuf map iterates its keys in C; its items() is the Python Mapping mixin's
+    return {key: param_value(params[key]) for key in params} if len(params) else {}
 
 
 def set_param(target, key: str, value: Any) -> None:
@@ -109,7 +110,9 @@ def _typed(param, key: str, kinds: tuple[str, ...], expected: str):
 
 def _request_parameters(msg, request: InferenceRequest, options: StreamOptions) -> None:
     params: dict[str, Any] = {}
-    for key, param in msg.parameters.items():
+    parameters = msg.parameters
+    for key in parameters:
+        param = parameters[key]
         if key == "priority":
             value = _typed(param, key, ("int64_param", "uint64_param"), "int64_param or uint64_param")
             if value < 0:
@@ -214,7 +217,7 @@ def decode_request(msg, options: StreamOptions | None = None,
         name, datatype, shape = _check_header(tensor, model, limits)
         if name in inputs:
             raise InvalidArgument(f"{_where(name, model)} appears more than once in the request")
-        params = params_to_dict(tensor.parameters)
+        params = params_to_dict(tensor.parameters) if len(tensor.parameters) else {}
         if params and "shared_memory_region" in params:
             if tensor.HasField("contents"):
                 raise InvalidArgument(f"unexpected 'content' provided when using shared memory for input tensor "
@@ -240,7 +243,8 @@ def decode_request(msg, options: StreamOptions | None = None,
     if raw_index != raw_count:
         raise InvalidArgument(f"model '{model}': the request has {raw_count} raw_input_contents for "
                               f"{len(inputs)} input(s) {list(inputs)}; send one per input, in input order")
-    outputs = [RequestedOutput(o.name, params_to_dict(o.parameters)) for o in msg.outputs] if msg.outputs else None
+    outputs = [RequestedOutput(o.name, params_to_dict(o.parameters) if len(o.parameters) else {})
+               for o in msg.outputs] if msg.outputs else None
     request = InferenceRequest(model, inputs, model_version=msg.model_version, id=msg.id, outputs=outputs)
     if len(msg.parameters):
         _request_parameters(msg, request, options if options is not None else StreamOptions())

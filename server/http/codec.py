@@ -130,7 +130,7 @@ def parse_json(buffer: bytes | memoryview, what: str = "request", max_depth: int
     return doc
 
 
-def _json_tensor_data(name: str, datatype: str, shape: list[int], count: int, data: Any,
+def _json_tensor_data(name: str, datatype: str, shape: list[int] | tuple[int, ...], count: int, data: Any,
                       max_depth: int) -> np.ndarray:
     """A tensor given as JSON "data" (flat or nested, row-major) -> numpy array of ``shape``."""
     if type(data) is not list:
@@ -150,14 +150,16 @@ def _json_tensor_data(name: str, datatype: str, shape: list[int], count: int, da
         raise InvalidArgument(f"input '{name}': {datatype} 'data' must hold {description}, "
                               f"got {_json_name(bad)} {_show(bad)}")
     if len(flat) != count:
-        raise InvalidArgument(f"input '{name}': shape {shape} needs {count} elements, "
+        raise InvalidArgument(f"input '{name}': shape {list(shape)} needs {count} elements, "
                               f"'data' holds {len(flat)}")
+    if type(shape) is not tuple:
+        shape = tuple(shape)  # numpy reshapes to a tuple faster than to a list
     if datatype == "BYTES":
         array = np.empty(count, dtype=np.object_)
         array[:] = [s.encode("utf-8") for s in flat]
         return array.reshape(shape)
     try:
-        array = np.array(flat, dtype=numpy_dtype(datatype))
+        array = np.array(flat, dtype=_NUMPY[datatype])
     except (OverflowError, ValueError, TypeError) as exc:
         raise InvalidArgument(f"input '{name}': 'data' does not fit {datatype}: {exc}") from None
     return array.reshape(shape)
@@ -315,10 +317,11 @@ def decode_request(model_name: str, model_version: str, body: bytes, header_leng
             else:
                 array = from_raw(chunk, datatype, tuple(shape), name)
         elif has_data:
+            shape = tuple(shape)
             array = _json_tensor_data(name, datatype, shape, count, item["data"], max_json_depth)
         else:
             raise InvalidArgument(f"input '{name}' has neither 'data' nor a 'binary_data_size' parameter")
-        tensor = Tensor(name, datatype, tuple(shape), array)
+        tensor = Tensor(name, datatype, shape if type(shape) is tuple else tuple(shape), array)
         if extra_params:
             tensor.parameters = extra_params
         inputs[name] = tensor

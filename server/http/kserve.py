@@ -124,10 +124,35 @@ class HttpFrontend:
             else:
                 decoded = codec.decode_request(model_name, model_version, body, header_length, self.tensor_limits,
                                                self.body.max_json_depth)
+            request = decoded.request
             if traceparent is not None:
-                decoded.request.trace_context = traceparent.decode("latin-1")
-            response, runtime = await self._run(decoded.request, receive)
-            classifier = self._classifier(runtime) if decoded.classify else None
+                request.trace_context = traceparent.decode("latin-1")
+            # Schedule the request and wait for its single response (HTTP infer is unary; here, not in a
+            # coroutine of its own: one frame fewer on every resume). A request still running after
+            # DISCONNECT_WATCH_S starts watching its connection: if the client goes away, the request is
+            # cancelled (the model sees ``request.is_cancelled()``).
+            request.streaming = False  # one response: LLM backends send the whole result at once
+            stream = self.dataplane.infer(request)
+            response = None
+            with cancel_on_disconnect(receive, DISCONNECT_WATCH_S):
+                try:
+                    async for answer in stream:
+                        if answer.error is not None:
+                            raise as_server_error(answer.error)
+                        if not answer.empty:
+                            if response is not None:
+                                raise Unsupported(f"model '{request.model_name}' is decoupled and sent more than "
+                                                  "one response; the HTTP infer endpoint returns exactly one (use "
+                                                  "the gRPC streaming API)")
+                            response = answer
+                        if answer.final:  # the last: no need to ask the stream for its end
+                            break
+                except BaseException:
+                    await stream.aclose()
+                    raise
+            if response is None:
+                raise Unsupported(f"model '{request.model_name}' sent no response to the request")
+            classifier = self._classifier(stream.runtime) if decoded.classify else None
             payload, json_length = codec.encode_response(response, decoded, classifier)
         except ServerError as exc:
             await send_error(send, exc.http_code, exc.message, exc.retry_after_s)
@@ -148,34 +173,6 @@ class HttpFrontend:
                 payload = _compress(payload, chosen)
                 headers.append((b"content-encoding", chosen.encode()))
         await send_response(send, 200, payload, headers)
-
-    async def _run(self, request, receive):
-        """Schedule one request and wait for its single response (HTTP infer is unary).
-
-        A request still running after DISCONNECT_WATCH_S starts watching its connection: if the
-        client goes away, the request is cancelled (the model sees ``request.is_cancelled()``).
-        """
-        request.streaming = False  # one response: LLM backends send the whole result at once
-        stream = self.dataplane.infer(request)
-        result = None
-        with cancel_on_disconnect(receive, DISCONNECT_WATCH_S):
-            try:
-                async for response in stream:
-                    if response.error is not None:
-                        raise as_server_error(response.error)
-                    if response.empty:
-                        continue
-                    if result is not None:
-                        raise Unsupported(f"model '{request.model_name}' is decoupled and sent more than one "
-                                          "response; the HTTP infer endpoint returns exactly one (use the gRPC "
-                                          "streaming API)")
-                    result = response
-            except BaseException:
-                await stream.aclose()
-                raise
-        if result is None:
-            raise Unsupported(f"model '{request.model_name}' sent no response to the request")
-        return result, stream.runtime
 
     def _classifier(self, runtime):
         batched = runtime.config.max_batch_size > 0
