@@ -239,7 +239,7 @@ def main() -> None:
     out.write_text(json.dumps(results, indent=1))
     runs = results["runs"]
     peer = "triton"
-    for kind in [k for k in args.servers if k != peer]:
+    for kind in [k for k in args.servers if k != peer] if peer in args.servers else []:
         print(f"\n{kind} vs {peer}\n\n| protocol | concurrency | {kind} infer/s | {peer} infer/s | ratio "
               f"| {kind} p50 / p99 ms | {peer} p50 / p99 ms | CPU us/request {kind} / {peer} |\n"
               f"|---|---|---|---|---|---|---|---|")

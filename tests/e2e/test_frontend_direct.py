@@ -84,6 +84,13 @@ def server(tmp_path_factory):
     marker = tmp_path_factory.mktemp("direct-marker") / "victim.pid"
     _slow(repo, "victim", sleep="3", marker=str(marker))
     _slow(repo, "slow", sleep="0.3")
+    _slow(repo, "queued", sleep="1.5")
+    config = (repo / "queued" / "config.pbtxt").read_text()
+    (repo / "queued" / "config.pbtxt").write_text(config.replace(
+        "dynamic_batching { }", "dynamic_batching { default_queue_policy { max_queue_size: 1 } }"))
+    shutil.copytree(TEST_MODELS / "repeat", repo / "orphaned")
+    config = (repo / "orphaned" / "config.pbtxt").read_text()
+    (repo / "orphaned" / "config.pbtxt").write_text(config.replace('name: "repeat"', 'name: "orphaned"'))
     running = start_server([repo], "--frontend-workers", "2", "--frontend-direct", "on", "--log-verbose", "1",
                            "--model-control-mode", "explicit", "--load-model", "*",
                            tmp_dir=tmp_path_factory.mktemp("direct-server"))
@@ -116,6 +123,11 @@ def _metric(text: str, family: str, model: str, **labels: str) -> float:
 
 def _metrics(server) -> str:
     with urllib.request.urlopen(f"{server.base_url}/metrics", timeout=10) as response:
+        return response.read().decode()
+
+
+def _core_metrics(server) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as response:
         return response.read().decode()
 
 
@@ -290,3 +302,78 @@ def test_a_killed_instance_process_fails_its_direct_requests_and_the_server_serv
         inputs, a = _add_sub_inputs(httpclient)
         np.testing.assert_array_equal(client.infer("add_sub", inputs).as_numpy("OUTPUT0"), a + 1)
     assert _stats(server, "victim")["inference_stats"]["fail"]["count"] == 2
+
+
+def test_a_full_queue_refuses_with_the_core_paths_error(server):
+    results: list = []
+
+    def send(i):
+        with httpclient.InferenceServerClient(server.http_url, network_timeout=60) as client:
+            tensor = httpclient.InferInput("IN", [1, 1], "FP32")
+            tensor.set_data_from_numpy(np.array([[i]], np.float32))
+            try:
+                client.infer("queued", [tensor])
+                results.append(None)
+            except InferenceServerException as exc:
+                results.append(exc)
+
+    threads = []
+    for i, pause in enumerate((0.5, 0.2, 0.0)):  # one runs, one waits in the queue, the third finds it full
+        threads.append(threading.Thread(target=send, args=(i,)))
+        threads[-1].start()
+        time.sleep(pause)
+    for thread in threads:
+        thread.join(60)
+    errors = [r for r in results if r is not None]
+    assert len(results) == 3 and len(errors) == 1, results
+    assert errors[0].status() == "503"
+    assert "exceeds maximum queue size for model 'queued'" in errors[0].message()
+    text = _metrics(server)
+    assert _metric(text, "nv_inference_request_failure", "queued", reason="REJECTED") == 1
+    assert _metric(text, "nv_inference_request_success", "queued") == 2
+
+
+def _worker_pids(server) -> list[int]:
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            ppid = int(Path(entry, "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = Path(entry, "cmdline").read_bytes()
+        except OSError:
+            continue
+        if ppid == server.process.pid and b"tideserve.workers.main" in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def test_the_instance_process_cancels_the_requests_of_a_worker_that_died(server):
+    first = threading.Event()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(lambda result, error: first.set())
+    client.async_stream_infer("orphaned", _repeat_inputs(list(range(50)), delay_ms=200))
+    assert first.wait(30)
+    for pid in _worker_pids(server):  # whichever took the stream
+        os.kill(pid, signal.SIGKILL)
+    try:
+        client.stop_stream()
+        client.close()
+    except Exception:  # noqa: BLE001 - its server end is gone
+        pass
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if _metric(_core_metrics(server), "nv_inference_request_failure", "orphaned", reason="CANCELED") == 1:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail("the orphaned request was not cancelled")
+    deadline = time.monotonic() + 60  # the core starts other workers
+    while True:
+        try:
+            with httpclient.InferenceServerClient(server.http_url) as http:
+                inputs, a = _add_sub_inputs(httpclient)
+                np.testing.assert_array_equal(http.infer("add_sub", inputs).as_numpy("OUTPUT0"), a + 1)
+            break
+        except Exception:  # noqa: BLE001 - not serving yet
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
