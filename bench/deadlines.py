@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -206,10 +207,23 @@ def reset_prefix_cache(base: str) -> bool:
         return False
 
 
-def sample_load(base: str, until: float, samples: list[tuple[int, int]], every_s: float = 0.25) -> None:
+def schedstat(pid: int) -> tuple[int, int] | None:
+    """The server's event-loop thread (its main thread) as the kernel's scheduler counts it: ns on a CPU and ns
+    runnable but waiting for one (Linux ``/proc/<pid>/task/<pid>/schedstat``); None where not readable."""
+    try:
+        cpu, wait, _ = Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()
+        return int(cpu), int(wait)
+    except (OSError, ValueError):
+        return None
+
+
+def sample_load(base: str, until: float, samples: list[tuple[int, int]], sched: list, pid: int | None = None,
+                every_s: float = 0.25) -> None:
     """What the server holds while a side runs (``GET /load``): requests in flight, and those the engine has
-    waiting, every ``every_s``."""
+    waiting, every ``every_s``; and, of the server's loop thread, (time, CPU ns, run-queue wait ns) each time."""
     while time.monotonic() < until:
+        if pid is not None and (stat := schedstat(pid)) is not None:
+            sched.append((time.monotonic(), *stat))
         try:
             with urllib.request.urlopen(f"{base}/load?model={MODEL}", timeout=5) as answer:
                 load = json.loads(answer.read())
@@ -217,17 +231,33 @@ def sample_load(base: str, until: float, samples: list[tuple[int, int]], every_s
         except (OSError, ValueError, KeyError):
             pass
         time.sleep(every_s)
+    if pid is not None and (stat := schedstat(pid)) is not None:
+        sched.append((time.monotonic(), *stat))
+
+
+def loop_thread_use(sched: list) -> dict:
+    """The server loop thread's share of the side's wall time on a CPU and waiting for one, and its most
+    wait for a CPU within one sampling interval (ms): a loop that waits for a CPU fires its timers late however
+    little work it has."""
+    if len(sched) < 2:
+        return {"loop_cpu_share": float("nan"), "loop_wait_share": float("nan"), "loop_wait_max_ms": float("nan")}
+    wall = (sched[-1][0] - sched[0][0]) * 1e9
+    waits = [b[2] - a[2] for a, b in itertools.pairwise(sched)]
+    return {"loop_cpu_share": (sched[-1][1] - sched[0][1]) / wall, "loop_wait_share": (sched[-1][2] - sched[0][2]) / wall,
+            "loop_wait_max_ms": max(waits) / 1e6}
 
 
 def run_side(pool: ProcessPoolExecutor, processes: int, base: str, api: str, steady: int, flood: int, tokens: int,
-             deadline_ms: float, duration: float, retry_s: float) -> tuple[list[dict], list[float], list]:
+             deadline_ms: float, duration: float, retry_s: float, pid: int | None = None,
+             sched: list | None = None) -> tuple[list[dict], list[float], list]:
     """The side's clients, spread over ``processes`` client processes (each its own event loop), for ``duration``
     seconds from now (CLOCK_MONOTONIC: one clock for all of them), and the server's load sampled meanwhile."""
     roles = [("steady", i) for i in range(steady)] + [("flood", steady + i) for i in range(flood)]
     until = time.monotonic() + duration
     shares = [roles[k::processes] for k in range(processes) if roles[k::processes]]
     samples: list[tuple[int, int]] = []
-    sampler = threading.Thread(target=sample_load, args=(base, until, samples), daemon=True)
+    sampler = threading.Thread(target=sample_load, args=(base, until, samples, sched if sched is not None else [],
+                                                         pid), daemon=True)
     sampler.start()
     results = list(pool.map(_client_process, [(base, api, share, tokens, deadline_ms, until, retry_s)
                                               for share in shares]))
@@ -305,6 +335,10 @@ def main() -> None:
     parser.add_argument("--client-processes", type=int, default=2,
                         help="processes the clients are spread over (one event loop cannot keep up with the flood)")
     parser.add_argument("--pause", type=float, default=2.0, help="seconds of rest before each side")
+    parser.add_argument("--loop-nice", type=int, default=0,
+                        help="a nice value for the server's event-loop thread alone (e.g. -10; needs the right to "
+                             "raise priority): what the refusals' lateness is when the loop gets a CPU as soon as it "
+                             "wants one, on a machine whose cores are shared (0: leave it)")
     parser.add_argument("--no-prime", dest="prime", action="store_false",
                         help="before each side, do not reset the engine's prefix cache and send every prompt once")
     parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "tideserve-bench-llm")
@@ -326,6 +360,9 @@ def main() -> None:
           f"modes {', '.join(apis)}", flush=True)
     proc, http, _ = start_tideserve(repo, work / "tideserve.log", env, MODEL, weights=model)
     base = f"http://127.0.0.1:{http}"
+    if args.loop_nice:  # the loop thread only (Linux: a thread's own nice value), not the engine's process
+        os.setpriority(os.PRIO_PROCESS, proc.pid, args.loop_nice)
+        print(f"server loop thread {proc.pid}: nice {os.getpriority(os.PRIO_PROCESS, proc.pid)}", flush=True)
     sides = {api: {"unflooded": [], "flooded": []} for api in apis}
     rounds_out: list[dict] = []
     pool = ProcessPoolExecutor(args.client_processes)
@@ -343,11 +380,13 @@ def main() -> None:
                         primed = f" (cache reset {'ok' if reset else 'FAILED'}, primed {served}/{PROMPTS})"
                     time.sleep(args.pause)
                     loadavg = os.getloadavg()[0]
+                    sched: list = []
                     requests, lags, load = run_side(pool, args.client_processes, base, api, args.max_num_seqs,
                                               flood if side == "flooded" else 0, args.tokens, args.deadline_ms,
-                                              args.duration, args.retry_ms / 1000)
+                                              args.duration, args.retry_ms / 1000, proc.pid, sched)
                     sides[api][side].append((requests, lags, load))
                     row = summarize(requests, lags, load, args.duration, args.deadline_ms, args.ttft_slo)
+                    row.update(loop_thread_use(sched))
                     rounds_out.append({"round": round_index + 1, "api": api, "side": side, "load_average": loadavg,
                                        **{k: v for k, v in row.items() if k != "error_samples"}})
                     print(f"round {round_index + 1} {api} {side}{primed}: load {loadavg:.2f}; sent {row['sent']}, "
@@ -356,7 +395,9 @@ def main() -> None:
                           f"ms; server: timer p99 {row['server_timer_late_p99_ms']:.1f}, answer p99 "
                           f"{row['server_answer_late_p99_ms']:.1f} ms), busy {row['refused_busy']}, "
                           f"errors {row['errors']}; in flight mean {row['in_flight_mean']:.1f}, engine waiting mean "
-                          f"{row['waiting_mean']:.1f}; client loop lag p99 {row['client_lag_p99_ms']:.1f} ms", flush=True)
+                          f"{row['waiting_mean']:.1f}; client loop lag p99 {row['client_lag_p99_ms']:.1f} ms; server "
+                          f"loop thread on a CPU {row['loop_cpu_share']:.0%}, waiting for one {row['loop_wait_share']:.0%} "
+                          f"(most in one 0.25 s: {row['loop_wait_max_ms']:.0f} ms)", flush=True)
     finally:
         pool.shutdown()
         stop_process(proc)
@@ -397,6 +438,18 @@ def main() -> None:
         print(f"| {api} | {r['refused_deadline']} ({r['server_reported']}) | {trio('server_timer_late')} "
               f"| {trio('server_timer_to_answer')} | {trio('server_answer_late')} | {trio('client_rest')} "
               f"| {trio('lateness')} | {r['client_lag_p99_ms']:.1f} |")
+    for api in apis:
+        for side in ("unflooded", "flooded"):
+            rows = [r for r in rounds_out if r["api"] == api and r["side"] == side]
+            summary[api][side]["loop_cpu_share"] = sum(r["loop_cpu_share"] for r in rows) / len(rows)
+            summary[api][side]["loop_wait_share"] = sum(r["loop_wait_share"] for r in rows) / len(rows)
+        s = summary[api]
+        print(f"{api}: server loop thread on a CPU / waiting for one: unflooded {s['unflooded']['loop_cpu_share']:.0%} / "
+              f"{s['unflooded']['loop_wait_share']:.0%}, flooded {s['flooded']['loop_cpu_share']:.0%} / "
+              f"{s['flooded']['loop_wait_share']:.0%}; goodput per round (flooded / unflooded): " + ", ".join(
+                  f"{f['goodput_rps']:.2f} / {u['goodput_rps']:.2f}" for f, u in zip(
+                      [r for r in rounds_out if r["api"] == api and r["side"] == "flooded"],
+                      [r for r in rounds_out if r["api"] == api and r["side"] == "unflooded"], strict=False)))
     for api in apis:
         s = summary[api]
         print(f"{api}: goodput flooded / unflooded {s['goodput_ratio']:.2f}x (steady clients alone "

@@ -290,17 +290,21 @@ def test_deadline_refuses_requests_the_engine_has_not_started(fleet):
                                               extra_headers={"x-request-timeout-ms": "300"})
         assert refused_v1.value.status_code == 503
         assert refused_v1.value.response.headers["retry-after"] == "1"
+        _assert_refused_after_the_deadline(refused_v1.value.response.headers)
         assert "deadline" in refused_v1.value.body["message"] if isinstance(refused_v1.value.body, dict) else True
         # KServe generate: Triton's 'timeout' parameter
         generate = httpx.post(f"{fleet.base_url}/v2/models/{MODEL}/generate", timeout=60,
                               json={"text_input": "Hello", "parameters": {"max_tokens": 4, "timeout": 200_000}})
         assert generate.status_code == 503 and generate.headers["retry-after"] == "1"
         assert "deadline" in generate.json()["error"]
+        _assert_refused_after_the_deadline(generate.headers)
         # generate_stream: the refusal is the first response, so the status (and Retry-After) are the stream's
         streamed = httpx.post(f"{fleet.base_url}/v2/models/{MODEL}/generate_stream", timeout=60,
                               json={"text_input": "Hello", "parameters": {"max_tokens": 4, "timeout": 200_000}})
         assert streamed.status_code == 503 and streamed.headers["retry-after"] == "1"
-        assert "deadline" in streamed.text
+        assert streamed.headers["content-type"] == "text/event-stream; charset=utf-8"
+        assert streamed.text.startswith("data: {") and "deadline" in streamed.text  # its one event, whole
+        _assert_refused_after_the_deadline(streamed.headers)
         # the refused requests left the engine (its load is what its last step reported: poll for the next)
         load = _wait_for(lambda: (lambda load: load if load["num_requests_waiting"] == 0 else None)(
             _load(fleet, model=MODEL)), timeout=30)
@@ -317,6 +321,13 @@ def test_deadline_refuses_requests_the_engine_has_not_started(fleet):
                                                extra_headers={"x-request-timeout-ms": "2000"})
     chunks = [c for c in stream if c.choices]
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def _assert_refused_after_the_deadline(headers) -> None:
+    """The server's own account of a refusal at a deadline: its timer and its answer, never before the deadline
+    (microseconds after it)."""
+    fields = dict(part.strip().split("=") for part in headers["tideserve-deadline-late-us"].split(","))
+    assert 0 <= int(fields["timer"]) <= int(fields["answer"]), fields
 
 
 def test_deadline_on_responses_and_messages(fleet):
