@@ -12,7 +12,8 @@ the DataPlane stream, which aborts the engine request.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from ..errors import ServerError
@@ -90,11 +91,15 @@ class ChatRun:
 
 
 async def start(server, request: ChatCompletionRequest, llm: LLMModel, *, stream: bool, request_id: str,
-                max_tokens_field: str = "max_tokens", timeout_us: int = 0, received_ns: int = 0) -> ChatRun:
+                max_tokens_field: str = "max_tokens", timeout_us: int = 0, received_ns: int = 0,
+                meanwhile: Callable[[], object] | None = None) -> ChatRun:
     """Check ``request`` (one choice), render its prompt and start its DataPlane request; with ``stream`` the
     first model response is awaited, so an error the model raises at once is still a plain HTTP error.
     ``timeout_us``: the request's queue deadline (``x-request-timeout-ms``, :func:`.http.request_timeout_us`),
-    counted from ``received_ns`` (when the server began to read the request) where given."""
+    counted from ``received_ns`` (when the server began to read the request) where given. ``meanwhile``: work
+    the answer needs but the engine does not (a stream's opening events), run on the event loop once the
+    request is on its way to the engine (after what the loop had ready: the request's own next steps first),
+    so it is done while the engine computes the first token rather than between that token and the client."""
     limits = server.limits
     request.check_chat(limits, auto_tools=llm.tool_call_parser is not None)
     mode = request.tool_mode
@@ -115,6 +120,8 @@ async def start(server, request: ChatCompletionRequest, llm: LLMModel, *, stream
                                 request_id=request_id)
         llm.admission(inference, request.priority, limits.prompt_tokens_details, timeout_us, received_ns)
         run = Run(server.dataplane, llm, inference, 1)
+        if meanwhile is not None:
+            asyncio.get_running_loop().call_soon(meanwhile)
         if stream:
             await run.peek()
     except BaseException as exc:

@@ -134,6 +134,34 @@ def test_streamed_events_rebuild_the_response(client, text):
         assert "response.reasoning_text.delta" in kinds and "response.output_text.done" in kinds
 
 
+@pytest.mark.parametrize("text", ["Hello there, a plain answer", ""])
+def test_plain_stream_events_in_order(client, text):
+    """A plain answer (no tools, no reasoning parser), whose opening events are made while the model computes its
+    first token: the exact event sequence, numbered from 0, the message item announced with the first text (not
+    at all when the model writes none) and rebuilding the non-streamed response."""
+    whole = client.responses.create(model="agent", input=text, store=False)
+    events = _events(client, model="agent", input=text, store=False)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    if text:
+        assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added", *["response.output_text.delta"] * len(deltas),
+                         "response.output_text.done", "response.content_part.done", "response.output_item.done",
+                         "response.completed"]
+        assert "".join(deltas) == text and len(deltas) > 1
+        added, done = events[2].item, events[-2].item
+        assert added.id == done.id == events[3].item_id == events[4].item_id and added.status == "in_progress"
+        assert events[-1].response.output[0].id == added.id
+    else:
+        assert kinds == ["response.created", "response.in_progress", "response.completed"]
+    assert events[0].response.status == "in_progress" and events[0].response.output == []
+    assert events[0].response.id == events[1].response.id == events[-1].response.id
+    final = events[-1].response
+    assert _without_ids(final.model_dump()["output"]) == _without_ids(whole.model_dump()["output"])
+    assert final.usage == whole.usage
+
+
 def test_model_error_mid_stream_fails_the_response(client):
     """The model fails after two words (``slow``'s ``FAIL``): the open item is closed and the stream ends with
     ``response.failed`` carrying what was written and the error."""

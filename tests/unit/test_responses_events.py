@@ -99,3 +99,37 @@ def test_template_escapes_like_json(text):
     writer.events(stream.feed({"content": "x"}))
     [event] = _parse(writer.delta(stream.more_text("message", text), text))
     assert event["delta"] == text and event["logprobs"] == [] and event["content_index"] == 0
+
+
+def test_item_announced_ahead_writes_the_same_events():
+    """A plain answer's message item announced before the model's first text (``OutputStream.announce``, as the
+    stream's opening is made while the engine computes) and opened with that text (``adopt``): the same events,
+    numbered the same, as the item opened by ``feed`` when the text came."""
+    texts = ["Hello", ", world", "!"]
+    plain, plain_items = _plain([{"content": t} for t in texts])
+
+    writer, stream = EventWriter(2), OutputStream()  # 0 and 1: response.created / in_progress, made ahead too
+    item, events = OutputStream().announce("message")
+    announced = EventWriter(2).events(events)
+    writer.head(item)
+    assert stream.adopt(item, texts[0]) is item and writer.sequence == 2
+    writer.sequence = 4
+    out = announced + writer.delta(item, texts[0])
+    for text in texts[1:]:
+        out += writer.delta(stream.more_text("message", text), text)
+    out += writer.events(stream.finish("stop"))
+    ahead = _parse(out)
+    assert [e["sequence_number"] for e in ahead] == list(range(2, len(ahead) + 2))
+    assert _blank_ids([{**e, "sequence_number": 0} for e in ahead]) == \
+        _blank_ids([{**e, "sequence_number": 0} for e in _parse(plain)])
+    assert [{**i, "id": None} for i in stream.items] == [{**i, "id": None} for i in plain_items]
+    assert stream.items[0]["id"] == item.id and stream.items[0]["content"][0]["text"] == "Hello, world!"
+
+
+def test_adopt_refuses_a_taken_place():
+    item, _ = OutputStream().announce("message")
+    stream = OutputStream()
+    stream.feed({"content": "a"})  # an item is open
+    assert stream.adopt(item, "b") is None
+    stream.finish("stop")  # closed: index 0 is taken
+    assert stream.adopt(item, "b") is None and item.parts == []

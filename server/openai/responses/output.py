@@ -136,6 +136,15 @@ class OutputStream:
         events.append(event)
 
     def _start(self, events: list[dict], kind: str) -> _Open:
+        state, added = self.announce(kind)
+        events += added
+        self._open = state
+        return state
+
+    def announce(self, kind: str) -> tuple[_Open, list[dict]]:
+        """A new text item of ``kind`` (``message`` or ``reasoning``) as the next output item, and the events that
+        announce it (``response.output_item.added``, ``response.content_part.added``); the stream is left as it
+        is until :meth:`adopt` opens the item, so a writer may make them before the model's first text."""
         index = len(self.items)
         if kind == "reasoning":
             state = _Open(kind, new_id("rs"), index)
@@ -143,10 +152,18 @@ class OutputStream:
         else:
             state = _Open(kind, new_id("msg"), index)
             item, part = message_item(state.id, None, "in_progress"), text_part("")
-        events.append({"type": "response.output_item.added", "output_index": index, "item": item})
-        events.append({"type": "response.content_part.added", "item_id": state.id, "output_index": index,
-                       "content_index": 0, "part": part})
+        return state, [{"type": "response.output_item.added", "output_index": index, "item": item},
+                       {"type": "response.content_part.added", "item_id": state.id, "output_index": index,
+                        "content_index": 0, "part": part}]
+
+    def adopt(self, state: _Open, text: str) -> _Open | None:
+        """``text`` starts the item :meth:`announce` made (its events written by the caller): the item, open with
+        that text, for :meth:`EventWriter.delta`; None (nothing done) when an item is open or its place was taken
+        since."""
+        if self._open is not None or state.index != len(self.items):
+            return None
         self._open = state
+        state.parts.append(text)
         return state
 
     def _call(self, events: list[dict], entry: dict) -> None:
@@ -205,8 +222,8 @@ class EventWriter:
 
     __slots__ = ("sequence",)
 
-    def __init__(self) -> None:
-        self.sequence = 0
+    def __init__(self, sequence: int = 0) -> None:
+        self.sequence = sequence  # the next event's number
 
     def event(self, event: dict) -> bytes:
         event["sequence_number"] = self.sequence
@@ -224,13 +241,17 @@ class EventWriter:
             kind.encode(), kind.encode(), response, sequence)
 
     def delta(self, item: _Open, text: str) -> bytes:
-        head = item.head
-        if head is None:
-            kind = _DELTA_TYPES[item.kind].encode()
-            head = item.head = (b'event: %s\ndata: {"type":"%s","item_id":"%s","output_index":%d,%s"delta":' % (
-                kind, kind, item.id.encode(), item.index,
-                b'"content_index":0,"logprobs":[],' if item.kind == "message" else
-                b'"content_index":0,' if item.kind == "reasoning" else b""))
+        head = item.head or self.head(item)
         sequence = self.sequence
         self.sequence += 1
         return head + orjson.dumps(text) + b',"sequence_number":%d}\n\n' % sequence
+
+    @staticmethod
+    def head(item: _Open) -> bytes:
+        """The bytes of ``item``'s delta events up to ``"delta":`` (made once, kept on the item)."""
+        kind = _DELTA_TYPES[item.kind].encode()
+        item.head = (b'event: %s\ndata: {"type":"%s","item_id":"%s","output_index":%d,%s"delta":' % (
+            kind, kind, item.id.encode(), item.index,
+            b'"content_index":0,"logprobs":[],' if item.kind == "message" else
+            b'"content_index":0,' if item.kind == "reasoning" else b""))
+        return item.head

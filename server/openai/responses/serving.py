@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import orjson
 
 from ...errors import ServerError
-from ..chat_completion.output import merge
+from ..chat_completion.output import ChoiceStream, merge
 from ..chat_run import ChatRun, start
 from ..errors import BadRequest, OpenAIError
 from ..http import EventStream, request_received_ns, request_timeout_us
@@ -95,7 +95,8 @@ async def create_response(server, doc, scope) -> bytes | EventStream:
     try:
         run = await start(server, chat, llm, stream=request.stream, request_id=response_id,
                           max_tokens_field="max_output_tokens", timeout_us=timeout_us,
-                          received_ns=request_received_ns(scope))
+                          received_ns=request_received_ns(scope),
+                          meanwhile=(lambda: job.prepare(chat, llm)) if request.stream else None)
     except OpenAIError as exc:
         raise renamed(exc) from None
     if request.stream:
@@ -147,6 +148,7 @@ class _Job:
     items: list[dict]
     conversation: list[dict]
     _echo: dict | None = field(default=None, init=False, repr=False)  # the request's settings, made once
+    _ahead: _Ahead | None = field(default=None, init=False, repr=False)  # a stream's opening, made early
 
     def response(self, status: str, output_items: list[dict], usage: dict | None = None, error: dict | None = None,
                  incomplete: dict | None = None) -> dict:
@@ -171,18 +173,27 @@ class _Job:
                                            os.getpid() if background else None)
 
     # -- streaming ------------------------------------------------------------------------------------
+    def prepare(self, chat, llm) -> None:
+        """Make the stream's opening (:class:`_Ahead`) while the engine computes the first token
+        (:func:`..chat_run.start`'s ``meanwhile``)."""
+        if self._ahead is None:
+            self._ahead = _Ahead(self, ChoiceStream(chat, llm))
+
     async def events(self, run: ChatRun):
         """The events of one generation, written as bytes, those of one model step in one chunk (one write):
-        ``response.created`` and ``response.in_progress`` go with the first step's events. The steps are read
-        here (as :meth:`ChatRun.deltas` reads them, without its generator): text that continues the open item
-        is written from its template, with no delta dict for a plain answer (no reasoning parser, no tools)."""
-        writer = output.EventWriter()
-        started = orjson.dumps(self.response("in_progress", []))
-        chunk = writer.wrapped("response.created", started) + writer.wrapped("response.in_progress", started)
+        ``response.created`` and ``response.in_progress`` go with the first step's events, made before it
+        (:meth:`prepare`), and so are a plain answer's message item announcements. The steps are read here (as
+        :meth:`ChatRun.deltas` reads them, without its generator): text that continues the open item is written
+        from its template, with no delta dict for a plain answer (no reasoning parser, no tools)."""
+        ahead = self._ahead or _Ahead(self, run.choices())
+        self._ahead = None
+        writer = output.EventWriter(2)  # 0 and 1: the opening's
+        chunk = ahead.opening
         stream = output.OutputStream()
         more_text = stream.more_text
-        choices = run.choices()
+        choices = ahead.choices
         plain = choices.plain
+        first = ahead.item  # a plain answer's message item, announced ahead
         usage = run.usage()
         reasoning: list[str] = []
         reason = None
@@ -196,6 +207,11 @@ class _Job:
                         continue
                     if plain:  # nearly every token of a plain answer
                         item = more_text("message", text)
+                        if item is None and first is not None:  # its first text: the item announced ahead
+                            item, first = (stream.adopt(first, text) if writer.sequence == 2 else None), None
+                            if item is not None:
+                                chunk += ahead.announced  # sequence 2 and 3
+                                writer.sequence = 4
                         if item is not None:
                             yield chunk + writer.delta(item, text)
                             chunk = b""
@@ -327,6 +343,28 @@ class _Job:
             stream.feed(delta)
         stream.finish(reason)
         return self.answer(stream.items, reason or "stop", output.usage_doc(run, usage, "".join(reasoning)))
+
+
+class _Ahead:
+    """What a streamed response writes before the model's first text, made while the engine computes that text
+    (:meth:`_Job.prepare`): ``response.created`` and ``response.in_progress`` (sequence 0 and 1), the reader of
+    the model's text, and for a plain answer (its text is the message item's from the first token on) that item,
+    index 0, with its delta head and the bytes of its ``response.output_item.added`` and
+    ``response.content_part.added`` (2 and 3), written with its first text; unused if the model writes none."""
+
+    __slots__ = ("announced", "choices", "item", "opening")
+
+    def __init__(self, job: _Job, choices: ChoiceStream) -> None:
+        started = orjson.dumps(job.response("in_progress", []))
+        writer = output.EventWriter()
+        self.opening = writer.wrapped("response.created", started) + writer.wrapped("response.in_progress", started)
+        self.choices = choices
+        self.item = None
+        self.announced = b""
+        if choices.plain:
+            self.item, events = output.OutputStream().announce("message")
+            self.announced = writer.events(events)
+            writer.head(self.item)
 
 
 _TEXT_KEYS = {"message": "content", "reasoning": "reasoning"}

