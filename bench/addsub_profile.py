@@ -16,6 +16,10 @@ exact; the unprofiled CPU µs per request is the number to compare between trees
 
 ``--tree`` runs the server from another checkout of this repository (e.g. ``git worktree add /tmp/prev
 HEAD~``): its packages replace this one's in the server and its model processes (see bench/addsub.py).
+``--ab BASE_TREE`` profiles nothing: it compares the server process's CPU per request of two checkouts, both
+servers up and driven in turn over several windows (on a shared machine, read the min):
+
+    python bench/addsub_profile.py --ab /tmp/prev --windows 4 --seconds 4
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import os
 import pstats
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -128,6 +133,34 @@ def measure(proc, http: int, port: int, protocol: str, concurrency: int, seconds
             "profiled_requests": n3 - n2, "profile": str(profile_out)}
 
 
+def cpu_windows(servers: dict, protocol: str, concurrency: int, seconds: float, windows: int, work: Path) -> dict:
+    """``windows`` unprofiled windows per server, the servers in turn (one driven at a time): the server process's
+    CPU µs per request in each."""
+    found: dict[str, list[tuple[float, float]]] = {label: [] for label in servers}
+    for window in range(windows):
+        for label, (proc, http, grpc) in servers.items():
+            port = http if protocol == "http" else grpc
+            cmd = [str(addsub.PEERS_HOME / "bin" / "perf_analyzer"), "-m", "add_sub", "-u", f"127.0.0.1:{port}",
+                   "-i", protocol, "--concurrency-range", str(concurrency), "--measurement-mode", "time_windows",
+                   "-p", "60000", "-s", "1", "-r", "10"]
+            if protocol == "http":
+                cmd += ["--input-tensor-format", "json", "--output-tensor-format", "json"]
+            pa = subprocess.Popen(cmd, stdout=open(work / f"pa-ab-{protocol}.txt", "wb"), stderr=subprocess.STDOUT)
+            try:
+                time.sleep(2)  # warm-up
+                n0, c0, t0 = success_count(http), own_cpu_seconds(proc.pid), time.monotonic()
+                time.sleep(seconds)
+                n1, c1, t1 = success_count(http), own_cpu_seconds(proc.pid), time.monotonic()
+            finally:
+                pa.terminate()
+                pa.wait(30)
+            done = max(n1 - n0, 1)
+            found[label].append(((c1 - c0) / done * 1e6, done / (t1 - t0)))
+            print(f"  window {window + 1} {label:10s} {protocol} c={concurrency}: "
+                  f"{found[label][-1][0]:6.1f} CPU us/request, {found[label][-1][1]:6.0f} req/s", flush=True)
+    return found
+
+
 def report(result: dict, top: int) -> list[dict]:
     stats = pstats.Stats(result["profile"])
     n = max(result["profiled_requests"], 1)
@@ -155,12 +188,20 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--tree", help="run the server from this checkout of the repository")
     parser.add_argument("--save", help="keep the profiles (.prof) in this folder")
+    parser.add_argument("--ab", metavar="BASE_TREE",
+                        help="no profile: the server from checkout BASE_TREE (\"base\") and from --tree or this one "
+                             "(\"new\") both up, --windows unprofiled windows each, in turn; min and median CPU "
+                             "us/request of each (a loaded machine: the min is the better hint)")
+    parser.add_argument("--windows", type=int, default=4)
     args = parser.parse_args()
     addsub.ensure_peers()
     work = Path(tempfile.mkdtemp(prefix="bench-addsub-profile-"))
     repo = work / "repo"
     shutil.copytree(addsub.SHARED / "peers" / "repos" / "triton", repo)
     print(f"load {open('/proc/loadavg').read().split()[:3]}; tree {args.tree or addsub.ROOT}")
+    if args.ab:
+        ab(args, repo, work)
+        return
     proc, http, grpc = start(repo, work / "server.log", work / "profile.prof", args.tree)
     try:
         for protocol in args.protocol:
@@ -178,6 +219,26 @@ def main() -> None:
     finally:
         addsub.stop_server(proc)
     print(f"\nload {open('/proc/loadavg').read().split()[:3]}; logs: {work}")
+
+
+def ab(args, repo: Path, work: Path) -> None:
+    servers = {}
+    try:
+        for label, tree in (("base", args.ab), ("new", args.tree)):
+            servers[label] = start(repo, work / f"server-{label}.log", work / f"{label}.prof", tree)
+        for protocol in args.protocol:
+            found = cpu_windows(servers, protocol, args.concurrency, args.seconds, args.windows, work)
+            cpu = {label: sorted(c for c, _ in rows) for label, rows in found.items()}
+            print(f"\n{protocol} c={args.concurrency}, server process CPU us/request over {args.windows} windows:")
+            for label, values in cpu.items():
+                print(f"  {label:5s} min {values[0]:6.1f}  median {statistics.median(values):6.1f}  "
+                      f"({', '.join(f'{v:.1f}' for v in values)})")
+            print(f"  new / base: min {cpu['new'][0] / cpu['base'][0]:.3f}x, median "
+                  f"{statistics.median(cpu['new']) / statistics.median(cpu['base']):.3f}x\n")
+    finally:
+        for proc, _, _ in servers.values():
+            addsub.stop_server(proc)
+    print(f"load {open('/proc/loadavg').read().split()[:3]}; logs: {work}")
 
 
 if __name__ == "__main__":
