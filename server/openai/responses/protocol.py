@@ -12,7 +12,7 @@ sampling, tools and structured output exactly as ``/v1/chat/completions`` does.
 from __future__ import annotations
 
 import json
-import uuid
+from os import urandom
 from typing import Any, Literal
 
 from pydantic import Field
@@ -30,7 +30,9 @@ _FIELD_NAMES = {"max_completion_tokens": "max_output_tokens", "response_format":
 
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
+    """``<prefix>_`` and 32 random hex digits (128 random bits; ``os.urandom`` rather than a UUID object, a few
+    ids are made per request before its first token)."""
+    return f"{prefix}_{urandom(16).hex()}"
 
 
 class TextFormat(OpenAIModel):
