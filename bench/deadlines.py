@@ -72,15 +72,17 @@ LATE_HEADER = "tideserve-deadline-late-us"
 PROMPTS = 64  # the prompts every client cycles through (story_prompts)
 
 
-def server_lateness(value: str | None) -> tuple[float, float] | None:
+def server_lateness(value: str | None) -> tuple[float, float, float | None] | None:
     """The server's own account of a deadline refusal (its ``tideserve-deadline-late-us`` header): how late its
     timer fired and how late it wrote the answer, in ms after the deadline it counted from the request's first
-    byte; None without the header."""
+    byte, and how long its loop waited for a CPU in between (None unless the server runs with
+    ``TIDESERVE_DEADLINE_PROBE=1``); None without the header."""
     if not value:
         return None
     try:
         fields = dict(part.strip().split("=", 1) for part in value.split(","))
-        return int(fields["timer"]) / 1000, int(fields["answer"]) / 1000
+        wait = int(fields["cpu_wait"]) / 1000 if "cpu_wait" in fields else None
+        return int(fields["timer"]) / 1000, int(fields["answer"]) / 1000, wait
     except (KeyError, ValueError):
         return None
 
@@ -278,10 +280,14 @@ def summarize(requests: list[dict], lags: list[float], load: list[tuple[int, int
     # the first byte it parsed), the answer's way back and the client's own loop
     told = [(r["server_late"], (r["answered"] - r["sent"]) * 1000 - deadline_ms) for r in at_deadline
             if r.get("server_late")]
-    timer_ms = [t for (t, _), _ in told]
-    to_answer_ms = [a - t for (t, a), _ in told]
-    answer_ms = [a for (_, a), _ in told]
-    client_rest_ms = [c - a for (_, a), c in told]
+    timer_ms = [t for (t, _, _), _ in told]
+    to_answer_ms = [a - t for (t, a, _), _ in told]
+    answer_ms = [a for (_, a, _), _ in told]
+    client_rest_ms = [c - a for (_, a, _), c in told]
+    # (a) split where the server measured it: its loop waiting for a CPU (up to 2 ms before the deadline counted
+    # in), and what is left, the loop's own work ahead of the timer
+    cpu_wait_ms = [w for (_, _, w), _ in told if w is not None]
+    own_work_ms = [max(0.0, t - w) for (t, _, w), _ in told if w is not None]
     ttfts = [r["first"] - r["sent"] for r in requests if r["status"] == 200 and r["first"] is not None]
     return {
         "sent": len(requests), "seconds": seconds,
@@ -307,6 +313,11 @@ def summarize(requests: list[dict], lags: list[float], load: list[tuple[int, int
         "server_answer_late_p50_ms": percentile(answer_ms, 50), "server_answer_late_p99_ms": percentile(answer_ms, 99),
         "server_answer_late_max_ms": max(answer_ms, default=float("nan")),
         "server_early_refusals": sum(1 for ms in timer_ms if ms < 0),
+        "server_cpu_wait_p50_ms": percentile(cpu_wait_ms, 50), "server_cpu_wait_p99_ms": percentile(cpu_wait_ms, 99),
+        "server_cpu_wait_max_ms": max(cpu_wait_ms, default=float("nan")),
+        "server_timer_own_work_p50_ms": percentile(own_work_ms, 50),
+        "server_timer_own_work_p99_ms": percentile(own_work_ms, 99),
+        "server_timer_own_work_max_ms": max(own_work_ms, default=float("nan")),
         "client_rest_p50_ms": percentile(client_rest_ms, 50), "client_rest_p99_ms": percentile(client_rest_ms, 99),
         "client_rest_max_ms": max(client_rest_ms, default=float("nan")),
         "in_flight_mean": sum(x for x, _ in load) / len(load) if load else float("nan"),
@@ -339,6 +350,10 @@ def main() -> None:
                         help="a nice value for the server's event-loop thread alone (e.g. -10; needs the right to "
                              "raise priority): what the refusals' lateness is when the loop gets a CPU as soon as it "
                              "wants one, on a machine whose cores are shared (0: leave it)")
+    parser.add_argument("--no-probe", dest="probe", action="store_false",
+                        help="run the server without TIDESERVE_DEADLINE_PROBE=1 (its loop notes its CPU wait every "
+                             "2 ms, so a refusal's header can tell the machine's share of a late timer from the "
+                             "loop's own)")
     parser.add_argument("--no-prime", dest="prime", action="store_false",
                         help="before each side, do not reset the engine's prefix cache and send every prompt once")
     parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "tideserve-bench-llm")
@@ -349,6 +364,8 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="tideserve-bench-deadlines-"))
     env = engine_env(work)
+    if args.probe:
+        env["TIDESERVE_DEADLINE_PROBE"] = "1"  # refusals say how long the loop waited for a CPU (see loop_thread_use)
     model = make_model(args.model_dir / args.size, args.size)
     repo = write_vllm_repository(work, model, args.max_num_seqs, args.max_queue_size)
     holds = args.max_num_seqs + args.max_queue_size
@@ -392,7 +409,9 @@ def main() -> None:
                     print(f"round {round_index + 1} {api} {side}{primed}: load {loadavg:.2f}; sent {row['sent']}, "
                           f"good {row['good']} ({row['goodput_rps']:.2f}/s), TTFT p50 {row['ttft_p50_s']:.2f} s, "
                           f"refused at deadline {row['refused_deadline']} (lateness p99 {row['lateness_p99_ms']:.1f} "
-                          f"ms; server: timer p99 {row['server_timer_late_p99_ms']:.1f}, answer p99 "
+                          f"ms; server: timer p99 {row['server_timer_late_p99_ms']:.1f} (CPU wait p99 "
+                          f"{row['server_cpu_wait_p99_ms']:.1f}, own work p99 {row['server_timer_own_work_p99_ms']:.1f}), "
+                          f"answer p99 "
                           f"{row['server_answer_late_p99_ms']:.1f} ms), busy {row['refused_busy']}, "
                           f"errors {row['errors']}; in flight mean {row['in_flight_mean']:.1f}, engine waiting mean "
                           f"{row['waiting_mean']:.1f}; client loop lag p99 {row['client_lag_p99_ms']:.1f} ms; server "
@@ -429,14 +448,15 @@ def main() -> None:
     print("\nRefusal lateness, split (ms after the deadline, flooded sides pooled; p50 / p99 / max): (a) the "
           "server's timer; (b) from the timer to the answer's bytes written; server total (a + b); (c) the rest the "
           "client saw (way in, way back, client loop); client total")
-    print("| mode | refusals (server-reported) | (a) timer | (b) timer to answer | server total | (c) client rest "
-          "| client total | client loop lag p99 |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| mode | refusals (server-reported) | (a) timer | of which: loop waiting for a CPU | (a) less that wait: "
+          "the loop's own work | (b) timer to answer | server total | (c) client rest | client total "
+          "| client loop lag p99 |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for api in apis:
         r = summary[api]["flooded"]
         trio = lambda key, r=r: f"{r[key + '_p50_ms']:.1f} / {r[key + '_p99_ms']:.1f} / {r[key + '_max_ms']:.1f}"
         print(f"| {api} | {r['refused_deadline']} ({r['server_reported']}) | {trio('server_timer_late')} "
-              f"| {trio('server_timer_to_answer')} | {trio('server_answer_late')} | {trio('client_rest')} "
+              f"| {trio('server_cpu_wait')} | {trio('server_timer_own_work')} | {trio('server_timer_to_answer')} | {trio('server_answer_late')} | {trio('client_rest')} "
               f"| {trio('lateness')} | {r['client_lag_p99_ms']:.1f} |")
     for api in apis:
         for side in ("unflooded", "flooded"):

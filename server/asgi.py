@@ -53,12 +53,17 @@ DEADLINE_LATE_HEADER = b"tideserve-deadline-late-us"
 def deadline_late_header(exc: BaseException) -> tuple[bytes, bytes] | None:
     """On a refusal at a queue deadline, how late the server was, in microseconds after the deadline:
     ``timer=`` when its timer refused the request, ``answer=`` now, as the answer is written (a client on another
-    clock can tell the server's lateness from the network's and its own); None for any other error."""
+    clock can tell the server's lateness from the network's and its own), and where the server measured it
+    (``TIDESERVE_DEADLINE_PROBE=1``) ``cpu_wait=``, how long its loop waited for a CPU in between; None for any
+    other error."""
     deadline = getattr(exc, "deadline_ns", 0)
     if not deadline:
         return None
     now = time.monotonic_ns()
-    return DEADLINE_LATE_HEADER, f"timer={(exc.fired_ns - deadline) // 1000}, answer={(now - deadline) // 1000}".encode()
+    value = f"timer={(exc.fired_ns - deadline) // 1000}, answer={(now - deadline) // 1000}"
+    if (waited := getattr(exc, "cpu_wait_ns", None)) is not None:
+        value += f", cpu_wait={waited // 1000}"
+    return DEADLINE_LATE_HEADER, value.encode()
 
 
 async def send_response(send, status: int, body: bytes, headers: list) -> None:

@@ -103,12 +103,14 @@ class QueueFull(Unavailable):
 class DeadlinePassed(QueueFull):
     """A request refused because it had not started by its queue deadline (503 + ``Retry-After``, UNAVAILABLE,
     REJECTED). ``deadline_ns`` and ``fired_ns``: the deadline and when the server refused (``time.monotonic_ns``),
-    which the HTTP answer reports in its ``tideserve-deadline-late-us`` header."""
+    which the HTTP answer reports in its ``tideserve-deadline-late-us`` header (with ``cpu_wait_ns``, when
+    measured: how long the loop's thread waited for a CPU meanwhile)."""
 
     def __init__(self, message: str, deadline_ns: int = 0, fired_ns: int = 0) -> None:
         super().__init__(message)
         self.deadline_ns = deadline_ns
         self.fired_ns = fired_ns
+        self.cpu_wait_ns: int | None = None
 
 
 class Unsupported(ServerError):

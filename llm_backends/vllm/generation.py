@@ -10,8 +10,11 @@ KV-cache blocks.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
+import os
+import threading
 import time
 from typing import Any
 
@@ -85,6 +88,48 @@ class DeadlineExpired(DeadlinePassed):
     counted as REJECTED) so that a router or client retries it elsewhere."""
 
 
+class _CpuWaitProbe:
+    """For measurements only (``TIDESERVE_DEADLINE_PROBE=1``): how long the loop's thread waited for a CPU between
+    a deadline and its refusal. Every 2 ms (a timer on the loop) it notes the thread's run-queue wait so far as the
+    kernel counts it (``/proc/self/task/<tid>/schedstat``); a refusal subtracts the last note taken before its
+    deadline (so up to 2 ms before it). What is left of a late timer is the loop's own work."""
+
+    EVERY_S = 0.002
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.fd = os.open(f"/proc/self/task/{threading.get_native_id()}/schedstat", os.O_RDONLY)
+        self.notes: collections.deque[tuple[int, int]] = collections.deque(maxlen=4096)
+        self._note()
+
+    def wait_ns(self) -> int:
+        return int(os.pread(self.fd, 96, 0).split()[1])
+
+    def _note(self) -> None:
+        self.notes.append((time.monotonic_ns(), self.wait_ns()))
+        self.loop.call_later(self.EVERY_S, self._note)
+
+    def waited_since(self, at_ns: int) -> int | None:
+        """ns the thread waited for a CPU since ``at_ns`` (None: no note that old)."""
+        for noted_at, waited in reversed(self.notes):
+            if noted_at <= at_ns:
+                return self.wait_ns() - waited
+        return None
+
+
+_PROBE = os.environ.get("TIDESERVE_DEADLINE_PROBE") == "1" and os.path.exists("/proc/self/task")
+_probes: dict[asyncio.AbstractEventLoop, _CpuWaitProbe] = {}
+
+
+def _probe(loop: asyncio.AbstractEventLoop) -> _CpuWaitProbe | None:
+    if not _PROBE:
+        return None
+    probe = _probes.get(loop)
+    if probe is None:
+        probe = _probes[loop] = _CpuWaitProbe(loop)
+    return probe
+
+
 class _Deadline:
     """Refuses a request whose first token has not come by its deadline: answers it at once and aborts it in the
     engine. A request that has started generating is left to run on.
@@ -108,6 +153,7 @@ class _Deadline:
         self.reaborted = False
         self.loop = asyncio.get_running_loop()
         self.handle = self.loop.call_later(max(0.0, (deadline_ns - time.monotonic_ns()) / 1e9), self._expire)
+        _probe(self.loop)
 
     def _expire(self) -> None:
         if self.started or self.request.is_cancelled():
@@ -117,8 +163,11 @@ class _Deadline:
             self.handle = self.loop.call_later((self.deadline_ns - now) / 1e9, self._expire)
             return
         self.expired = True
+        error = deadline_error(self.model_name, self.limit_ms, self.deadline_ns, now)
+        if (probe := _probe(self.loop)) is not None:
+            error.cpu_wait_ns = probe.waited_since(self.deadline_ns)
         # the answer first (the handler's task is woken before the abort's starts), the engine's abort after it
-        self.request.response_sender.send_error(deadline_error(self.model_name, self.limit_ms, self.deadline_ns, now))
+        self.request.response_sender.send_error(error)
         self.abort.on_loop()  # (a no-op in the engine when the request is still rendering: it never gets there)
 
     def cancel(self) -> None:

@@ -40,6 +40,7 @@ class OpenAIError(Exception):
         self.retry_after_s: int | None = None  # a Retry-After header (a queue at its bound: 503)
         self.error_type: str | None = None  # a ``type`` other than the status's (vLLM's overload answer)
         self.deadline_ns = self.fired_ns = 0  # a refusal at a queue deadline (errors.DeadlinePassed)
+        self.cpu_wait_ns: int | None = None
 
     @property
     def type(self) -> str:
@@ -100,6 +101,7 @@ def from_server_error(exc: BaseException, fields: dict[str, str] | None = None,
     error = OpenAIError(message, status, param)
     error.retry_after_s = exc.retry_after_s
     error.deadline_ns, error.fired_ns = getattr(exc, "deadline_ns", 0), getattr(exc, "fired_ns", 0)
+    error.cpu_wait_ns = getattr(exc, "cpu_wait_ns", None)
     if isinstance(exc, QueueFull) or exc.retry_after_s is not None:
         error.error_type = "Service Unavailable"  # as vLLM answers its own queue limit (the status's phrase)
     return error

@@ -186,6 +186,34 @@ def test_deadline_refusal_reports_its_lateness_in_a_header():
     assert deadline_late_header(from_server_error(QueueFull("full"))) is None
 
 
+def test_deadline_probe_tells_the_loops_wait_for_a_cpu():
+    """TIDESERVE_DEADLINE_PROBE's piece: the loop thread's run-queue wait since a moment (notes every 2 ms), and
+    the refusal's header carrying it."""
+    import asyncio
+    import time
+
+    import uvloop
+
+    from tideserve.asgi import deadline_late_header
+    from tideserve.errors import DeadlinePassed
+    from tideserve.llm_backends.vllm.generation import _CpuWaitProbe
+
+    async def run():
+        before = time.monotonic_ns() - 1
+        probe = _CpuWaitProbe(asyncio.get_running_loop())
+        await asyncio.sleep(0.02)
+        return probe, before
+
+    probe, before = uvloop.run(run())
+    assert len(probe.notes) >= 3  # one at the start, then every 2 ms (give or take a busy machine)
+    assert probe.waited_since(before) is None  # no note that old
+    assert probe.waited_since(time.monotonic_ns()) >= 0
+    refusal = DeadlinePassed("late", time.monotonic_ns() - 3_000_000, time.monotonic_ns() - 1_000_000)
+    assert b"cpu_wait" not in deadline_late_header(refusal)[1]
+    refusal.cpu_wait_ns = 1_250_000
+    assert deadline_late_header(refusal)[1].endswith(b", cpu_wait=1250")
+
+
 def test_deployment_rolls_without_dropping_streams():
     """A rolling restart: the new pod is ready before an old one goes (maxUnavailable 0), the old one leaves the
     Service before SIGTERM (preStop) and gets the whole drain before the kubelet's SIGKILL."""
