@@ -9,10 +9,12 @@ prompts) through one API, then through the other; the order alternates from roun
 ``openai-chat`` and ``openai-responses`` targets, the definitions of ``vllm bench serve``): output tokens/s
 (the server's usage counts over the round's duration), TTFT p50 (request sent to its first text: the chat
 stream's first chunk with content, its role-only chunk left out as ``--ttft-from content`` does, and the
-first ``response.output_text.delta``; both sides alike) and ITL p50 (between text events). Beside them, the
-CPU time of the tideserve process (the HTTP frontend, the API code and vLLM's output processing; the engine's
-own process left out) per output token: the API's own cost, which a loaded machine disturbs less than the
-rates. Responses are sent with ``store: false`` (chat stores nothing); ``--store`` sends ``store: true`` and so
+first ``response.output_text.delta``; both sides alike, and the Responses target leaves the announcements before
+that delta unparsed, so the client's own JSON work at the first token is alike too) and ITL p50 (between text
+events). Beside them, the CPU time of the tideserve process (the HTTP frontend, the API code and vLLM's output
+processing; the engine's own process left out) per output token: the API's own cost, which a loaded machine
+disturbs less than the rates. ``bench/responses_ttft_probe.py`` splits the time to the first text inside the
+server, phase by phase, for both APIs. Responses are sent with ``store: false`` (chat stores nothing); ``--store`` sends ``store: true`` and so
 measures the SQLite store too. Each side reports the median of each measure over its rounds; the ratios are
 responses / chat, against the targets of issue 23 (>= 0.95x output tok/s, TTFT p50 <= 1.05x).
 
