@@ -147,7 +147,7 @@ def _where(name: str, model: str) -> str:
     return f"input '{name}' for model '{model}'"
 
 
-def _check_header(tensor, model: str, limits: TensorLimits) -> tuple[str, str, tuple[int, ...]]:
+def _check_header(tensor, model: str, limits: TensorLimits) -> tuple[str, str, tuple[int, ...], int]:
     name = tensor.name
     datatype = tensor.datatype
     if datatype not in DATATYPES:
@@ -161,7 +161,7 @@ def _check_header(tensor, model: str, limits: TensorLimits) -> tuple[str, str, t
         count *= dim
     if len(shape) > limits.max_rank or count > limits.max_elements or not count:
         limits.check(_where(name, model), shape, count)
-    return name, datatype, shape
+    return name, datatype, shape, count
 
 
 def _element_count(shape: tuple[int, ...]) -> int:
@@ -214,7 +214,7 @@ def decode_request(msg, options: StreamOptions | None = None,
     raw_index = 0
     inputs: dict[str, Tensor] = {}
     for tensor in msg.inputs:
-        name, datatype, shape = _check_header(tensor, model, limits)
+        name, datatype, shape, count = _check_header(tensor, model, limits)
         if name in inputs:
             raise InvalidArgument(f"{_where(name, model)} appears more than once in the request")
         params = params_to_dict(tensor.parameters) if len(tensor.parameters) else {}
@@ -234,10 +234,16 @@ def decode_request(msg, options: StreamOptions | None = None,
             if raw_index >= raw_count:
                 raise InvalidArgument(f"unable to find data for input tensor '{name}' for model '{model}' "
                                       "in request.")
-            try:
-                data = from_raw(raws[raw_index], datatype, shape, name)
-            except ValueError as exc:  # e.g. a shape whose element count overflows int64
-                raise InvalidArgument(f"{_where(name, model)}: data does not fit shape {list(shape)}: {exc}") from None
+            raw = raws[raw_index]
+            dtype = _NUMPY.get(datatype)
+            if dtype is not None and len(raw) == count * dtype.itemsize:  # the common case, as from_raw reads it
+                data = np.frombuffer(raw, dtype=dtype).reshape(shape)
+            else:  # BYTES, FP16, or a size that does not fit: from_raw reads it or names the problem
+                try:
+                    data = from_raw(raw, datatype, shape, name)
+                except ValueError as exc:  # e.g. a shape whose element count overflows int64
+                    raise InvalidArgument(f"{_where(name, model)}: data does not fit shape {list(shape)}: "
+                                          f"{exc}") from None
             raw_index += 1
         inputs[name] = Tensor(name, datatype, shape, data, params)
     if raw_index != raw_count:

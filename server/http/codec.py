@@ -466,7 +466,9 @@ def encode_response(response: InferenceResponse, decoded: DecodedRequest, classi
             array = classifier(tensor.name, datatype, array, class_count)
             datatype = "BYTES"
         elif datatype != "BYTES" and datatype != "BF16":
-            dtype = numpy_dtype(datatype)
+            dtype = _NUMPY.get(datatype)
+            if dtype is None:
+                dtype = numpy_dtype(datatype)  # an unknown datatype: its error
             if array.dtype != dtype:
                 array = array.astype(dtype)
         entry: dict[str, Any] = {"name": tensor.name, "datatype": datatype, "shape": list(array.shape)}

@@ -173,3 +173,23 @@ def test_grpc_parameters():
     assert request.parameters == {"custom": "x", "flag": True}
     assert request.inputs["INPUT0"].parameters == {"note": 7}
     assert params_to_dict(pb.ModelInferRequest().parameters) == {}
+
+
+def test_grpc_raw_inputs():
+    msg = pb.ModelInferRequest(model_name="add_sub")
+    msg.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 4])
+    msg.inputs.add(name="TEXT", datatype="BYTES", shape=[1])
+    msg.inputs.add(name="EMPTY", datatype="INT32", shape=[0, 4])
+    msg.raw_input_contents.append(np.arange(4, dtype=np.float32).tobytes())
+    msg.raw_input_contents.append(len(b"hi").to_bytes(4, "little") + b"hi")
+    msg.raw_input_contents.append(b"")
+    inputs = grpc_decode(msg).inputs
+    assert inputs["INPUT0"].data.tolist() == [[0.0, 1.0, 2.0, 3.0]] and inputs["INPUT0"].shape == (1, 4)
+    assert inputs["TEXT"].data.tolist() == [b"hi"]
+    assert inputs["EMPTY"].data.shape == (0, 4) and inputs["EMPTY"].data.dtype == np.int32
+    short = pb.ModelInferRequest(model_name="add_sub")
+    short.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 4])
+    short.raw_input_contents.append(b"\0" * 12)
+    with pytest.raises(InvalidArgument, match=r"input 'INPUT0': unexpected byte size 12, expecting 16 for FP32 "
+                                              r"tensor of shape \[1, 4\]"):
+        grpc_decode(short)
