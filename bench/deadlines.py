@@ -20,7 +20,9 @@ Requests are streamed, ``--tokens`` tokens each (greedy, ``ignore_eos``). Sides 
   the engine holds by default). A refused client sends again after ``--retry-ms`` (Retry-After is ignored: a
   retry storm); a served one sends again at once.
 
-The clients run in ``--client-processes`` processes (one event loop alone falls behind the flood on a busy
+Before each side the engine's prefix cache is reset (``POST /reset_prefix_cache``) and every prompt is sent once
+(one token each, no deadline), so every side starts from the same engine state (``--no-prime``: not). The
+clients run in ``--client-processes`` processes (one event loop alone falls behind the flood on a busy
 machine, and its lag would count as the server's); each reports its own loop lag (how late a 5 ms sleep wakes).
 The server's ``GET /load`` is sampled every 0.25 s: requests in flight and those the engine has waiting, so a
 flood that did not reach the engine shows.
@@ -30,16 +32,24 @@ Reported, all rounds of a mode pooled:
 1. refusal lateness: the time the 503 arrives (its status line, at the client) minus the request's deadline
    counted from the client's send time, p50 / p99 / max, over the deadline refusals (503s whose error names the
    deadline); target p99 <= 10 ms. The server counts the deadline from the request's arrival, a little after
-   the send, so this includes the request's way in and the answer's way out.
+   the send, so this includes the request's way in and the answer's way out. Split with the server's own
+   account (each refusal's ``tideserve-deadline-late-us`` header, in the server's time after the deadline it
+   counted): (a) its timer, and of that, with the server run under ``TIDESERVE_DEADLINE_PROBE=1`` (the default
+   here; ``--no-probe``), the time its loop thread waited for a CPU and what is left, the loop's own work (or
+   the thread blocked: the GIL, a virtual CPU the host did not run); (b)
+   from the timer to the answer written; (c) the rest of what the client saw (the way in, the way back, the
+   client's loop). Per side, the server loop thread's share of the wall time on a CPU and waiting for one
+   (``/proc/<pid>/task/<pid>/schedstat``): on a machine whose cores are all busy, (a) is mostly that wait.
 2. goodput: requests per second that got their whole stream with TTFT (send to first token) <= ``--ttft-slo``
    (2 s), among those sent during the side's window; flooded vs unflooded (target >= 0.9x), for all clients and
    for the S steady clients alone. Also the counts: served, refused at the deadline, refused busy (the queue
    bound), other errors.
 
     python bench/deadlines.py [--api both] [--size 100m] [--max-num-seqs 8] [--max-queue-size 0] [--tokens 32]
-                              [--deadline-ms 1000] [--duration 15] [--rounds 2]
+                              [--deadline-ms 1000] [--duration 15] [--rounds 2] [--loop-nice -10]
 
-About 5 minutes for ``--rounds 2`` (one engine start, 8 sides of 15 s). Writes bench/results/deadlines-<time>.json.
+About 6 minutes for ``--rounds 2`` (one engine start, 8 sides of 15 s). Writes bench/results/deadlines-<time>.json
+(the pooled summary and each side of each round, with the load average at its start).
 """
 
 from __future__ import annotations
@@ -285,7 +295,8 @@ def summarize(requests: list[dict], lags: list[float], load: list[tuple[int, int
     answer_ms = [a for (_, a, _), _ in told]
     client_rest_ms = [c - a for (_, a, _), c in told]
     # (a) split where the server measured it: its loop waiting for a CPU (up to 2 ms before the deadline counted
-    # in), and what is left, the loop's own work ahead of the timer
+    # in), and what is left: the loop's own work ahead of the timer, or the loop thread blocked (on the GIL while
+    # another of the server's threads runs, or a virtual CPU the host did not run: neither is a run-queue wait)
     cpu_wait_ms = [w for (_, _, w), _ in told if w is not None]
     own_work_ms = [max(0.0, t - w) for (t, _, w), _ in told if w is not None]
     ttfts = [r["first"] - r["sent"] for r in requests if r["status"] == 200 and r["first"] is not None]
@@ -416,7 +427,7 @@ def main() -> None:
                           f"errors {row['errors']}; in flight mean {row['in_flight_mean']:.1f}, engine waiting mean "
                           f"{row['waiting_mean']:.1f}; client loop lag p99 {row['client_lag_p99_ms']:.1f} ms; server "
                           f"loop thread on a CPU {row['loop_cpu_share']:.0%}, waiting for one {row['loop_wait_share']:.0%} "
-                          f"(most in one 0.25 s: {row['loop_wait_max_ms']:.0f} ms)", flush=True)
+                          f"(most in one sampling interval: {row['loop_wait_max_ms']:.0f} ms)", flush=True)
     finally:
         pool.shutdown()
         stop_process(proc)
@@ -449,7 +460,7 @@ def main() -> None:
           "server's timer; (b) from the timer to the answer's bytes written; server total (a + b); (c) the rest the "
           "client saw (way in, way back, client loop); client total")
     print("| mode | refusals (server-reported) | (a) timer | of which: loop waiting for a CPU | (a) less that wait: "
-          "the loop's own work | (b) timer to answer | server total | (c) client rest | client total "
+          "the loop's own work (or blocked) | (b) timer to answer | server total | (c) client rest | client total "
           "| client loop lag p99 |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for api in apis:
