@@ -92,9 +92,9 @@ def test_a_timed_run_stops_sending_at_the_deadline():
     target = FakeTarget(ttft=0.01, gap=0.001)
     runner = Runner(target, ListWorkload(), duration=0.3, progress=False)
     run = asyncio.run(runner.run_point(0, SweepPoint("concurrency", 2)))
-    assert len(run.records) > 10
+    assert len(run.records) > 2  # each of the 2 slots sent again after its first (how many: the machine's load)
     assert all(r.start - run.start < 0.3 for r in run.records)
-    assert 0.3 <= run.duration_s < 1.0
+    assert 0.3 <= run.duration_s < 2.0
     warm = asyncio.run(runner.warmup(3, 2))
     assert [r.request_id for r in sorted(warm, key=lambda r: -r.index)] == [f"bench-warmup-{i}" for i in (1, 2, 3)]
 
@@ -164,6 +164,8 @@ def test_openai_chat_target_parses_a_stream(tmp_path):
         assert good.text == "Hello world"
         assert (good.server_output_tokens, good.server_prompt_tokens) == (4, 11)
         assert good.latency == good.chunk_times[-1] - good.start   # the usage chunk is no token chunk
-    assert len(as_vllm.chunk_times) == 5 and as_vllm.ttft < 0.05  # vLLM's way: the role chunk is the first
-    assert len(by_content.chunk_times) == 4 and by_content.ttft >= 0.06   # --ttft-from content: 50 ms later
+    # vLLM's way: the role chunk is the first token, and the server's 50 ms pause comes after it
+    assert len(as_vllm.chunk_times) == 5 and as_vllm.ttft == as_vllm.chunk_times[0] - as_vllm.start
+    assert as_vllm.chunk_times[1] - as_vllm.chunk_times[0] >= 0.045
+    assert len(by_content.chunk_times) == 4 and by_content.ttft >= 0.045   # --ttft-from content: after the pause
     assert not bad.success and bad.error == "server error: no such model"
