@@ -82,17 +82,19 @@ LATE_HEADER = "tideserve-deadline-late-us"
 PROMPTS = 64  # the prompts every client cycles through (story_prompts)
 
 
-def server_lateness(value: str | None) -> tuple[float, float, float | None] | None:
+def server_lateness(value: str | None) -> tuple[float, float, float | None, float | None] | None:
     """The server's own account of a deadline refusal (its ``tideserve-deadline-late-us`` header): how late its
     timer fired and how late it wrote the answer, in ms after the deadline it counted from the request's first
     byte, and how long its loop waited for a CPU in between (None unless the server runs with
-    ``TIDESERVE_DEADLINE_PROBE=1``); None without the header."""
+    ``TIDESERVE_DEADLINE_PROBE=1``), and then also when it answered on this host's monotonic clock (s); None
+    without the header."""
     if not value:
         return None
     try:
         fields = dict(part.strip().split("=", 1) for part in value.split(","))
         wait = int(fields["cpu_wait"]) / 1000 if "cpu_wait" in fields else None
-        return int(fields["timer"]) / 1000, int(fields["answer"]) / 1000, wait
+        at = int(fields["at"]) / 1e9 if "at" in fields else None
+        return int(fields["timer"]) / 1000, int(fields["answer"]) / 1000, wait, at
     except (KeyError, ValueError):
         return None
 
@@ -290,15 +292,25 @@ def summarize(requests: list[dict], lags: list[float], load: list[tuple[int, int
     # the first byte it parsed), the answer's way back and the client's own loop
     told = [(r["server_late"], (r["answered"] - r["sent"]) * 1000 - deadline_ms) for r in at_deadline
             if r.get("server_late")]
-    timer_ms = [t for (t, _, _), _ in told]
-    to_answer_ms = [a - t for (t, a, _), _ in told]
-    answer_ms = [a for (_, a, _), _ in told]
-    client_rest_ms = [c - a for (_, a, _), c in told]
+    timer_ms = [t for (t, _, _, _), _ in told]
+    to_answer_ms = [a - t for (t, a, _, _), _ in told]
+    answer_ms = [a for (_, a, _, _), _ in told]
+    client_rest_ms = [c - a for (_, a, _, _), c in told]
+    # (c) split where the server gave its clock (the same host's CLOCK_MONOTONIC): the answer's way back (written
+    # to read by the client, its loop included), and the way in (the client's send to the server's first parsed
+    # byte: a server loop that reads the request late starts its deadline late)
+    in_ms: list[float] = []
+    back_ms: list[float] = []
+    for r in at_deadline:
+        late = r.get("server_late")
+        if late and late[3] is not None:
+            back_ms.append((r["answered"] - late[3]) * 1000)
+            in_ms.append((r["answered"] - r["sent"]) * 1000 - deadline_ms - late[1] - back_ms[-1])
     # (a) split where the server measured it: its loop waiting for a CPU (up to 2 ms before the deadline counted
     # in), and what is left: the loop's own work ahead of the timer, or the loop thread blocked (on the GIL while
     # another of the server's threads runs, or a virtual CPU the host did not run: neither is a run-queue wait)
-    cpu_wait_ms = [w for (_, _, w), _ in told if w is not None]
-    own_work_ms = [max(0.0, t - w) for (t, _, w), _ in told if w is not None]
+    cpu_wait_ms = [w for (_, _, w, _), _ in told if w is not None]
+    own_work_ms = [max(0.0, t - w) for (t, _, w, _), _ in told if w is not None]
     ttfts = [r["first"] - r["sent"] for r in requests if r["status"] == 200 and r["first"] is not None]
     return {
         "sent": len(requests), "seconds": seconds,
@@ -331,6 +343,10 @@ def summarize(requests: list[dict], lags: list[float], load: list[tuple[int, int
         "server_timer_own_work_max_ms": max(own_work_ms, default=float("nan")),
         "client_rest_p50_ms": percentile(client_rest_ms, 50), "client_rest_p99_ms": percentile(client_rest_ms, 99),
         "client_rest_max_ms": max(client_rest_ms, default=float("nan")),
+        "way_in_p50_ms": percentile(in_ms, 50), "way_in_p99_ms": percentile(in_ms, 99),
+        "way_in_max_ms": max(in_ms, default=float("nan")),
+        "way_back_p50_ms": percentile(back_ms, 50), "way_back_p99_ms": percentile(back_ms, 99),
+        "way_back_max_ms": max(back_ms, default=float("nan")),
         "in_flight_mean": sum(x for x, _ in load) / len(load) if load else float("nan"),
         "waiting_mean": sum(w for _, w in load) / len(load) if load else float("nan"),
         "client_lag_p50_ms": percentile(lags, 50), "client_lag_p99_ms": percentile(lags, 99),
@@ -423,7 +439,8 @@ def main() -> None:
                           f"ms; server: timer p99 {row['server_timer_late_p99_ms']:.1f} (CPU wait p99 "
                           f"{row['server_cpu_wait_p99_ms']:.1f}, own work p99 {row['server_timer_own_work_p99_ms']:.1f}), "
                           f"answer p99 "
-                          f"{row['server_answer_late_p99_ms']:.1f} ms), busy {row['refused_busy']}, "
+                          f"{row['server_answer_late_p99_ms']:.1f} ms; way in p99 {row['way_in_p99_ms']:.1f}, way "
+                          f"back p99 {row['way_back_p99_ms']:.1f} ms), busy {row['refused_busy']}, "
                           f"errors {row['errors']}; in flight mean {row['in_flight_mean']:.1f}, engine waiting mean "
                           f"{row['waiting_mean']:.1f}; client loop lag p99 {row['client_lag_p99_ms']:.1f} ms; server "
                           f"loop thread on a CPU {row['loop_cpu_share']:.0%}, waiting for one {row['loop_wait_share']:.0%} "
@@ -460,14 +477,15 @@ def main() -> None:
           "server's timer; (b) from the timer to the answer's bytes written; server total (a + b); (c) the rest the "
           "client saw (way in, way back, client loop); client total")
     print("| mode | refusals (server-reported) | (a) timer | of which: loop waiting for a CPU | (a) less that wait: "
-          "the loop's own work (or blocked) | (b) timer to answer | server total | (c) client rest | client total "
-          "| client loop lag p99 |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "the loop's own work (or blocked) | (b) timer to answer | server total | (c) client rest | of which: way in "
+          "| way back | client total | client loop lag p99 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for api in apis:
         r = summary[api]["flooded"]
         trio = lambda key, r=r: f"{r[key + '_p50_ms']:.1f} / {r[key + '_p99_ms']:.1f} / {r[key + '_max_ms']:.1f}"
         print(f"| {api} | {r['refused_deadline']} ({r['server_reported']}) | {trio('server_timer_late')} "
-              f"| {trio('server_cpu_wait')} | {trio('server_timer_own_work')} | {trio('server_timer_to_answer')} | {trio('server_answer_late')} | {trio('client_rest')} "
+              f"| {trio('server_cpu_wait')} | {trio('server_timer_own_work')} | {trio('server_timer_to_answer')} "
+              f"| {trio('server_answer_late')} | {trio('client_rest')} | {trio('way_in')} | {trio('way_back')} "
               f"| {trio('lateness')} | {r['client_lag_p99_ms']:.1f} |")
     for api in apis:
         for side in ("unflooded", "flooded"):

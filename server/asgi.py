@@ -54,15 +54,15 @@ def deadline_late_header(exc: BaseException) -> tuple[bytes, bytes] | None:
     """On a refusal at a queue deadline, how late the server was, in microseconds after the deadline:
     ``timer=`` when its timer refused the request, ``answer=`` now, as the answer is written (a client on another
     clock can tell the server's lateness from the network's and its own), and where the server measured it
-    (``TIDESERVE_DEADLINE_PROBE=1``) ``cpu_wait=``, how long its loop waited for a CPU in between; None for any
-    other error."""
+    (``TIDESERVE_DEADLINE_PROBE=1``) ``cpu_wait=``, how long its loop waited for a CPU in between, and ``at=``, the
+    answer's time on the host's monotonic clock in ns; None for any other error."""
     deadline = getattr(exc, "deadline_ns", 0)
     if not deadline:
         return None
     now = time.monotonic_ns()
     value = f"timer={(exc.fired_ns - deadline) // 1000}, answer={(now - deadline) // 1000}"
-    if (waited := getattr(exc, "cpu_wait_ns", None)) is not None:
-        value += f", cpu_wait={waited // 1000}"
+    if (waited := getattr(exc, "cpu_wait_ns", None)) is not None:  # measured: also the host's clock now (ns), so
+        value += f", cpu_wait={waited // 1000}, at={now}"  # a client on the same host can tell the way in from back
     return DEADLINE_LATE_HEADER, value.encode()
 
 
