@@ -110,14 +110,16 @@ class ResponsesRequest(OpenAIModel):
 
     def echo(self) -> dict[str, Any]:
         """The request's settings as the response object repeats them."""
-        fmt = self.text.format if self.text is not None and self.text.format is not None else TextFormat()
+        fmt = self.text.format if self.text is not None else None
         choice: Any = self.tool_choice
         return {"instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
                 "metadata": self.metadata or {}, "model": self.model, "parallel_tool_calls": self.parallel_tool_calls,
                 "previous_response_id": self.previous_response_id,
                 "reasoning": (self.reasoning.model_dump() if self.reasoning else {"effort": None, "summary": None}),
                 "temperature": self.temperature if self.temperature is not None else 1.0,
-                "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True)},
+                # (no format given: TextFormat()'s dump, written out: no model made per response)
+                "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt is not None
+                         else {"type": "text"}},
                 "tool_choice": choice, "tools": [_echoed(t) for t in self.tools],
                 "top_p": self.top_p if self.top_p is not None else 1.0, "truncation": self.truncation or "disabled",
                 "user": self.user, "store": self.store, "background": self.background,
