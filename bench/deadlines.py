@@ -231,6 +231,41 @@ def schedstat(pid: int) -> tuple[int, int] | None:
         return None
 
 
+def descendants(pid: int) -> list[int]:
+    """The processes under ``pid`` (the engine's), from ``/proc/*/stat``."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        children = [child for child, of in parents.items() if of == parent]
+        found += children
+        todo += children
+    return found
+
+
+def processes_schedstat(pids: list[int]) -> tuple[int, int]:
+    """CPU ns and run-queue wait ns of every thread of ``pids``, summed."""
+    cpu = wait = 0
+    for pid in pids:
+        try:
+            tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                fields = (task / "schedstat").read_text().split()
+                cpu, wait = cpu + int(fields[0]), wait + int(fields[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    return cpu, wait
+
+
 def sample_load(base: str, until: float, samples: list[tuple[int, int]], sched: list, pid: int | None = None,
                 every_s: float = 0.25) -> None:
     """What the server holds while a side runs (``GET /load``): requests in flight, and those the engine has
@@ -253,12 +288,17 @@ def loop_thread_use(sched: list) -> dict:
     """The server loop thread's share of the side's wall time on a CPU and waiting for one, and its most
     wait for a CPU within one sampling interval (ms): a loop that waits for a CPU fires its timers late however
     little work it has."""
+    engine = [x for x in sched if x[0] == "engine"]
+    sched = [x for x in sched if x[0] != "engine"]
+    out = {"engine_cpu_cores": engine[0][1] if engine else float("nan"),
+           "engine_wait_cores": engine[0][2] if engine else float("nan")}
     if len(sched) < 2:
-        return {"loop_cpu_share": float("nan"), "loop_wait_share": float("nan"), "loop_wait_max_ms": float("nan")}
+        return {**out, "loop_cpu_share": float("nan"), "loop_wait_share": float("nan"),
+                "loop_wait_max_ms": float("nan")}
     wall = (sched[-1][0] - sched[0][0]) * 1e9
     waits = [b[2] - a[2] for a, b in itertools.pairwise(sched)]
-    return {"loop_cpu_share": (sched[-1][1] - sched[0][1]) / wall, "loop_wait_share": (sched[-1][2] - sched[0][2]) / wall,
-            "loop_wait_max_ms": max(waits) / 1e6}
+    return {**out, "loop_cpu_share": (sched[-1][1] - sched[0][1]) / wall,
+            "loop_wait_share": (sched[-1][2] - sched[0][2]) / wall, "loop_wait_max_ms": max(waits) / 1e6}
 
 
 def run_side(pool: ProcessPoolExecutor, processes: int, base: str, api: str, steady: int, flood: int, tokens: int,
@@ -272,10 +312,15 @@ def run_side(pool: ProcessPoolExecutor, processes: int, base: str, api: str, ste
     samples: list[tuple[int, int]] = []
     sampler = threading.Thread(target=sample_load, args=(base, until, samples, sched if sched is not None else [],
                                                          pid), daemon=True)
+    engine = descendants(pid) if pid is not None else []
+    engine_before, started = processes_schedstat(engine), time.monotonic()
     sampler.start()
     results = list(pool.map(_client_process, [(base, api, share, tokens, deadline_ms, until, retry_s)
                                               for share in shares]))
     sampler.join()
+    if sched is not None and engine:  # the engine's processes (all their threads): CPU and run-queue wait, in cores
+        engine_after, wall = processes_schedstat(engine), (time.monotonic() - started) * 1e9
+        sched.append(("engine", (engine_after[0] - engine_before[0]) / wall, (engine_after[1] - engine_before[1]) / wall))
     return [r for out, _ in results for r in out], [x for _, lags in results for x in lags], samples
 
 
@@ -350,6 +395,7 @@ def summarize(requests: list[dict], lags: list[float], load: list[tuple[int, int
         "in_flight_mean": sum(x for x, _ in load) / len(load) if load else float("nan"),
         "waiting_mean": sum(w for _, w in load) / len(load) if load else float("nan"),
         "client_lag_p50_ms": percentile(lags, 50), "client_lag_p99_ms": percentile(lags, 99),
+        "client_lag_max_ms": max(lags, default=float("nan")),
         "error_samples": sorted({str(r["status"]) + " " + (r["error"] or "")[:160] for r in requests
                                  if r["status"] not in (200, 503) or (r["status"] == 200 and not r["complete"])})[:5],
     }
@@ -442,9 +488,10 @@ def main() -> None:
                           f"{row['server_answer_late_p99_ms']:.1f} ms; way in p99 {row['way_in_p99_ms']:.1f}, way "
                           f"back p99 {row['way_back_p99_ms']:.1f} ms), busy {row['refused_busy']}, "
                           f"errors {row['errors']}; in flight mean {row['in_flight_mean']:.1f}, engine waiting mean "
-                          f"{row['waiting_mean']:.1f}; client loop lag p99 {row['client_lag_p99_ms']:.1f} ms; server "
+                          f"{row['waiting_mean']:.1f}; client loop lag p99 {row['client_lag_p99_ms']:.1f} ms (max {row['client_lag_max_ms']:.0f}); server "
                           f"loop thread on a CPU {row['loop_cpu_share']:.0%}, waiting for one {row['loop_wait_share']:.0%} "
-                          f"(most in one sampling interval: {row['loop_wait_max_ms']:.0f} ms)", flush=True)
+                          f"(most in one sampling interval: {row['loop_wait_max_ms']:.0f} ms); engine processes on a CPU "
+                          f"{row['engine_cpu_cores']:.2f} cores, waiting for one {row['engine_wait_cores']:.2f}", flush=True)
     finally:
         pool.shutdown()
         stop_process(proc)
@@ -492,10 +539,13 @@ def main() -> None:
             rows = [r for r in rounds_out if r["api"] == api and r["side"] == side]
             summary[api][side]["loop_cpu_share"] = sum(r["loop_cpu_share"] for r in rows) / len(rows)
             summary[api][side]["loop_wait_share"] = sum(r["loop_wait_share"] for r in rows) / len(rows)
+            summary[api][side]["engine_cpu_cores"] = sum(r["engine_cpu_cores"] for r in rows) / len(rows)
         s = summary[api]
         print(f"{api}: server loop thread on a CPU / waiting for one: unflooded {s['unflooded']['loop_cpu_share']:.0%} / "
               f"{s['unflooded']['loop_wait_share']:.0%}, flooded {s['flooded']['loop_cpu_share']:.0%} / "
-              f"{s['flooded']['loop_wait_share']:.0%}; goodput per round (flooded / unflooded): " + ", ".join(
+              f"{s['flooded']['loop_wait_share']:.0%}; engine processes on a CPU unflooded "
+              f"{s['unflooded']['engine_cpu_cores']:.2f} / flooded {s['flooded']['engine_cpu_cores']:.2f} cores; "
+              "goodput per round (flooded / unflooded): " + ", ".join(
                   f"{f['goodput_rps']:.2f} / {u['goodput_rps']:.2f}" for f, u in zip(
                       [r for r in rounds_out if r["api"] == api and r["side"] == "flooded"],
                       [r for r in rounds_out if r["api"] == api and r["side"] == "unflooded"], strict=False)))
