@@ -39,7 +39,8 @@ Reported, all rounds of a mode pooled:
    the thread blocked: the GIL, a virtual CPU the host did not run); (b)
    from the timer to the answer written; (c) the rest of what the client saw (the way in, the way back, the
    client's loop). Per side, the server loop thread's share of the wall time on a CPU and waiting for one
-   (``/proc/<pid>/task/<pid>/schedstat``): on a machine whose cores are all busy, (a) is mostly that wait.
+   (``/proc/<pid>/task/<pid>/schedstat``): on a machine whose cores are all busy, (a) is mostly that wait; and
+   the engine processes' CPU and run-queue wait (all their threads, in cores), which moves the goodput.
 2. goodput: requests per second that got their whole stream with TTFT (send to first token) <= ``--ttft-slo``
    (2 s), among those sent during the side's window; flooded vs unflooded (target >= 0.9x), for all clients and
    for the S steady clients alone. Also the counts: served, refused at the deadline, refused busy (the queue
