@@ -429,16 +429,18 @@ def served(port: int) -> int:
     return int(json.loads(body)["model_stats"][0]["inference_count"])
 
 
-def check(port: int, http_format: str) -> None:
-    """One infer request with tritonclient (the format perf_analyzer will use): the right sums or an error."""
+def check(port: int, http_format: str, batched: bool = False) -> None:
+    """One infer request with tritonclient (the format perf_analyzer will use): the right sums or an error.
+    ``batched``: the model has a batch dimension (Triton's add_sub, ``max_batch_size`` 8)."""
     import numpy as np
     import tritonclient.http as httpclient
 
     binary = http_format == "binary"
+    shape = [1, 4] if batched else [4]
     client = httpclient.InferenceServerClient(f"127.0.0.1:{port}")
     try:
-        a, b = np.arange(4, dtype=np.float32), np.full(4, 2, dtype=np.float32)
-        inputs = [httpclient.InferInput("INPUT0", [4], "FP32"), httpclient.InferInput("INPUT1", [4], "FP32")]
+        a, b = np.arange(4, dtype=np.float32).reshape(shape), np.full(shape, 2, dtype=np.float32)
+        inputs = [httpclient.InferInput("INPUT0", shape, "FP32"), httpclient.InferInput("INPUT1", shape, "FP32")]
         inputs[0].set_data_from_numpy(a, binary_data=binary)
         inputs[1].set_data_from_numpy(b, binary_data=binary)
         outputs = [httpclient.InferRequestedOutput(n, binary_data=binary) for n in ("OUTPUT0", "OUTPUT1")]
@@ -481,7 +483,7 @@ def main() -> None:
         for name in args.servers:
             try:
                 proc, port = start(name, args)
-                check(port, args.http_format)
+                check(port, args.http_format, batched=name == "triton")
             except Exception as exc:  # noqa: BLE001 - a variant that cannot start is reported, the run goes on
                 if "proc" in locals() and proc.poll() is None:
                     stop_group(proc)
