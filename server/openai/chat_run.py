@@ -97,9 +97,9 @@ async def start(server, request: ChatCompletionRequest, llm: LLMModel, *, stream
     first model response is awaited, so an error the model raises at once is still a plain HTTP error.
     ``timeout_us``: the request's queue deadline (``x-request-timeout-ms``, :func:`.http.request_timeout_us`),
     counted from ``received_ns`` (when the server began to read the request) where given. ``meanwhile``: work
-    the answer needs but the engine does not (a stream's opening events), run on the event loop once the
-    request is on its way to the engine (after what the loop had ready: the request's own next steps first),
-    so it is done while the engine computes the first token rather than between that token and the client."""
+    the answer needs but the engine does not (a stream's opening events), handed to the event loop once the
+    request is submitted (``call_soon``), so it is done while the engine works toward the first token rather
+    than between that token and the client."""
     limits = server.limits
     request.check_chat(limits, auto_tools=llm.tool_call_parser is not None)
     mode = request.tool_mode
