@@ -165,6 +165,12 @@ class DirectServer:
         entry.counted = True
         entry.request.cancellation.cancel()
         self.stats.record_failure(time.monotonic_ns() - entry.request.arrival_ns, "CANCELED")
+        self._finished()  # as in the core: a drain does not wait for a cancelled request
+
+    def _finished(self) -> None:
+        self.inflight -= 1
+        if not self.inflight:
+            self._idle.set()
 
     def _respond(self, connection: _Connection, rid: int, entry: _Entry, response) -> None:
         """The response sender's sink, from whichever thread the model answers on."""
@@ -181,12 +187,10 @@ class DirectServer:
             stats.record_first_response(elapsed)
         final = response.final
         if final:
-            if connection.requests.pop(rid, None) is not None:
-                self.inflight -= 1
-                if not self.inflight:
-                    self._idle.set()
+            connection.requests.pop(rid, None)
             if not entry.counted:
                 entry.counted = True
+                self._finished()
                 if response.error is None:
                     stats.record_success(elapsed)
                 else:
