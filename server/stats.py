@@ -200,7 +200,8 @@ class ModelStats:
         total = ModelStats(self.name, self.version)
         if self.latency is not None:
             total.latency, total.first_response = LatencyHistogram(), LatencyHistogram()
-        total.pending_fn = self.pending_fn
+        remote = list(self.remote.values())
+        total.pending_fn = lambda: self.pending_fn() + sum(data.get("pending", 0) for data in remote)
         total.cache_enabled = self.cache_enabled
         total.add_exported(self.export())
         for data in [*self.retired, *self.remote.values()]:

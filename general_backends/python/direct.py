@@ -117,7 +117,9 @@ class DirectServer:
         self._server = await self.loop.create_unix_server(lambda: _Connection(self), self.path)
 
     def counters(self) -> dict:
-        return self.stats.export()
+        counters = self.stats.export()
+        counters["pending"] = self.scheduler.pending()  # nv_inference_pending_request_count, as of now
+        return counters
 
     async def drain(self, timeout: float) -> dict:
         """Take no new request (the workers send them through the core), wait for those in flight."""

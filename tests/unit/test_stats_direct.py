@@ -46,6 +46,9 @@ def test_a_process_counters_add_to_the_cores_in_statistics_and_metrics():
     assert _value(text, "nv_inference_exec_count", model="m") == 2
     assert _value(text, "nv_inference_request_duration_histogram_ms_count", model="m") == 3
     assert stats.success.count == 1  # the core's own counters are untouched
+    stats.pending_fn = lambda: 2
+    stats.remote["instance 0"]["pending"] = 3  # what waits in the process's queue
+    assert _value(metrics.render().decode(), "nv_inference_pending_request_count", model="m") == 5
 
 
 def test_a_gone_process_stays_counted_and_nothing_is_added_twice():
