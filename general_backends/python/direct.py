@@ -65,6 +65,8 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.reader = wire.FrameReader(ToProcess)
         self.requests: dict[int, _Entry] = {}
+        self._out: list[bytes] = []
+        self._flush_scheduled = False
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -86,8 +88,20 @@ class _Connection(asyncio.Protocol):
                 server.cancel(self, message.rid)
 
     def send(self, message) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(wire.frame(message))
+        """Queue ``message`` (on the loop): what one turn of the loop sends leaves in one write."""
+        if self.transport is None:
+            return
+        self._out.append(wire.frame(message))
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self.server.loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        out, transport = self._out, self.transport
+        if out and transport is not None and not transport.is_closing():
+            transport.write(out[0] if len(out) == 1 else b"".join(out))
+        out.clear()
 
 
 class DirectServer:

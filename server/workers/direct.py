@@ -145,8 +145,9 @@ class DirectLink(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.reader = wire.FrameReader(ToWorker)
         self.streams: dict[int, DirectStream] = {}
-        self.waiting: list[bytes] = []  # frames sent before the connection is up
+        self.waiting: list[bytes] = []  # frames to write (at the end of this loop turn, or once connected)
         self.state = "new"  # new -> connecting -> up -> down
+        self._flush_scheduled = False
 
     def connect(self) -> None:
         self.state = "connecting"
@@ -195,11 +196,20 @@ class DirectLink(asyncio.Protocol):
                 stream._put(wire.core_response(message.response))
 
     def send(self, message) -> None:
-        frame = wire.frame(message)
-        if self.state == "up":
-            self.transport.write(frame)
-        elif self.state == "connecting":
-            self.waiting.append(frame)
+        """Queue ``message``: what one turn of the event loop sends leaves in one write."""
+        if self.state == "down":
+            return
+        self.waiting.append(wire.frame(message))
+        if self.state == "up" and not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        waiting = self.waiting
+        if waiting and self.state == "up":
+            self.transport.write(waiting[0] if len(waiting) == 1 else b"".join(waiting))
+            waiting.clear()
 
     def forget(self, rid: int) -> None:
         self.streams.pop(rid, None)
