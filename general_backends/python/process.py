@@ -278,6 +278,8 @@ class ModelProcess:
 
     # -- --frontend-direct -------------------------------------------------------------------------
     async def open_direct(self, path: str) -> None:
+        if self.direct_path is not None:
+            raise InternalError(f"instance '{self.label}' already takes direct requests at {self.direct_path}")
         await self._call(lambda call: protocol.OpenDirect(call, path))
         self.direct_path = path
         self.model.direct_processes.append(self)

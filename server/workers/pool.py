@@ -182,9 +182,11 @@ class FrontendWorkers:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ticker: asyncio.Task | None = None
         self._restarts: set[asyncio.Task] = set()
-        # --frontend-direct: the instance processes' addresses by runtime uid, and which process each one is
+        # --frontend-direct: the instance processes' addresses by runtime uid (dataplane.direct_endpoints: the process
+        # at each address, for DirectFailure)
         self.direct: dict[int, list[str]] = {}
         self._opening: set[int] = set()
+        self._refused: set[int] = set()  # versions whose processes could not open theirs
         self._direct_dir: str | None = None
         if options.frontend_direct:
             self._direct_dir = tempfile.mkdtemp(prefix="tideserve-direct-")  # only this user may enter (0700)
@@ -342,7 +344,7 @@ class FrontendWorkers:
         for runtime in self.dataplane.repository.runtimes():
             live[runtime.uid] = runtime
             if (runtime.state.value == "READY" and runtime.uid not in self.direct and runtime.uid not in self._opening
-                    and self.direct_eligible(runtime)):
+                    and runtime.uid not in self._refused and self.direct_eligible(runtime)):
                 self._opening.add(runtime.uid)
                 task = self._loop.create_task(self._open(runtime))
                 self._restarts.add(task)
@@ -361,6 +363,7 @@ class FrontendWorkers:
                 endpoints[address] = await slot.instance.open_direct(address)
                 addresses.append(address)
         except Exception:
+            self._refused.add(runtime.uid)  # not tried again for this version
             log.exception("model '%s' version %s: frontend workers cannot reach its processes directly; its "
                           "requests go through the core", runtime.name, runtime.version)
             return
