@@ -21,12 +21,20 @@ import logging
 import threading
 import time
 
-from tideserve.backend_api import ResponseSender, ServerError, wire
-from tideserve.errors import Status
-from tideserve.runtime import InstanceSlot, ModelRuntime
-from tideserve.schedulers import DirectScheduler, DynamicBatcher
-from tideserve.stats import ModelStats
-from tideserve.workers.direct import Answer, Submit, ToProcess
+from tideserve.backend_api import (
+    DirectAnswer as Answer,
+    DirectScheduler,
+    DirectSubmit as Submit,
+    DirectToProcess as ToProcess,
+    DynamicBatcher,
+    InstanceSlot,
+    ModelRuntime,
+    ModelStats,
+    ResponseSender,
+    ServerError,
+    Status,
+    wire,
+)
 
 log = logging.getLogger(__name__)
 

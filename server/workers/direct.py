@@ -4,8 +4,8 @@ Python model, and reads its responses straight back, so the core's event loop ne
 The core publishes, in the snapshot it pushes, the address of a Unix socket that each instance process of an
 eligible model listens on (``Snapshot.direct``, by runtime uid; see ``FrontendWorkers.direct_addresses``). A
 worker keeps one link per address, opened at first use; each request goes to the instance with the fewest of
-this worker's requests in flight (round robin among equals) as a :class:`Submit`, its responses come back as
-:class:`Answer`; a stream closed early sends ``wire.Cancel``. In the process the requests meet a scheduler of
+this worker's requests in flight (round robin among equals) as a :class:`DirectSubmit`, its responses come back as
+:class:`DirectAnswer`; a stream closed early sends ``wire.Cancel``. In the process the requests meet a scheduler of
 their own (``general_backends/python/direct.py``). Everything else goes through the core as before: a request
 that is not eligible, one the worker's validation refuses (the core answers it, and counts it, exactly as it
 always does), one whose link cannot be opened, and one the process hands back (``retry``: it is draining for an
@@ -40,13 +40,13 @@ SEQUENCE_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end")
 
 
 # -- the link's messages (worker <-> instance process) -----------------------------------------------------
-class Submit(msgspec.Struct, tag=True, array_like=True):
+class DirectSubmit(msgspec.Struct, tag=True, array_like=True):
     """A request to run (tensors inline)."""
 
     request: wire.Request
 
 
-class Answer(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
+class DirectAnswer(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
     """One response of request ``rid``. ``rejected``: refused before it was scheduled (the queue is full: what
     ``DataPlane.infer`` raises); ``retry``: not taken (the instance is draining): send it through the core."""
 
@@ -56,8 +56,8 @@ class Answer(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
     retry: bool = False
 
 
-ToProcess = Submit | wire.Cancel
-ToWorker = Answer
+DirectToProcess = DirectSubmit | wire.Cancel
+DirectToWorker = DirectAnswer
 
 _RETRY = object()
 
@@ -143,7 +143,7 @@ class DirectLink(asyncio.Protocol):
         self.router = router
         self.address = address
         self.transport: asyncio.Transport | None = None
-        self.reader = wire.FrameReader(ToWorker)
+        self.reader = wire.FrameReader(DirectToWorker)
         self.streams: dict[int, DirectStream] = {}
         self.waiting: list[bytes] = []  # frames to write (at the end of this loop turn, or once connected)
         self.state = "new"  # new -> connecting -> up -> down
@@ -271,7 +271,7 @@ class DirectRouter:
         rid = next(self._ids)
         stream = DirectStream(self, link, rid, request, runtime, unary)
         link.streams[rid] = stream
-        link.send(Submit(wire.request_message(rid, request)))
+        link.send(DirectSubmit(wire.request_message(rid, request)))
         return stream
 
     def _pick(self, addresses: list[str]) -> DirectLink:
