@@ -22,10 +22,10 @@ import threading
 import time
 
 from tideserve.backend_api import (
-    DirectAnswer as Answer,
+    DirectAnswer,
     DirectScheduler,
-    DirectSubmit as Submit,
-    DirectToProcess as ToProcess,
+    DirectSubmit,
+    DirectToProcess,
     DynamicBatcher,
     InstanceSlot,
     ModelRuntime,
@@ -57,7 +57,7 @@ class _Runtime:
 
 
 class _Entry:
-    __slots__ = ("request", "first", "counted")
+    __slots__ = ("counted", "first", "request")
 
     def __init__(self, request) -> None:
         self.request = request
@@ -68,10 +68,10 @@ class _Entry:
 class _Connection(asyncio.Protocol):
     """One frontend worker's link."""
 
-    def __init__(self, server: "DirectServer") -> None:
+    def __init__(self, server: DirectServer) -> None:
         self.server = server
         self.transport: asyncio.Transport | None = None
-        self.reader = wire.FrameReader(ToProcess)
+        self.reader = wire.FrameReader(DirectToProcess)
         self.requests: dict[int, _Entry] = {}
         self._out: list[bytes] = []
         self._flush_scheduled = False
@@ -90,7 +90,7 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         server = self.server
         for message in self.reader.feed(data):
-            if type(message) is Submit:
+            if type(message) is DirectSubmit:
                 server.submit(self, message.request)
             else:
                 server.cancel(self, message.rid)
@@ -159,7 +159,7 @@ class DirectServer:
     def submit(self, connection: _Connection, meta: wire.Request) -> None:
         rid = meta.rid
         if self.draining:
-            connection.send(Answer(rid, wire.Response(), retry=True))
+            connection.send(DirectAnswer(rid, wire.Response(), retry=True))
             return
         request = wire.core_request(meta)
         if self.max_batch_size > 0:
@@ -176,7 +176,7 @@ class DirectServer:
         except ServerError as exc:
             self.stats.record_failure(time.monotonic_ns() - request.arrival_ns,
                                       _FAILURE_REASON.get(exc.status, "OTHER"))
-            connection.send(Answer(rid, wire.Response(error=wire.error_data(exc)), rejected=True))
+            connection.send(DirectAnswer(rid, wire.Response(error=wire.error_data(exc)), rejected=True))
             return
         connection.requests[rid] = entry
         self.inflight += 1
@@ -220,10 +220,10 @@ class DirectServer:
                 else:
                     stats.record_failure(elapsed, _FAILURE_REASON.get(response.error.status, "BACKEND"))
         try:
-            message = Answer(rid, wire.response_message(response))
+            message = DirectAnswer(rid, wire.response_message(response))
         except Exception as exc:  # an output the link cannot carry
             log.exception("model '%s': a response cannot be sent to the frontend", self.runtime.name)
             if not final:
                 return
-            message = Answer(rid, wire.Response(error=wire.error_data(exc)))
+            message = DirectAnswer(rid, wire.Response(error=wire.error_data(exc)))
         connection.send(message)

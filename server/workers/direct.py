@@ -67,8 +67,8 @@ class DirectStream:
     """The responses of one request sent straight to an instance process; closing it early cancels it there.
     Before its first response it may turn into a stream through the core (``_fallback``)."""
 
-    def __init__(self, router: "DirectRouter", link: "DirectLink", rid: int, request: InferenceRequest,
-                 runtime: "RemoteRuntime", unary: bool) -> None:
+    def __init__(self, router: DirectRouter, link: DirectLink, rid: int, request: InferenceRequest,
+                 runtime: RemoteRuntime, unary: bool) -> None:
         self._router = router
         self._link = link
         self.rid = rid
@@ -86,7 +86,7 @@ class DirectStream:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    def __aiter__(self) -> "DirectStream":
+    def __aiter__(self) -> DirectStream:
         return self
 
     async def __anext__(self) -> InferenceResponse:
@@ -139,7 +139,7 @@ class DirectStream:
 class DirectLink(asyncio.Protocol):
     """The worker's link to one instance process."""
 
-    def __init__(self, router: "DirectRouter", address: str) -> None:
+    def __init__(self, router: DirectRouter, address: str) -> None:
         self.router = router
         self.address = address
         self.transport: asyncio.Transport | None = None
@@ -218,14 +218,14 @@ class DirectLink(asyncio.Protocol):
 class DirectRouter:
     """Picks, per request, whether it goes straight to an instance process, and which."""
 
-    def __init__(self, plane: "RemoteDataPlane") -> None:
+    def __init__(self, plane: RemoteDataPlane) -> None:
         self.plane = plane
         self.links: dict[str, DirectLink] = {}
         self._ids = itertools.count(1)
         self._turn = 0
         self._validators: dict[int, RequestValidator | None] = {}  # by runtime uid (None: reshapes, not taken)
 
-    def _validator(self, runtime: "RemoteRuntime") -> RequestValidator | None:
+    def _validator(self, runtime: RemoteRuntime) -> RequestValidator | None:
         uid = runtime.uid
         try:
             return self._validators[uid]

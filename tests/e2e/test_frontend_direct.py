@@ -5,6 +5,7 @@ and a dying instance process, with tritonclient over HTTP and gRPC."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -19,9 +20,8 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from tritonclient.utils import InferenceServerException
-
 from support import TEST_MODELS, start_server
+from tritonclient.utils import InferenceServerException
 
 SLOW = """
 import json, os, time
@@ -180,14 +180,14 @@ def test_a_bad_input_gets_the_core_paths_error_and_is_counted(server):
     expected = "unexpected shape for input 'INPUT0' for model 'checked'. Expected [-1, 4], got [1, 3]"
     before = _stats(server, "checked")["inference_stats"]["fail"]["count"]
     inputs, _ = _add_sub_inputs(httpclient, width=3)
-    with httpclient.InferenceServerClient(server.http_url) as client:
-        with pytest.raises(InferenceServerException) as caught:
-            client.infer("checked", inputs)
+    with httpclient.InferenceServerClient(server.http_url) as client, \
+            pytest.raises(InferenceServerException) as caught:
+        client.infer("checked", inputs)
     assert caught.value.status() == "400" and expected in caught.value.message()
     inputs, _ = _add_sub_inputs(grpcclient, width=3)
-    with grpcclient.InferenceServerClient(server.grpc_url) as grpc_client:
-        with pytest.raises(InferenceServerException) as caught:
-            grpc_client.infer("checked", inputs)
+    with grpcclient.InferenceServerClient(server.grpc_url) as grpc_client, \
+            pytest.raises(InferenceServerException) as caught:
+        grpc_client.infer("checked", inputs)
     assert caught.value.status() == "StatusCode.INVALID_ARGUMENT" and expected in caught.value.message()
     assert _stats(server, "checked")["inference_stats"]["fail"]["count"] == before + 2
 
@@ -354,11 +354,9 @@ def test_the_instance_process_cancels_the_requests_of_a_worker_that_died(server)
     assert first.wait(30)
     for pid in _worker_pids(server):  # whichever took the stream
         os.kill(pid, signal.SIGKILL)
-    try:
+    with contextlib.suppress(Exception):  # its server end is gone
         client.stop_stream()
         client.close()
-    except Exception:  # noqa: BLE001 - its server end is gone
-        pass
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         if _metric(_core_metrics(server), "nv_inference_request_failure", "orphaned", reason="CANCELED") == 1:
@@ -373,7 +371,7 @@ def test_the_instance_process_cancels_the_requests_of_a_worker_that_died(server)
                 inputs, a = _add_sub_inputs(httpclient)
                 np.testing.assert_array_equal(http.infer("add_sub", inputs).as_numpy("OUTPUT0"), a + 1)
             break
-        except Exception:  # noqa: BLE001 - not serving yet
+        except Exception:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.5)

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import msgspec
-
 from tideserve.stats import Metrics, ModelStats
 
 
