@@ -40,7 +40,9 @@ perf_analyzer (``$PEERS_HOME/bin/perf_analyzer``) drives it with ``-i http --mea
 alternate the variants. Server CPU per request is the utime + stime of every process in the server's
 process group (``/proc/<pid>/stat``; Triton's python-backend stubs, granian's worker and pyvoy's Envoy
 included) over the whole perf_analyzer run divided by every infer request the server answered in that run
-(warm-up windows included), read from the model's statistics (``inference_count``).
+(warm-up windows included), read from the model's statistics (``inference_count``); context switches per
+request are counted the same way (every thread's voluntary + involuntary switches, ``/proc/<pid>/task``).
+Before the load, each server's CPU with no requests is read over ``--idle-s`` seconds.
 
 Prints markdown tables (each point's ratio to Triton of the same round) and writes
 bench/results/http-servers-<time>.json.
@@ -332,6 +334,23 @@ def group_cpu_seconds(pgid: int) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
+def group_context_switches(pgid: int) -> int:
+    """Voluntary + involuntary context switches so far of every thread of every live process in process
+    group ``pgid`` (a thread handing a request to another wakes it: one switch or more per hand-off)."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[2]) != pgid:
+                continue
+            for status in (stat.parent / "task").glob("*/status"):
+                for line in status.read_text().splitlines():
+                    if "ctxt_switches:" in line:
+                        total += int(line.split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
 def stop_group(proc: subprocess.Popen, timeout: float = 10) -> None:
     import signal
 
@@ -496,14 +515,17 @@ def main() -> None:
                 idle_pct = 100 * (group_cpu_seconds(proc.pid) - before) / args.idle_s
                 results["idle"].append({"server": name, "round": rnd, "cpu_pct": idle_pct})
                 for c in args.concurrency:
-                    n0, before = served(port), group_cpu_seconds(proc.pid)
+                    n0, before, switches = served(port), group_cpu_seconds(proc.pid), group_context_switches(proc.pid)
                     r, _ = perf_analyzer(port, c, args.http_format, args.max_trials)
                     cpu, n = group_cpu_seconds(proc.pid) - before, served(port) - n0
+                    switches = group_context_switches(proc.pid) - switches
                     r.update(server=name, round=rnd, concurrency=c, server_cpu_s=cpu, requests_served=n,
-                             cpu_us_per_request=1e6 * cpu / max(n, 1), load=loadavg())
+                             cpu_us_per_request=1e6 * cpu / max(n, 1), switches_per_request=switches / max(n, 1),
+                             load=loadavg())
                     results["runs"].append(r)
                     print(f"round {rnd} {name} c={c}: {r['infer_per_s']:.0f} infer/s, "
-                          f"{r['cpu_us_per_request']:.0f} us CPU/request, load {r['load'][0]}",
+                          f"{r['cpu_us_per_request']:.0f} us CPU/request, "
+                          f"{r['switches_per_request']:.2f} context switches/request, load {r['load'][0]}",
                           file=sys.stderr, flush=True)
             finally:
                 stop_group(proc)
