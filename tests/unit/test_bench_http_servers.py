@@ -8,7 +8,6 @@ import json
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
-
 from tideserve.bench.http_servers import Servicer
 
 HEADER = "Inference-Header-Content-Length"
