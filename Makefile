@@ -25,8 +25,9 @@ serve: $(VENV)/.installed
 	VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
 	$(VENV)/bin/tideserve --model-repository model_repository $(PORT_ARGS)
 
-# The protocol suites run twice: with the frontends in the core process (the default on 2 cores), then with
-# two frontend worker processes (--frontend-workers 2; tests/support.py and tests/in_process.py read the variable).
+# The protocol suites run three times: with the frontends in the core process (the default on 2 cores), with
+# two frontend worker processes (--frontend-workers 2; tests/support.py and tests/in_process.py read the variable),
+# and with those workers sending Python-model requests straight to the model's processes (--frontend-direct on).
 PROTOCOL_TESTS := tests/e2e/test_http.py tests/e2e/test_grpc.py tests/e2e/test_generate.py \
 	tests/e2e/test_openai_frontend.py tests/e2e/test_access_control.py tests/e2e/test_limits.py \
 	tests/e2e/test_openai_tools.py tests/e2e/test_shared_memory.py \
@@ -35,6 +36,7 @@ PROTOCOL_TESTS := tests/e2e/test_http.py tests/e2e/test_grpc.py tests/e2e/test_g
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
 	TIDESERVE_TEST_FRONTEND_WORKERS=2 $(PY) -m pytest -q $(PROTOCOL_TESTS)
+	TIDESERVE_TEST_FRONTEND_WORKERS=2 TIDESERVE_TEST_FRONTEND_DIRECT=1 $(PY) -m pytest -q $(PROTOCOL_TESTS)
 
 bench-addsub: $(VENV)/.installed
 	$(PY) bench/addsub.py
