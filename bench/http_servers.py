@@ -61,6 +61,9 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script from anywhere
+from tideserve.bench.grpc_servers import group_cpu_seconds, loadavg, stop_group  # the same process-group readings
+
 PEERS_HOME = Path(os.environ.get("PEERS_HOME", "/tmp/peers"))
 TRITON_REPO = Path("/work/shared/peers/repos/triton")
 MODEL = "add_sub"
@@ -321,19 +324,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def group_cpu_seconds(pgid: int) -> float:
-    """User + system CPU time so far of every live process in process group ``pgid`` (Linux /proc)."""
-    total = 0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid:
-            total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
-
-
 def group_context_switches(pgid: int) -> int:
     """Voluntary + involuntary context switches so far of every thread of every live process in process
     group ``pgid`` (a thread handing a request to another wakes it: one switch or more per hand-off)."""
@@ -349,22 +339,6 @@ def group_context_switches(pgid: int) -> int:
         except (OSError, ValueError, IndexError):
             continue
     return total
-
-
-def stop_group(proc: subprocess.Popen, timeout: float = 10) -> None:
-    import signal
-
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    try:  # children left behind (Triton's stubs, granian's worker, Envoy)
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def http_get(port: int, path: str, timeout: float = 5) -> tuple[int, bytes]:
@@ -468,10 +442,6 @@ def check(port: int, http_format: str, batched: bool = False) -> None:
             raise RuntimeError("wrong add_sub answer")
     finally:
         client.close()
-
-
-def loadavg() -> list[str]:
-    return open("/proc/loadavg").read().split()[:3]
 
 
 def main() -> None:

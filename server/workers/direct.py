@@ -30,6 +30,7 @@ from ..errors import InternalError, ServerError
 from ..shared_memory import REGION
 from ..types import InferenceRequest, InferenceResponse
 from ..validation import RequestValidator
+from .protocol import PendingResponses
 
 if TYPE_CHECKING:
     from .remote import RemoteDataPlane, RemoteRuntime
@@ -63,7 +64,7 @@ _RETRY = object()
 
 
 # -- the worker's side ---------------------------------------------------------------------------------------
-class DirectStream:
+class DirectStream(PendingResponses):
     """The responses of one request sent straight to an instance process; closing it early cancels it there.
     Before its first response it may turn into a stream through the core (``_fallback``)."""
 
@@ -80,12 +81,6 @@ class DirectStream:
         self._done = False
         self._fallback = None  # a RemoteInferenceStream through the core
 
-    def _put(self, item) -> None:
-        self._pending.append(item)
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
     def __aiter__(self) -> DirectStream:
         return self
 
@@ -94,17 +89,9 @@ class DirectStream:
             return await self._fallback.__anext__()
         if self._done:
             raise StopAsyncIteration
-        pending = self._pending
-        while not pending:
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            except asyncio.CancelledError:
-                self.cancel()
-                raise
-            finally:
-                self._waiter = None
-        item = pending.popleft()
+        if not self._pending:
+            await self._wait()
+        item = self._pending.popleft()
         if item is _RETRY:  # the process did not take it: the core does
             self._finish()
             self._fallback = self._router.plane._submit(self.request, self._unary)

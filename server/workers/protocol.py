@@ -338,6 +338,32 @@ class FramedLink(asyncio.Protocol):
             self._flush()
 
 
+class PendingResponses:
+    """What arrived for one request and is not yet taken (``_pending``), and the wait for more: the arrival side
+    calls ``_put``, ``__anext__`` awaits ``_wait`` only when nothing is pending. A cancelled wait cancels the
+    request (the subclass's ``cancel``)."""
+
+    __slots__ = ()
+
+    def _put(self, item) -> None:
+        self._pending.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def _wait(self) -> None:
+        pending = self._pending
+        while not pending:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            except asyncio.CancelledError:
+                self.cancel()
+                raise
+            finally:
+                self._waiter = None
+
+
 def _drain(queue: collections.deque[int]) -> list[int]:
     items = []
     while True:

@@ -47,7 +47,7 @@ class RemoteRuntime:
         return self.config.model_transaction_policy.decoupled
 
 
-class RemoteInferenceStream:
+class RemoteInferenceStream(p.PendingResponses):
     """The responses of one request, coming from the core. Closing it early cancels the request."""
 
     __slots__ = ("_link", "rid", "request", "runtime", "_pending", "_waiter", "_done")
@@ -61,29 +61,15 @@ class RemoteInferenceStream:
         self._waiter: asyncio.Future | None = None
         self._done = False
 
-    def _put(self, message: p.Respond) -> None:
-        self._pending.append(message)
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
     def __aiter__(self) -> "RemoteInferenceStream":
         return self
 
     async def __anext__(self) -> InferenceResponse:
         if self._done:
             raise StopAsyncIteration
-        pending = self._pending
-        while not pending:
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            except asyncio.CancelledError:
-                self.cancel()
-                raise
-            finally:
-                self._waiter = None
-        message = pending.popleft()
+        if not self._pending:
+            await self._wait()
+        message = self._pending.popleft()
         if message.runtime:
             self.runtime = self._link.runtimes.get(message.runtime, self.runtime)
         if message.rejected:
