@@ -28,13 +28,13 @@ from .schedulers.rate_limiter import parse_resource
 from .tracing import parse_trace_config
 
 
-def _bool(text: str) -> bool:
+def _bool(text: str, expected: str = "a boolean") -> bool:
     value = text.strip().lower()
     if value in ("1", "true", "yes", "on"):
         return True
     if value in ("0", "false", "no", "off"):
         return False
-    raise argparse.ArgumentTypeError(f"expected a boolean, got '{text}'")
+    raise argparse.ArgumentTypeError(f"expected {expected}, got '{text}'")
 
 
 def _count(text: str, least: int = 1) -> int:
@@ -48,12 +48,7 @@ def _count(text: str, least: int = 1) -> int:
 
 
 def _on_off(text: str) -> bool:
-    value = text.strip().lower()
-    if value in ("on", "true", "1", "yes"):
-        return True
-    if value in ("off", "false", "0", "no"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected on or off, got '{text}'")
+    return _bool(text, "on or off")
 
 
 def _workers(text: str) -> int:
