@@ -137,14 +137,20 @@ def start_server(kind: str, repo: Path, log: Path, model: str = "add_sub",
     # tideserve's own triton_python_backend_utils module from the working directory.
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
                             cwd=(tree or ROOT) if kind.startswith("tideserve") else log.parent, env=env)
-    deadline = time.monotonic() + 180
+    wait_ready(proc, http, model, kind, log)
+    return proc, http, grpc
+
+
+def wait_ready(proc: subprocess.Popen, http: int, model: str, kind: str, log: Path, timeout: float = 180) -> None:
+    """Until ``model`` is ready on ``http``; the server is stopped and an error raised if it exits or times out."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{kind} exited early, see {log}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/models/{model}/ready", timeout=2) as r:
                 if r.status == 200:
-                    return proc, http, grpc
+                    return
         except OSError:
             pass
         time.sleep(0.5)

@@ -77,19 +77,8 @@ def start(repo: Path, log: Path, profile_out: Path, tree: str | None) -> tuple[s
     env = dict(os.environ, TIDESERVE_PROFILE_OUT=str(profile_out), **addsub.tree_env(tree))
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
                             cwd=tree or addsub.ROOT, env=env)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited early, see {log}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/models/add_sub/ready", timeout=2) as r:
-                if r.status == 200:
-                    return proc, http, grpc
-        except OSError:
-            pass
-        time.sleep(0.5)
-    addsub.stop_server(proc)
-    raise RuntimeError(f"the server did not become ready, see {log}")
+    addsub.wait_ready(proc, http, "add_sub", "the server", log)
+    return proc, http, grpc
 
 
 def short(func: tuple[str, int, str]) -> str:
@@ -101,14 +90,20 @@ def short(func: tuple[str, int, str]) -> str:
     return f"{filename}:{line}({name})" if line else name
 
 
-def measure(proc, http: int, port: int, protocol: str, concurrency: int, seconds: float, profile_out: Path,
-            work: Path) -> dict:
+def load_command(port: int, protocol: str, concurrency: int) -> list[str]:
+    """perf_analyzer keeping ``concurrency`` add_sub requests in flight for up to a minute (stopped by the caller)."""
     cmd = [str(addsub.PEERS_HOME / "bin" / "perf_analyzer"), "-m", "add_sub", "-u", f"127.0.0.1:{port}",
            "-i", protocol, "--concurrency-range", str(concurrency), "--measurement-mode", "time_windows",
            "-p", "60000", "-s", "1", "-r", "10"]
     if protocol == "http":
         cmd += ["--input-tensor-format", "json", "--output-tensor-format", "json"]
-    pa = subprocess.Popen(cmd, stdout=open(work / f"pa-{protocol}.txt", "wb"), stderr=subprocess.STDOUT)
+    return cmd
+
+
+def measure(proc, http: int, port: int, protocol: str, concurrency: int, seconds: float, profile_out: Path,
+            work: Path) -> dict:
+    pa = subprocess.Popen(load_command(port, protocol, concurrency), stdout=open(work / f"pa-{protocol}.txt", "wb"),
+                          stderr=subprocess.STDOUT)
     try:
         time.sleep(3)  # warm-up
         n0, c0, t0 = success_count(http), own_cpu_seconds(proc.pid), time.monotonic()
@@ -140,12 +135,8 @@ def cpu_windows(servers: dict, protocol: str, concurrency: int, seconds: float, 
     for window in range(windows):
         for label, (proc, http, grpc) in servers.items():
             port = http if protocol == "http" else grpc
-            cmd = [str(addsub.PEERS_HOME / "bin" / "perf_analyzer"), "-m", "add_sub", "-u", f"127.0.0.1:{port}",
-                   "-i", protocol, "--concurrency-range", str(concurrency), "--measurement-mode", "time_windows",
-                   "-p", "60000", "-s", "1", "-r", "10"]
-            if protocol == "http":
-                cmd += ["--input-tensor-format", "json", "--output-tensor-format", "json"]
-            pa = subprocess.Popen(cmd, stdout=open(work / f"pa-ab-{protocol}.txt", "wb"), stderr=subprocess.STDOUT)
+            pa = subprocess.Popen(load_command(port, protocol, concurrency),
+                                  stdout=open(work / f"pa-ab-{protocol}.txt", "wb"), stderr=subprocess.STDOUT)
             try:
                 time.sleep(2)  # warm-up
                 n0, c0, t0 = success_count(http), own_cpu_seconds(proc.pid), time.monotonic()
