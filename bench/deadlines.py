@@ -325,6 +325,12 @@ def run_side(pool: ProcessPoolExecutor, processes: int, base: str, api: str, ste
     return [r for out, _ in results for r in out], [x for _, lags in results for x in lags], samples
 
 
+def spread_ms(name: str, values: list[float]) -> dict[str, float]:
+    """``name``'s p50, p99 and max (ms) under the keys the JSON has always used."""
+    return {f"{name}_p50_ms": percentile(values, 50), f"{name}_p99_ms": percentile(values, 99),
+            f"{name}_max_ms": max(values, default=float("nan"))}
+
+
 def summarize(requests: list[dict], lags: list[float], load: list[tuple[int, int]], seconds: float,
               deadline_ms: float, slo_s: float) -> dict:
     def good(r: dict) -> bool:
@@ -370,33 +376,21 @@ def summarize(requests: list[dict], lags: list[float], load: list[tuple[int, int
         "errors": sum(1 for r in requests if r["status"] not in (200, 503)
                       or (r["status"] == 200 and not r["complete"])),
         "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
-        "lateness_p50_ms": percentile(late_ms, 50), "lateness_p99_ms": percentile(late_ms, 99),
-        "lateness_max_ms": max(late_ms, default=float("nan")),
+        **spread_ms("lateness", late_ms),
         "early_refusals": sum(1 for ms in late_ms if ms < 0),
         "server_reported": len(told),
-        "server_timer_late_p50_ms": percentile(timer_ms, 50), "server_timer_late_p99_ms": percentile(timer_ms, 99),
-        "server_timer_late_max_ms": max(timer_ms, default=float("nan")),
-        "server_timer_to_answer_p50_ms": percentile(to_answer_ms, 50),
-        "server_timer_to_answer_p99_ms": percentile(to_answer_ms, 99),
-        "server_timer_to_answer_max_ms": max(to_answer_ms, default=float("nan")),
-        "server_answer_late_p50_ms": percentile(answer_ms, 50), "server_answer_late_p99_ms": percentile(answer_ms, 99),
-        "server_answer_late_max_ms": max(answer_ms, default=float("nan")),
+        **spread_ms("server_timer_late", timer_ms),
+        **spread_ms("server_timer_to_answer", to_answer_ms),
+        **spread_ms("server_answer_late", answer_ms),
         "server_early_refusals": sum(1 for ms in timer_ms if ms < 0),
-        "server_cpu_wait_p50_ms": percentile(cpu_wait_ms, 50), "server_cpu_wait_p99_ms": percentile(cpu_wait_ms, 99),
-        "server_cpu_wait_max_ms": max(cpu_wait_ms, default=float("nan")),
-        "server_timer_own_work_p50_ms": percentile(own_work_ms, 50),
-        "server_timer_own_work_p99_ms": percentile(own_work_ms, 99),
-        "server_timer_own_work_max_ms": max(own_work_ms, default=float("nan")),
-        "client_rest_p50_ms": percentile(client_rest_ms, 50), "client_rest_p99_ms": percentile(client_rest_ms, 99),
-        "client_rest_max_ms": max(client_rest_ms, default=float("nan")),
-        "way_in_p50_ms": percentile(in_ms, 50), "way_in_p99_ms": percentile(in_ms, 99),
-        "way_in_max_ms": max(in_ms, default=float("nan")),
-        "way_back_p50_ms": percentile(back_ms, 50), "way_back_p99_ms": percentile(back_ms, 99),
-        "way_back_max_ms": max(back_ms, default=float("nan")),
+        **spread_ms("server_cpu_wait", cpu_wait_ms),
+        **spread_ms("server_timer_own_work", own_work_ms),
+        **spread_ms("client_rest", client_rest_ms),
+        **spread_ms("way_in", in_ms),
+        **spread_ms("way_back", back_ms),
         "in_flight_mean": sum(x for x, _ in load) / len(load) if load else float("nan"),
         "waiting_mean": sum(w for _, w in load) / len(load) if load else float("nan"),
-        "client_lag_p50_ms": percentile(lags, 50), "client_lag_p99_ms": percentile(lags, 99),
-        "client_lag_max_ms": max(lags, default=float("nan")),
+        **spread_ms("client_lag", lags),
         "error_samples": sorted({str(r["status"]) + " " + (r["error"] or "")[:160] for r in requests
                                  if r["status"] not in (200, 503) or (r["status"] == 200 and not r["complete"])})[:5],
     }
