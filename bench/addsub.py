@@ -15,6 +15,9 @@ the server's CPU time per request: the server process and all its descendants (c
 model processes; Triton and its Python stubs), measured over each perf_analyzer run.
 
 Peers come from ``../shared/peers`` (setup scripts install them under $PEERS_HOME, /tmp/peers).
+``--instances N`` sets add_sub's instance count on every server; ``--grpc-channel-share 1`` gives each of perf_analyzer's
+request contexts its own gRPC connection (bench/device_scaling.sh: the scaling run on a 16-core machine).
+
 Prints a markdown table with tideserve / Triton ratios and writes bench/results/addsub-<time>.json.
 """
 
@@ -72,10 +75,23 @@ def tree_env(tree: str | None) -> dict[str, str]:
     return {"TIDESERVE_TREE": str(Path(tree).resolve()), "PYTHONPATH": str(hook)}
 
 
-def ensure_peers() -> None:
-    for name in ("perf-analyzer", "triton"):
+def ensure_peers(triton: bool = True) -> None:
+    """Install the peers this run needs (perf_analyzer, and Triton when it is one of the servers) unless they are
+    already under $PEERS_HOME/bin: a machine without ../shared (a lent GPU machine) brings its own."""
+    for name, binary in (("perf-analyzer", "perf_analyzer"), ("triton", "tritonserver-cpu")):
+        if (name == "triton" and not triton) or (PEERS_HOME / "bin" / binary).exists():
+            continue
         subprocess.run(["bash", str(SHARED / "peers" / f"setup-{name}.sh")], check=True,
                        stdout=subprocess.DEVNULL)
+
+
+def set_instances(repo: Path, count: int) -> None:
+    """add_sub's instance count in the copied repository (the shared repository has Triton's 2)."""
+    config = repo / "add_sub" / "config.pbtxt"
+    text, n = re.subn(r"(instance_group \[ \{ kind: KIND_CPU count: )\d+", rf"\g<1>{count}", config.read_text())
+    if n != 1:
+        raise RuntimeError(f"no instance_group count in {config}")
+    config.write_text(text)
 
 
 def _role(pid: str) -> str:
@@ -205,20 +221,31 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--http-format", choices=["json", "binary"], default="json")
     parser.add_argument("--servers", nargs="+", default=["triton", "tideserve:w1", "tideserve:w2"])
+    parser.add_argument("--instances", type=int, default=None,
+                        help="add_sub's CPU instance count on every server (default: the repository's 2)")
+    parser.add_argument("--grpc-channel-share", type=int, default=None,
+                        help="how many of perf_analyzer's request contexts share one gRPC channel (its client's "
+                             "TRITON_CLIENT_GRPC_CHANNEL_MAX_SHARE_COUNT, 6 by default): 1 gives each context its "
+                             "own connection, so that SO_REUSEPORT spreads them over several frontend workers")
     parser.add_argument("--rounds", type=int, default=1,
                         help="every server is up all along; each round measures each point on each server in turn "
                              "(the others idle), so that a shared machine's load falls on all alike; medians")
     args = parser.parse_args()
-    ensure_peers()
+    ensure_peers(triton="triton" in args.servers)
+    if args.grpc_channel_share is not None:
+        os.environ["TRITON_CLIENT_GRPC_CHANNEL_MAX_SHARE_COUNT"] = str(args.grpc_channel_share)
     work = Path(tempfile.mkdtemp(prefix="bench-addsub-"))
     results: dict = {"load_before": open("/proc/loadavg").read().split()[:3], "cpus": os.cpu_count(),
-                     "http_format": args.http_format, "rounds": args.rounds, "runs": {}, "all": {}}
+                     "http_format": args.http_format, "rounds": args.rounds, "instances": args.instances,
+                     "grpc_channel_share": args.grpc_channel_share, "runs": {}, "all": {}}
     servers = {}
     try:
         for kind in args.servers:
             label = kind.replace(":", "-").replace("@", "-").replace("/", "_")
             repo = work / f"{label}-repo"
             shutil.copytree(SHARED / "peers" / "repos" / "triton", repo)
+            if args.instances is not None:
+                set_instances(repo, args.instances)
             servers[kind] = start_server(kind, repo, work / f"{label}.log")
         for round_ in range(args.rounds):
             for protocol in ("http", "grpc"):
