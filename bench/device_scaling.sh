@@ -44,15 +44,15 @@ SITE=${SITE:-/tmp/site} SNAP=${SNAP:-/tmp/snap} PA=${PA:-/tmp/pa}
 export PYTHONPATH=$SITE
 rm -rf "$SNAP" && mkdir -p "$SNAP" && tar -xzf "$CARRY/tree.tar.gz" -C "$SNAP"
 "$PY" -m zipfile -e "$CARRY"/perf_analyzer-*.whl "$PA" && chmod +x "$PA/perf_analyzer/bin/perf_analyzer"
-mkdir -p /tmp/peers/bin
+PEERS_BIN=${PEERS_HOME:-/tmp/peers}/bin; mkdir -p "$PEERS_BIN"
 if "$PA/perf_analyzer/bin/perf_analyzer" 2>&1 | grep -q -E 'error while loading|GLIBC|not found'; then
   mkdir -p "$PA/libs" && tar -xJf "$CARRY/palibs.tar.xz" -C "$PA/libs"
   printf '#!/bin/sh\nexec %s/libs/ld-linux-x86-64.so.2 --library-path %s/libs %s/perf_analyzer/bin/perf_analyzer "$@"\n' \
-    "$PA" "$PA" "$PA" > /tmp/peers/bin/perf_analyzer
+    "$PA" "$PA" "$PA" > "$PEERS_BIN/perf_analyzer"
 else
-  printf '#!/bin/sh\nexec %s/perf_analyzer/bin/perf_analyzer "$@"\n' "$PA" > /tmp/peers/bin/perf_analyzer
+  printf '#!/bin/sh\nexec %s/perf_analyzer/bin/perf_analyzer "$@"\n' "$PA" > "$PEERS_BIN/perf_analyzer"
 fi
-chmod +x /tmp/peers/bin/perf_analyzer
+chmod +x "$PEERS_BIN/perf_analyzer"
 { nproc; uptime; "$PY" -c 'import sys, numpy, grpc, tideserve; print(sys.version, numpy.__version__, grpc.__version__, tideserve.__file__)'; } \
   2>&1 | tee "$OUT/machine.txt"
 cd "$SNAP"
