@@ -241,10 +241,11 @@ class EventWriter:
             kind.encode(), kind.encode(), response, sequence)
 
     def delta(self, item: _Open, text: str) -> bytes:
-        head = item.head or self.head(item)
+        """The delta event of ``text`` for ``item`` (whose text the caller has grown): one formatting of the
+        item's head, the text's JSON string and the event's number."""
         sequence = self.sequence
-        self.sequence += 1
-        return head + orjson.dumps(text) + b',"sequence_number":%d}\n\n' % sequence
+        self.sequence = sequence + 1
+        return b'%s%s,"sequence_number":%d}\n\n' % (item.head or self.head(item), orjson.dumps(text), sequence)
 
     @staticmethod
     def head(item: _Open) -> bytes:

@@ -194,10 +194,12 @@ class _Job:
         choices = ahead.choices
         plain = choices.plain
         first = ahead.item  # a plain answer's message item, announced ahead
+        current = None  # a plain answer's message item once its text is written: every later text continues it
         usage = run.usage()
         reasoning: list[str] = []
         reason = None
         step_of = run.run.step
+        delta_of = writer.delta
         try:
             while (step := await step_of()) is not None:
                 usage.add_step(step)
@@ -205,7 +207,11 @@ class _Job:
                 if reason is None:
                     if not text:
                         continue
-                    if plain:  # nearly every token of a plain answer
+                    if current is not None:  # nearly every token of a plain answer: its bytes and nothing else
+                        current.parts.append(text)
+                        yield delta_of(current, text)
+                        continue
+                    if plain:
                         item = more_text("message", text)
                         if item is None and first is not None:  # its first text: the item announced ahead
                             item, first = (stream.adopt(first, text) if writer.sequence == 2 else None), None
@@ -213,8 +219,9 @@ class _Job:
                                 chunk += ahead.announced  # sequence 2 and 3
                                 writer.sequence = 4
                         if item is not None:
-                            yield chunk + writer.delta(item, text)
+                            yield chunk + delta_of(item, text)
                             chunk = b""
+                            current = item  # (a plain answer opens no other item until it finishes)
                             continue
                         delta = {"content": text}
                     else:
