@@ -10,8 +10,9 @@ adds those bounds; everything else is uvicorn's own.
   at most one socket read past the limit. The trailers of a chunked body are held to the same limits.
 - The head must be complete ``header_timeout`` seconds after the connection opens (or, on a
   kept-alive connection, after the next request's first byte), or 408 and close; a new connection
-  that sent nothing at all is closed without an answer. Idle kept-alive connections are closed by
-  uvicorn's keep-alive timeout (5 s).
+  that sent nothing at all is closed without an answer. Idle kept-alive connections are closed after
+  uvicorn's keep-alive timeout (5 s), timed by the connection's one timer (uvicorn would make and cancel
+  a timer of its own for every answer).
 - While a body is expected, at most ``body_timeout`` seconds may pass between two of its chunks, or
   408 and close (only the close once the answer has started). Time during which the server itself
   does not read (flow control: the app has not asked for more) does not count.
@@ -43,7 +44,8 @@ DEFAULT_MAX_CONNECTIONS = 1000
 # What the connection waits for.
 _HEAD = 1  # a request line and headers
 _BODY = 2  # the rest of a request body
-_IDLE = 0  # nothing from the client: the server is answering, or the connection is kept alive
+_IDLE = 0  # nothing from the client: the server is answering
+_KEPT = 3  # nothing from the client after an answer: the connection is kept alive (uvicorn's keep-alive timeout)
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +171,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._head_count = 0     # headers of the request whose body is being read (more are trailers)
         self._unseen = 0         # bytes read while waiting for a body with none of it seen: trailers
         self._refusal: tuple[int, str] | None = None
+        self._shortest = min(limits.header_timeout, limits.body_timeout, self.timeout_keep_alive)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -176,6 +179,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     # -- what the connection waits for, and the one timer that bounds it -------------------
     def _wait_for(self, what: int, timeout: float) -> None:
+        """Wait for ``what`` at most ``timeout`` seconds. The timer moves only when it would fire too late: a
+        later deadline is left to the timer, which looks again when it fires (no timer made per request)."""
         self._waiting = what
         deadline = self._deadline = self.loop.time() + timeout
         if self._timer is None or self._timer_at > deadline:
@@ -186,18 +191,27 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def _on_timer(self) -> None:
         self._timer = None
-        if self._waiting == _IDLE or self.transport.is_closing():
+        waiting = self._waiting
+        if waiting == _IDLE or self.transport.is_closing():
             return
         now = self.loop.time()
-        cycle = self.cycle
-        if self.flow.read_paused or (self._waiting == _HEAD and cycle is not None and not cycle.response_complete):
-            # the server is the one not reading, or is answering the previous request: the client is not late
-            self._deadline = now + (self.limits.header_timeout if self._waiting == _HEAD else self.limits.body_timeout)
+        if waiting == _KEPT:
+            if now >= self._deadline:
+                self._waiting = _IDLE
+                self.timeout_keep_alive_handler()
+                return
+        else:
+            cycle = self.cycle
+            if self.flow.read_paused or (waiting == _HEAD and cycle is not None and not cycle.response_complete):
+                # the server is the one not reading, or is answering the previous request: the client is not late
+                self._deadline = now + (self.limits.header_timeout if waiting == _HEAD else self.limits.body_timeout)
         if now < self._deadline:
-            self._timer = self.loop.call_at(self._deadline, self._on_timer)
-            self._timer_at = self._deadline
+            # by the deadline, and no later than the shortest wait from now: the next, nearer deadline (the
+            # keep-alive after an answer) then finds the timer early enough and leaves it where it is
+            at = self._timer_at = min(self._deadline, now + self._shortest)
+            self._timer = self.loop.call_at(at, self._on_timer)
             return
-        if self._waiting == _BODY:
+        if waiting == _BODY:
             self._answer(408, f"no part of the request body arrived for {self.limits.body_timeout:g} s "
                               "(--http-body-timeout-secs)")
         elif self._head_received:
@@ -268,7 +282,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         waiting = self._waiting
-        if waiting == _IDLE:  # the next request's first bytes
+        if waiting == _IDLE or waiting == _KEPT:  # the next request's first bytes
             self._head_received = len(data)
             self._wait_for(_HEAD, self.limits.header_timeout)
         elif waiting == _HEAD:
@@ -311,3 +325,15 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         self._waiting = _IDLE
         super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        """uvicorn's, with the keep-alive timeout kept by the connection's timer (uvicorn arms one of its own)."""
+        if self._waiting != _IDLE or self.pipeline:  # a request still arriving, or the next one queued: uvicorn's
+            super().on_response_complete()
+            return
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self._unset_keepalive_if_required()
+        self.flow.resume_reading()
+        self._wait_for(_KEPT, self.timeout_keep_alive)

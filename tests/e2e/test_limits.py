@@ -132,6 +132,22 @@ def test_slow_and_idle_connections_are_closed_after_the_header_timeout(server):
     assert_live(server)
 
 
+def test_kept_alive_connection_waits_the_keep_alive_timeout_not_the_header_timeout(server):
+    """After an answer the connection waits uvicorn's keep-alive timeout (5 s) for the next request, timed by the
+    connection's own timer: a pause longer than the header timeout is fine, and the idle connection closes after it."""
+    sock = connect(server)
+    head = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n"
+    for pause in (0.0, TIMEOUT_S + 0.5, TIMEOUT_S + 0.5):
+        time.sleep(pause)
+        sock.sendall(head)
+        answer = sock.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 200"), answer
+    answered = time.monotonic()
+    assert read_until_closed(sock) == b""  # closed without a word
+    assert time.monotonic() - answered > 4.0  # by the keep-alive timeout, not the header timeout
+    assert_live(server)
+
+
 def test_header_too_large_is_431(server):
     status, body = request(server, "GET", "/v2/health/live", headers={"X-Big": "a" * (2 * HEADER_SIZE)})
     assert status == 431 and "--http-max-header-size" in error_of(body)
