@@ -7,7 +7,7 @@
 #   .devcarry/tree.tar.gz    a snapshot of HEAD with Triton's add_sub repository (../shared does not travel)
 # On the machine, from the repository root: `bash bench/device_scaling.sh` (results and logs go to $OUT).
 # It runs bench/addsub.py with --frontend-workers 1, 4 and 8 (--frontend-direct on, and 8 without it) over
-# HTTP and gRPC, concurrency 16 and 64, 4 add_sub instances, 2 alternating rounds.
+# HTTP and gRPC, concurrency 64, 4 add_sub instances, 2 alternating rounds.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 CARRY=${DEVCARRY:-$ROOT/.devcarry}
@@ -27,7 +27,7 @@ if [ "${1:-}" = "--prepare" ]; then
   rm -f "$CARRY"/whl/numpy-* "$CARRY"/whl/ml_dtypes-*
   snap=$(mktemp -d)
   git -C "$ROOT" archive HEAD | tar -x -C "$snap"
-  "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$CARRY/whl" "$snap"
+  "$PY" -m pip wheel -q --no-deps -w "$CARRY/whl" "$snap"
   mkdir -p "$snap/.devshared/peers/repos" && cp -r "$ROOT/../shared/peers/repos/triton" "$snap/.devshared/peers/repos/"
   tar -czf "$CARRY/tree.tar.gz" -C "$snap" . && rm -rf "$snap"
   cp "${PEERS_HOME:-/tmp/peers}"/perf_analyzer/dl/perf_analyzer-*.whl "$CARRY/"
@@ -45,7 +45,8 @@ export PYTHONPATH=$SITE
 rm -rf "$SNAP" && mkdir -p "$SNAP" && tar -xzf "$CARRY/tree.tar.gz" -C "$SNAP"
 "$PY" -m zipfile -e "$CARRY"/perf_analyzer-*.whl "$PA" && chmod +x "$PA/perf_analyzer/bin/perf_analyzer"
 PEERS_BIN=${PEERS_HOME:-/tmp/peers}/bin; mkdir -p "$PEERS_BIN"
-if "$PA/perf_analyzer/bin/perf_analyzer" 2>&1 | grep -q -E 'error while loading|GLIBC|not found'; then
+probe=$("$PA/perf_analyzer/bin/perf_analyzer" 2>&1 || true)
+if grep -q -E 'error while loading|GLIBC|not found' <<<"$probe"; then
   mkdir -p "$PA/libs" && tar -xJf "$CARRY/palibs.tar.xz" -C "$PA/libs"
   printf '#!/bin/sh\nexec %s/libs/ld-linux-x86-64.so.2 --library-path %s/libs %s/perf_analyzer/bin/perf_analyzer "$@"\n' \
     "$PA" "$PA" "$PA" > "$PEERS_BIN/perf_analyzer"
@@ -58,7 +59,7 @@ chmod +x "$PEERS_BIN/perf_analyzer"
 cd "$SNAP"
 export TIDESERVE_SHARED=$SNAP/.devshared PYTHONUNBUFFERED=1
 timeout "${SCALING_TIMEOUT:-470}" "$PY" bench/addsub.py --servers ${SCALING_SERVERS:-tideserve:w1 tideserve:w4:direct tideserve:w8:direct tideserve:w8} \
-  --concurrency ${SCALING_CONCURRENCY:-16 64} --instances "${SCALING_INSTANCES:-4}" --grpc-channel-share 1 \
+  --concurrency ${SCALING_CONCURRENCY:-64} --instances "${SCALING_INSTANCES:-4}" --grpc-channel-share 1 \
   --rounds "${SCALING_ROUNDS:-2}" 2>&1 | tee "$OUT/scaling.log" || true
 cp bench/results/addsub-*.json "$OUT/" 2>/dev/null || true
 tar -czf "$OUT/logs.tar.gz" -C /tmp $(cd /tmp && ls -d bench-addsub-* 2>/dev/null) 2>/dev/null || true
