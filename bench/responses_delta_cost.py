@@ -1,15 +1,16 @@
 """The API code's CPU per text delta: ``/v1/chat/completions`` streaming against ``/v1/responses`` streaming, with
 no engine and no HTTP.
 
-Each side's real stream writer runs over the same fake generation: ``--streams`` streams of ``--tokens`` steps,
-one text delta each (as a typed LLM backend hands them to the frontend, ``GenerationDelta``), the last one with
-finish reason ``length``. Chat: ``chat_completion.serving._events`` (the chunks of one choice, its text written
-around the header made once per request). Responses: ``responses.serving._Job.events`` (its opening made ahead as
-the server makes it while the engine computes the first token, then the text deltas from the message item's
-template, the ``.done`` events and ``response.completed``; ``store: false``, as the bench sends it). What
-is timed is the process CPU of making each stream (the handler's work before the engine) and reading every event's bytes out of its writer (what the HTTP layer does, minus
-the socket write, which costs both sides the same per event), divided by the number of text deltas; the bytes
-per delta event are reported beside it. Rounds alternate the two sides; the medians are reported.
+Each side's real stream writer runs over the same fake generation: ``--streams`` streams of ``--tokens`` steps, one
+text delta each (as a typed LLM backend hands them to the frontend, ``GenerationDelta``), the last one with finish
+reason ``length``. Chat: ``chat_completion.serving._events`` (the chunks of one choice, its text written around the
+header made once per request). Responses: ``responses.serving._Job.events`` (its opening made ahead as the server
+makes it while the engine computes the first token, then the text deltas from the message item's template, the
+``.done`` events and ``response.completed``; ``store: false``, as the bench sends it). What is timed is the process
+CPU of making each stream (the handler's work before the engine) and reading every event's bytes out of its writer
+(what the HTTP layer does, minus the socket write, which costs both sides the same per event), divided by the number
+of text deltas; the bytes per delta event are reported beside it. Rounds alternate the two sides; the medians are
+reported.
 
     python bench/responses_delta_cost.py [--streams 32] [--tokens 768] [--rounds 7] [--text " word"]
 

@@ -12,11 +12,15 @@ stream's first chunk with content, its role-only chunk left out as ``--ttft-from
 first ``response.output_text.delta``; both sides alike, and the Responses target leaves the announcements before
 that delta unparsed, so the client's own JSON work at the first token is alike too) and ITL p50 (between text
 events). Beside them, the CPU time of the tideserve process (the HTTP frontend, the API code and vLLM's output
-processing; the engine's own process left out) per output token: the API's own cost, which a loaded machine
-disturbs less than the rates. ``bench/responses_ttft_probe.py`` splits the time to the first text inside the
-server, phase by phase, for both APIs. Responses are sent with ``store: false`` (chat stores nothing); ``--store`` sends ``store: true`` and so
-measures the SQLite store too. Each side reports the median of each measure over its rounds; the ratios are
-responses / chat, against the targets of issue 23 (>= 0.95x output tok/s, TTFT p50 <= 1.05x).
+processing; the engine's own process left out) per output token: the API's own cost, which a loaded machine disturbs
+less than the rates, and the CPU time of this client per output token (it shares the machine's cores with the
+engine, so a client that costs more per event would slow the engine of its side). ``bench/responses_delta_cost.py``
+measures the two APIs' stream writers alone, per delta; ``bench/responses_ttft_probe.py`` splits the time to the
+first text inside the server, phase by phase, for both APIs. Responses are sent with ``store: false`` (chat stores
+nothing); ``--store`` sends ``store: true`` and so measures the SQLite store too. Each side reports the median of
+each measure over its rounds; the ratios are responses / chat, against the targets of issue 23 (>= 0.95x output
+tok/s, TTFT p50 <= 1.05x). Beside them, the throughput ratio within each round (its two sides run back to back) and
+their median, which what drifts between rounds moves less.
 
     python bench/responses_vs_chat.py [--streams 32] [--tokens 768] [--rounds 6] [--size tiny|100m] [--store]
 
@@ -64,10 +68,10 @@ def run_round(port: int, side: str, texts: list[str], tokens: int, store: bool, 
     from tideserve.bench.tideserve_bench.api import measure
 
     extra = {"temperature": 0, **({"store": True} if side == "responses" and store else {})}
-    cpu_before = cpu_seconds(pid)
+    cpu_before, client_before = cpu_seconds(pid), time.process_time()
     result = measure(SIDES[side], f"http://127.0.0.1:{port}", MODEL, texts, tokens, extra=extra,
                      role_chunk_is_token=False)
-    cpu = cpu_seconds(pid) - cpu_before
+    cpu, client = cpu_seconds(pid) - cpu_before, time.process_time() - client_before
     summary = result.summary
     if summary["failed"] or summary["truncated"]:
         raise RuntimeError(f"{side}: {summary['failed']} failed, {summary['truncated']} truncated: "
@@ -75,7 +79,8 @@ def run_round(port: int, side: str, texts: list[str], tokens: int, store: bool, 
     return {"output_tokens": summary["total_output_tokens"], "wall_s": summary["duration_s"],
             "tokens_per_s": summary["output_throughput"], "ttft_p50_s": summary["ttft_ms"]["median"] / 1000,
             "itl_p50_s": summary["itl_ms"]["median"] / 1000, "load_average": os.getloadavg()[0],
-            "server_cpu_us_per_token": cpu * 1e6 / max(summary["total_output_tokens"], 1), "texts": result.texts}
+            "server_cpu_us_per_token": cpu * 1e6 / max(summary["total_output_tokens"], 1),
+            "client_cpu_us_per_token": client * 1e6 / max(summary["total_output_tokens"], 1), "texts": result.texts}
 
 
 def main() -> None:
@@ -123,25 +128,33 @@ def main() -> None:
     finally:
         stop_process(proc)
 
-    keys = ("output_tokens", "wall_s", "tokens_per_s", "ttft_p50_s", "itl_p50_s", "server_cpu_us_per_token")
+    keys = ("output_tokens", "wall_s", "tokens_per_s", "ttft_p50_s", "itl_p50_s", "server_cpu_us_per_token",
+            "client_cpu_us_per_token")
     rows = {side: {k: statistics.median(r[k] for r in rs) for k in keys} for side, rs in runs.items()}
     chat, responses = rows["chat"], rows["responses"]
     def ratio(key: str) -> float:  # (an ITL median is 0 where the client reads several events at once)
         return responses[key] / chat[key] if chat[key] else float("nan")
 
     ratios = {"tokens_per_s": ratio("tokens_per_s"), "ttft_p50": ratio("ttft_p50_s"), "itl_p50": ratio("itl_p50_s"),
-              "server_cpu_per_token": ratio("server_cpu_us_per_token")}
+              "server_cpu_per_token": ratio("server_cpu_us_per_token"),
+              "client_cpu_per_token": ratio("client_cpu_us_per_token")}
+    # each round runs both sides back to back (ABBA): the ratio within a round leaves out what drifts between rounds
+    paired = [r["tokens_per_s"] / c["tokens_per_s"] for c, r in zip(runs["chat"], runs["responses"])]
+    ratios["tokens_per_s_paired_median"] = statistics.median(paired)
     same_text = sum(a == b for a, b in zip(runs["chat"][0]["texts"], runs["responses"][0]["texts"]))
-    print("\n| API | output tok/s | TTFT p50 (s) | ITL p50 (ms) | server CPU (us/token) | tok/s per round |\n"
-          "|---|---|---|---|---|---|")
+    print("\n| API | output tok/s | TTFT p50 (s) | ITL p50 (ms) | server CPU (us/token) | client CPU (us/token) "
+          "| tok/s per round |\n|---|---|---|---|---|---|---|")
     for side, row in rows.items():
         per_round = " / ".join(f"{r['tokens_per_s']:.0f}" for r in runs[side])
         print(f"| {side} | {row['tokens_per_s']:.1f} | {row['ttft_p50_s']:.3f} | {row['itl_p50_s'] * 1000:.1f} "
-              f"| {row['server_cpu_us_per_token']:.1f} | {per_round} |")
+              f"| {row['server_cpu_us_per_token']:.1f} | {row['client_cpu_us_per_token']:.1f} | {per_round} |")
     print(f"\nresponses / chat: throughput {ratios['tokens_per_s']:.3f}x (target >= 0.95x: "
           f"{'met' if ratios['tokens_per_s'] >= 0.95 else 'NOT met'}), TTFT p50 {ratios['ttft_p50']:.3f}x (target "
           f"<= 1.05x: {'met' if ratios['ttft_p50'] <= 1.05 else 'NOT met'}), ITL p50 {ratios['itl_p50']:.3f}x, "
-          f"server CPU per token {ratios['server_cpu_per_token']:.3f}x")
+          f"server CPU per token {ratios['server_cpu_per_token']:.3f}x, client CPU per token "
+          f"{ratios['client_cpu_per_token']:.3f}x")
+    print(f"throughput within each round (responses / chat): {' / '.join(f'{p:.3f}' for p in paired)}, median "
+          f"{ratios['tokens_per_s_paired_median']:.3f}x")
     print(f"same text for the same prompt in the first round of each side: {same_text}/{len(texts)}")
     loads = [r["load_average"] for rs in runs.values() for r in rs]
     out_dir = ROOT / "bench" / "results"
