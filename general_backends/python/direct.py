@@ -36,6 +36,8 @@ from tideserve.backend_api import (
     wire,
 )
 
+from .backend import ModelExit, PythonInstance
+
 log = logging.getLogger(__name__)
 
 _FAILURE_REASON = {Status.CANCELLED: "CANCELED", Status.UNAVAILABLE: "REJECTED"}
@@ -53,7 +55,122 @@ class _Runtime:
         self.config = config
         self.stats = stats
         self.decoupled = config.model_transaction_policy.decoupled
-        self.slots = [InstanceSlot(instance)]
+        self.slots = [InstanceSlot(_Instance(instance, asyncio.get_running_loop()))]
+
+
+class _Instance:
+    """The instance as the direct scheduler runs it: ``execute`` hands the batch to the instance's thread and
+    is woken by one callback when it is done (no executor future chained to a loop future per batch)."""
+
+    __slots__ = ("instance", "ctx", "loop")
+
+    def __init__(self, instance: PythonInstance, loop: asyncio.AbstractEventLoop) -> None:
+        self.instance = instance
+        self.ctx = instance.ctx
+        self.loop = loop
+
+    async def execute(self, requests) -> None:
+        done = self.loop.create_future()
+        self.instance.thread.post(self._run, requests, done)
+        answers = await done
+        PythonInstance.answer(answers)
+
+    def _run(self, requests, done: asyncio.Future) -> None:
+        """On the instance's thread."""
+        try:
+            answers, error = self.instance.run_execute(requests), None
+        except ModelExit as exc:
+            self.instance.on_exit(exc)  # in a model process: it ends here
+            answers, error = None, exc
+        except BaseException as exc:  # noqa: BLE001 - the batch's error, raised where execute is awaited
+            answers, error = None, exc
+        try:
+            self.loop.call_soon_threadsafe(_settle, done, answers, error)
+        except RuntimeError:  # the loop is closed: the process is exiting
+            pass
+
+
+def _settle(done: asyncio.Future, answers, error: BaseException | None) -> None:
+    if done.done():
+        return
+    if error is None:
+        done.set_result(answers)
+    else:
+        done.set_exception(error)
+
+
+# The event loop's timers run no finer than this: uvloop rounds a shorter delay to "at once", so a batcher that
+# waits out a 100 us max_queue_delay with them spins through loop turns for the whole delay.
+LOOP_TIMER_RESOLUTION_S = 0.001
+
+
+class _FineTimer:
+    """Wakes the loop at sub-millisecond deadlines, from a thread of its own that sleeps until the deadline (a
+    thread's timed wait is as fine as the kernel's), while the loop sleeps until then or until I/O wakes it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._cond = threading.Condition(threading.Lock())
+        self._due: tuple[float, asyncio.Future] | None = None
+        self._thread: threading.Thread | None = None
+
+    def arm(self, timeout: float, waiter: asyncio.Future) -> None:
+        with self._cond:
+            self._due = (time.monotonic() + timeout, waiter)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="direct-batcher-timer", daemon=True)
+                self._thread.start()
+            else:
+                self._cond.notify()
+
+    def disarm(self, waiter: asyncio.Future) -> None:
+        """The wait ended: nothing to wake (the thread finds nothing due when it wakes; no notify, no syscall)."""
+        due = self._due
+        if due is not None and due[1] is waiter:
+            self._due = None
+
+    def _run(self) -> None:
+        cond = self._cond
+        with cond:
+            while True:
+                due = self._due
+                if due is None:
+                    cond.wait()
+                    continue
+                remaining = due[0] - time.monotonic()
+                if remaining > 0:
+                    cond.wait(remaining)
+                    continue
+                self._due = None
+                try:
+                    self.loop.call_soon_threadsafe(_wake_waiter, due[1])
+                except RuntimeError:  # the loop is closed: the process is exiting
+                    return
+
+
+def _wake_waiter(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+class _DirectBatcher(DynamicBatcher):
+    """The model's dynamic batcher, whose waits shorter than the loop's timers can time go to a fine timer."""
+
+    def __init__(self, runtime) -> None:
+        super().__init__(runtime)
+        self._fine = _FineTimer(asyncio.get_running_loop())
+
+    async def _sleep(self, timeout: float | None) -> None:
+        if timeout is None or not 0 < timeout < LOOP_TIMER_RESOLUTION_S:
+            await super()._sleep(timeout)
+            return
+        waiter = self._waiter = self._fine.loop.create_future()
+        self._fine.arm(timeout, waiter)
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+            self._fine.disarm(waiter)
 
 
 class _Entry:
@@ -124,7 +241,7 @@ class DirectServer:
         config = model.config
         self.stats = ModelStats(model.ctx.name, str(model.ctx.version), metrics=True)  # with its histograms
         self.runtime = _Runtime(model.ctx.name, config, stub.instance, self.stats)
-        self.scheduler = (DynamicBatcher(self.runtime) if config.HasField("dynamic_batching")
+        self.scheduler = (_DirectBatcher(self.runtime) if config.HasField("dynamic_batching")
                           else DirectScheduler(self.runtime))
         self.max_batch_size = config.max_batch_size
         self.connections: set[_Connection] = set()

@@ -210,6 +210,7 @@ class DirectRouter:
         self.links: dict[str, DirectLink] = {}
         self._ids = itertools.count(1)
         self._turn = 0
+        self._turns: dict[int, tuple[DirectLink, int]] = {}  # this loop turn's pick per runtime uid, and its count
         self._validators: dict[int, RequestValidator | None] = {}  # by runtime uid (None: reshapes, not taken)
 
     def _validator(self, runtime: RemoteRuntime) -> RequestValidator | None:
@@ -254,14 +255,24 @@ class DirectRouter:
             validator.validate(request)
         except ServerError:
             return None  # the core refuses it with the same error, and counts it
-        link = self._pick(addresses)
+        link = self._pick(addresses, runtime)
         rid = next(self._ids)
         stream = DirectStream(self, link, rid, request, runtime, unary)
         link.streams[rid] = stream
         link.send(DirectSubmit(wire.request_message(rid, request)))
         return stream
 
-    def _pick(self, addresses: list[str]) -> DirectLink:
+    def _pick(self, addresses: list[str], runtime: RemoteRuntime) -> DirectLink:
+        """The link for one request. The requests of one loop turn for a model go to one instance process, up to
+        its ``max_batch_size`` (what a turn sends leaves in one write and can run as one batch there, as the
+        requests one queue holds would); the next turn's go to the instance with the fewest of this worker's
+        requests in flight (round robin among equals)."""
+        turn = self._turns.get(runtime.uid)
+        if turn is not None:
+            link, count = turn
+            if count < self._batch_limit(runtime) and link.state != "down":
+                self._turns[runtime.uid] = (link, count + 1)
+                return link
         links = self.links
         best, best_load = None, None
         count = len(addresses)
@@ -278,7 +289,15 @@ class DirectRouter:
         if link is None:
             link = links[best] = DirectLink(self, best)
             link.connect()
+        if not self._turns:
+            asyncio.get_running_loop().call_soon(self._turns.clear)
+        self._turns[runtime.uid] = (link, 1)
         return link
+
+    @staticmethod
+    def _batch_limit(runtime: RemoteRuntime) -> int:
+        size = runtime.config.max_batch_size
+        return size if size > 0 else 1
 
     async def fail(self, address: str, streams: list[DirectStream]) -> None:
         """The process at ``address`` went away with ``streams`` in flight: each ends with the error the core
