@@ -46,3 +46,22 @@ def test_age_and_size_limits():
     store.put(_response("resp_5", created_at=1005.0, text="y" * 400), [], [])
     kept = [i for i in range(6) if store.get(f"resp_{i}") is not None]
     assert kept == [4, 5]  # the newest that fit in 1000 bytes
+
+
+def test_values_read_back_as_written(tmp_path):
+    """Text of any script, escapes and numbers come back as they were written (the rows are orjson's JSON; what
+    orjson refuses, an integer past 64 bits, the stdlib's)."""
+    store = ResponseStore(tmp_path / "responses.sqlite3")
+    text = "caf\u00e9 \u4e16\u754c \U0001f600 \"q\" \\ \n\t\u2028 \x00"
+    response = {**_response("resp_1", text=text), "temperature": 0.7, "metadata": {"k": "v"}, "usage": None}
+    items = [{"id": "msg_1", "content": [{"type": "input_text", "text": text}]}]
+    store.put(response, items, [{"role": "user", "content": text}])
+    stored = store.get("resp_1")
+    assert stored.response == response and stored.input_items == items
+    assert stored.conversation == [{"role": "user", "content": text}]
+    huge = {**_response("resp_2"), "metadata": {"n": 1 << 70}}
+    store.put(huge, [], [])
+    assert store.get("resp_2").response == huge
+    huge["status"] = "cancelled"
+    assert store.update(huge) and store.get("resp_2").response == huge
+    store.close()

@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import orjson
+
 MEMORY = ":memory:"
 DEFAULT_MAX_AGE_S = 30 * 24 * 3600
 DEFAULT_MAX_BYTES = 1 << 30
@@ -40,6 +42,16 @@ CREATE TABLE IF NOT EXISTS responses (
 );
 CREATE INDEX IF NOT EXISTS responses_created_at ON responses (created_at);
 """
+
+
+def _dumps(value) -> str:
+    """``value`` as JSON text: orjson's (a response's text serialized in well under a microsecond per KiB, where the
+    stdlib's json takes ~30 us for a 4 KiB answer while holding the GIL), the stdlib's for what orjson refuses (an
+    integer past 64 bits, deeper nesting); both read back the same with ``json.loads``."""
+    try:
+        return orjson.dumps(value).decode()
+    except TypeError:  # orjson.JSONEncodeError
+        return json.dumps(value, ensure_ascii=False)
 
 
 def default_path() -> Path:
@@ -103,9 +115,9 @@ class ResponseStore:
     def put(self, response: dict, input_items: list[dict], conversation: list[dict], background: bool = False,
             owner: int | None = None) -> None:
         """Write (or overwrite) ``response`` under its ``id``."""
-        text = json.dumps(response, ensure_ascii=False)
-        items = json.dumps(input_items, ensure_ascii=False)
-        history = json.dumps(conversation, ensure_ascii=False)
+        text = _dumps(response)
+        items = _dumps(input_items)
+        history = _dumps(conversation)
         size = len(text) + len(items) + len(history)
         with self._lock:
             db = self._connect()
@@ -118,7 +130,7 @@ class ResponseStore:
     def update(self, response: dict, only_if: tuple[str, ...] = ()) -> bool:
         """Replace a stored response's object and status (kept rows only); with ``only_if``, only while its
         status is one of those. True when a row changed."""
-        text = json.dumps(response, ensure_ascii=False)
+        text = _dumps(response)
         query = "UPDATE responses SET response = ?, status = ?, owner = NULL WHERE id = ?"
         args: list = [text, response["status"], response["id"]]
         if only_if:
