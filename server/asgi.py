@@ -137,6 +137,28 @@ def _write_whole(cycle, status: int, body: bytes, headers: list) -> bool:
     return True
 
 
+def whole_body(receive) -> bytes | None:
+    """The request body, taken from uvicorn's httptools cycle behind ``receive`` once all of it has arrived, as its
+    ``receive`` would return it but without awaiting it (two coroutines and the ASGI message fewer per request);
+    None, having done nothing, where ``receive`` must be awaited (more body to come, a 100 Continue owed, the
+    client gone or the answer done, another server)."""
+    cycle = getattr(receive, "__self__", None)
+    if type(cycle) is not _UvicornCycle:
+        return None
+    try:
+        if cycle.more_body or cycle.waiting_for_100_continue or cycle.disconnected or cycle.response_complete:
+            return None
+        body = bytes(cycle.body)
+        cycle.body = bytearray()
+        cycle.message_event.clear()  # as receive leaves it: a later receive (the disconnect watch) waits
+        flow = cycle.flow
+        if flow.read_paused:
+            flow.resume_reading()
+    except AttributeError:  # a uvicorn whose cycle differs from the one this was written for: its receive
+        return None
+    return body
+
+
 async def send_error(send, status: int, message: str, retry_after_s: int | None = None,
                      error: BaseException | None = None) -> None:
     """A KServe v2 error answer: ``{"error": message}`` with ``status`` (and ``Retry-After`` when given; the

@@ -15,7 +15,7 @@ from __future__ import annotations
 import zlib
 from typing import Any
 
-from ..asgi import ClientGone
+from ..asgi import ClientGone, whole_body
 from ..errors import InvalidArgument, UnsupportedMediaType
 from . import codec
 
@@ -99,6 +99,14 @@ class BodyReader:
             encoding = encoding.strip().lower()
             if encoding not in (b"", b"identity"):
                 inflater = _Inflater(encoding, self.max_decompressed_size)
+        body = whole_body(receive)
+        if body is not None:  # all of it is in (the usual case): no need to wait for it
+            if len(body) > limit:
+                raise too_large(len(body), limit)
+            if inflater is None:
+                return body
+            inflater.feed(body)
+            return inflater.finish()
         message = await receive()
         if message["type"] != "http.request":
             raise ClientGone()

@@ -95,3 +95,40 @@ async def test_send_error_is_kserve_shaped():
     assert sent == [{"type": "http.response.start", "status": 404, "headers": [
                         (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]},
                     {"type": "http.response.body", "body": body}]
+
+
+def _uvicorn_cycle(body: bytes, more_body: bool):
+    """uvicorn's own request cycle, as its httptools protocol leaves it once ``body`` has arrived."""
+    from unittest import mock
+
+    from uvicorn.protocols.http.flow_control import FlowControl
+    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+
+    transport = mock.Mock()
+    transport.is_closing.return_value = False
+    cycle = RequestResponseCycle(scope={"type": "http", "method": "POST"}, transport=transport,
+                                 flow=FlowControl(transport), logger=mock.Mock(), access_logger=mock.Mock(),
+                                 access_log=False, default_headers=[], message_event=asyncio.Event(),
+                                 expect_100_continue=False, keep_alive=True, on_response=lambda: None)
+    cycle.body += body
+    cycle.more_body = more_body
+    cycle.message_event.set()
+    return cycle
+
+
+async def test_whole_body_takes_an_arrived_body_and_the_disconnect_watch_still_waits():
+    cycle = _uvicorn_cycle(b'{"inputs": []}', more_body=False)
+    assert asgi.whole_body(cycle.receive) == b'{"inputs": []}'
+    watch = asyncio.ensure_future(cycle.receive())  # what cancel_on_disconnect's watcher does later
+    await asyncio.sleep(0.01)
+    assert not watch.done()  # waits for the client, as after uvicorn's own receive of the body
+    cycle.disconnected = True
+    cycle.message_event.set()
+    assert await watch == {"type": "http.disconnect"}
+
+
+async def test_whole_body_leaves_a_body_still_arriving_to_receive():
+    cycle = _uvicorn_cycle(b'{"in', more_body=True)
+    assert asgi.whole_body(cycle.receive) is None
+    assert await cycle.receive() == {"type": "http.request", "body": b'{"in', "more_body": True}
+    assert asgi.whole_body(Connection().receive) is None  # not uvicorn's: the ASGI receive
