@@ -17,9 +17,9 @@ decompression, JSON depth). This module imports nothing of the frontends, so eac
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
-import weakref
 
 import orjson
 
@@ -68,10 +68,10 @@ def deadline_late_header(exc: BaseException) -> tuple[bytes, bytes] | None:
 
 async def send_response(send, status: int, body: bytes, headers: list) -> None:
     """One complete answer; ``headers`` (a list of byte pairs) gets the Content-Length appended."""
-    headers.append((b"content-length", str(len(body)).encode()))
     cycle = getattr(send, "__self__", None)
     if type(cycle) is _UvicornCycle and _write_whole(cycle, status, body, headers):
         return
+    headers.append((b"content-length", str(len(body)).encode()))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
@@ -86,16 +86,21 @@ except ImportError:  # pragma: no cover - another uvicorn layout: the ASGI sends
     _UvicornCycle = None
 
 _WHOLE_MAX = 1 << 16  # a body up to this size leaves in the same write as the head (a copy); larger ones after it
-_CONNECTION_HEADERS = (b"connection", b"transfer-encoding")
+_CONNECTION_HEADERS = (b"connection", b"transfer-encoding", b"content-length")
+# header pairs already checked as uvicorn checks them, lower-cased: the constant ones (a content type) come again
+# with every answer and skip the checks; a few hundred at most, so values that vary are not kept
+_CHECKED: dict[tuple[bytes, bytes], tuple[bytes, bytes]] = {}
+_CHECKED_MAX = 256
+_defaults: list = [None, b""]  # uvicorn's default headers (its server's list of the second) and their bytes
 
 
 def _write_whole(cycle, status: int, body: bytes, headers: list) -> bool:
-    """What uvicorn's ``RequestResponseCycle.send`` does for ``http.response.start`` then a last
-    ``http.response.body`` with a Content-Length, as one write and without the ASGI messages (the hot path of
-    every unary answer: two coroutine calls, two dicts and a regex check of its default headers per answer
-    fewer). False, having done nothing, where the ASGI sends must decide (a response already started, a
-    paused or closed connection, an access log to write, HEAD, a connection or transfer-encoding header, a
-    header uvicorn would refuse)."""
+    """What uvicorn's ``RequestResponseCycle.send`` does for ``http.response.start`` (``headers`` and a
+    Content-Length) then a last ``http.response.body``, as one write and without the ASGI messages (the hot path
+    of every unary answer: two coroutine calls, two dicts and a regex check of its default headers per answer
+    fewer; a header pair seen before is not checked again). False, having done nothing, where the ASGI sends must
+    decide (a response already started, a paused or closed connection, an access log to write, HEAD, a connection,
+    transfer-encoding or content-length header, a header uvicorn would refuse)."""
     global _UvicornCycle
     try:
         if (cycle.response_started or cycle.disconnected or cycle.flow.write_paused or cycle.access_log
@@ -107,14 +112,25 @@ def _write_whole(cycle, status: int, body: bytes, headers: list) -> bool:
         log.warning("uvicorn %s: whole answers go through its ASGI sends", getattr(uvicorn, "__version__", "?"))
         _UvicornCycle = None
         return False
-    content = [_STATUS_LINE[status]]
-    for name, value in default_headers:
-        content += (name.lower(), b": ", value, b"\r\n")
-    for name, value in headers:
-        name = name.lower()
-        if name in _CONNECTION_HEADERS or _HEADER_RE.search(name) or _HEADER_VALUE_RE.search(value):
-            return False
-        content += (name, b": ", value, b"\r\n")
+    if default_headers is not _defaults[0]:  # uvicorn makes a new list when the date changes (once a second)
+        _defaults[1] = b"".join(b"%s: %s\r\n" % (name.lower(), value) for name, value in default_headers)
+        _defaults[0] = default_headers
+    content = [_STATUS_LINE[status], _defaults[1]]
+    for pair in headers:
+        try:
+            checked = _CHECKED.get(pair)
+        except TypeError:  # not a pair of bytes: checked below, not kept
+            checked = None
+        if checked is None:
+            name, value = pair
+            name = name.lower()
+            if name in _CONNECTION_HEADERS or _HEADER_RE.search(name) or _HEADER_VALUE_RE.search(value):
+                return False
+            checked = (name, value)
+            if len(_CHECKED) < _CHECKED_MAX and type(name) is bytes and type(value) is bytes:
+                _CHECKED[tuple(pair)] = checked
+        content += (checked[0], b": ", checked[1], b"\r\n")
+    content.append(b"content-length: %d\r\n" % len(body))
     cycle.response_started = True
     cycle.waiting_for_100_continue = False
     cycle.chunked_encoding = False
@@ -186,12 +202,13 @@ class cancel_on_disconnect:  # noqa: N801 - a context manager, named as contextl
     entering and leaving never wait, and the hot path pays for no coroutines.
     """
 
-    __slots__ = ("cancelling", "delay", "gone", "receive", "task", "timer", "watcher")
+    __slots__ = ("cancelling", "delay", "due", "gone", "receive", "task", "waiting", "watcher")
 
     def __init__(self, receive, delay: float = 0.0) -> None:
         self.receive = receive
         self.delay = delay
-        self.timer: set | None = None  # the blocks due to start watching at the same tick, this one among them
+        self.due = 0.0
+        self.waiting = False  # queued to start watching at ``due`` (its loop's _Watchlist)
         self.watcher: asyncio.Task | None = None
         self.gone = False
 
@@ -199,14 +216,15 @@ class cancel_on_disconnect:  # noqa: N801 - a context manager, named as contextl
         task = self.task = asyncio.current_task()
         self.cancelling = task.cancelling()
         if self.delay > 0:
-            self.timer = _due(self)
+            _watchlist(task.get_loop(), self.delay).add(self)
         else:
             self._start()
         return self
 
     def __exit__(self, kind, exc, traceback) -> bool:
-        if self.timer is not None:
-            self.timer.discard(self)  # not started yet: it never will be
+        if self.waiting:  # not started yet: it never will be (the watchlist drops it when its time comes)
+            self.waiting = False
+            self.receive = None
         if self.watcher is not None:
             self.watcher.cancel()  # it cannot cancel the task any more
         if self.gone and self.task.uncancel() <= self.cancelling and kind is asyncio.CancelledError:
@@ -214,7 +232,7 @@ class cancel_on_disconnect:  # noqa: N801 - a context manager, named as contextl
         return False
 
     def _start(self) -> None:
-        self.timer = None
+        self.waiting = False
         self.watcher = asyncio.ensure_future(self._watch())
 
     async def _watch(self) -> None:
@@ -229,25 +247,47 @@ class cancel_on_disconnect:  # noqa: N801 - a context manager, named as contextl
 
 
 _WATCH_TICK_S = 0.05
-# event loop -> tick -> the blocks that start watching then
-_ticks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _due(block: cancel_on_disconnect) -> set:
-    """Put ``block`` in the set that starts watching at the first tick after its delay (one timer per tick)."""
-    loop = asyncio.get_running_loop()
-    tick = int((loop.time() + block.delay) / _WATCH_TICK_S) + 1
-    ticks = _ticks.get(loop)
-    if ticks is None:
-        ticks = _ticks[loop] = {}
-    due = ticks.get(tick)
-    if due is None:
-        due = ticks[tick] = set()
-        loop.call_at(tick * _WATCH_TICK_S, _start_watching, ticks, tick)
-    due.add(block)
-    return due
+class _Watchlist:
+    """The blocks of one loop and one delay waiting to start watching, oldest first, and one timer for them all
+    (firing at most every ``_WATCH_TICK_S``): a block costs an append, and nothing when it ends before its delay."""
+
+    __slots__ = ("blocks", "delay", "loop", "timer")
+
+    def __init__(self, loop, delay: float) -> None:
+        self.loop = loop
+        self.delay = delay
+        self.blocks: collections.deque[cancel_on_disconnect] = collections.deque()
+        self.timer = None
+
+    def add(self, block: cancel_on_disconnect) -> None:
+        block.due = due = self.loop.time() + self.delay
+        block.waiting = True
+        self.blocks.append(block)
+        if self.timer is None:
+            self.timer = self.loop.call_at(due, self.start_due)
+
+    def start_due(self) -> None:
+        self.timer = None
+        blocks = self.blocks
+        now = self.loop.time()
+        while blocks and blocks[0].due <= now:
+            block = blocks.popleft()
+            if block.waiting:
+                block._start()
+        if blocks:
+            self.timer = self.loop.call_at(max(blocks[0].due, now + _WATCH_TICK_S), self.start_due)
 
 
-def _start_watching(ticks: dict[int, set], tick: int) -> None:
-    for block in ticks.pop(tick, ()):
-        block._start()
+_watchlists: dict[tuple[int, float], _Watchlist] = {}  # (id of the loop, delay) -> its watchlist
+
+
+def _watchlist(loop, delay: float) -> _Watchlist:
+    found = _watchlists.get((id(loop), delay))
+    if found is None or found.loop is not loop:  # none yet, or that of a closed loop whose id was reused
+        if len(_watchlists) > 64:  # loops come and go (tests): forget those closed
+            for key in [key for key, value in _watchlists.items() if value.loop.is_closed()]:
+                del _watchlists[key]
+        found = _watchlists[(id(loop), delay)] = _Watchlist(loop, delay)
+    return found

@@ -132,3 +132,37 @@ async def test_whole_body_leaves_a_body_still_arriving_to_receive():
     assert asgi.whole_body(cycle.receive) is None
     assert await cycle.receive() == {"type": "http.request", "body": b'{"in', "more_body": True}
     assert asgi.whole_body(Connection().receive) is None  # not uvicorn's: the ASGI receive
+
+
+async def test_a_whole_answer_is_one_write_with_its_length_and_headers_checked_as_uvicorn_checks_them():
+    written = []
+    for _ in range(2):  # the second time the header pairs come from the checked ones
+        cycle = _uvicorn_cycle(b"", more_body=False)
+        cycle.transport.write = cycle.transport.write_now = written.append
+        cycle.default_headers = [(b"date", b"Thu, 26 Nov 2026 01:02:03 GMT")]
+        await asgi.send_response(cycle.send, 200, b'{"ok":true}', [(b"Content-Type", b"application/json")])
+        assert cycle.response_complete
+    assert written[0] == written[1] == (b"HTTP/1.1 200 OK\r\ndate: Thu, 26 Nov 2026 01:02:03 GMT\r\n"
+                                        b"content-type: application/json\r\ncontent-length: 11\r\n\r\n"
+                                        b'{"ok":true}')
+    cycle = _uvicorn_cycle(b"", more_body=False)
+    with pytest.raises(RuntimeError, match="Invalid HTTP header value"):  # uvicorn's own refusal, as before
+        await asgi.send_response(cycle.send, 200, b"{}", [(b"content-type", b"application/json\r\nx: y")])
+
+
+async def test_blocks_past_their_delay_watch_and_those_ended_sooner_never_do():
+    async def hold(connection: Connection, seconds: float) -> None:
+        with cancel_on_disconnect(connection.receive, delay=0.02):
+            await asyncio.sleep(seconds)
+
+    quick, slow = [Connection() for _ in range(3)], [Connection() for _ in range(3)]
+    await asyncio.gather(*(hold(c, 0) for c in quick), *(hold(c, 0.03 + 3 * asgi._WATCH_TICK_S) for c in slow))
+    assert [c.reads for c in quick] == [0, 0, 0] and [c.reads for c in slow] == [1, 1, 1]
+
+    leaving = Connection()
+    task = asyncio.ensure_future(hold(leaving, 10))
+    while not leaving.reads:  # watching once its delay is over
+        await asyncio.sleep(0.01)
+    leaving.left.set()
+    with pytest.raises(ClientGone):
+        await task
