@@ -178,9 +178,15 @@ class DynamicBatcher(Scheduler):
         return picked, rows, False
 
     def _signature(self, request: InferenceRequest):
-        return tuple(sorted(
-            (name, t.datatype, None if name in self.ragged else tuple(t.shape[1:]))
-            for name, t in request.inputs.items()))
+        ragged = self.ragged
+        found = []
+        for name, tensor in request.inputs.items():  # a loop, not a generator: this runs for every request
+            shape = tensor.shape
+            found.append((name, tensor.datatype,
+                          None if name in ragged else shape[1:] if type(shape) is tuple else tuple(shape[1:])))
+        if len(found) > 1:
+            found.sort()
+        return tuple(found)
 
     def _ready(self, picked: list[_Entry], rows: int, blocked: bool, now: int) -> bool:
         if blocked:
