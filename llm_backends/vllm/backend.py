@@ -260,7 +260,9 @@ class VllmModel(Model):
         # the runtime stops the scheduler first: no request of this model runs any more
         if self._watchdog is not None:
             self._watchdog.cancel()
-        engine, self.engine, self.generator = self.engine, None, None
+        engine, generator, self.engine, self.generator = self.engine, self.generator, None, None
+        if generator is not None:
+            generator.close()
         if engine is not None:
             from .engine import stop_engine
 

@@ -1,7 +1,8 @@
 """One request's generation: engine deltas in, responses out, abort on cancellation, LLM metrics.
 
 Runs as its own task on the server's loop, so requests never wait for one another: the engine
-batches them continuously. A streamed request (``stream`` true on a protocol that streams) gets one
+batches them continuously. Prompts are tokenized off the loop, those that arrive together in one hand-off
+to the engine's tokenizer thread (:class:`_Tokenizing`). A streamed request (``stream`` true on a protocol that streams) gets one
 response per engine step with only the new text, the last one FINAL; any other gets one response
 with the whole text. A cancelled request is aborted in the engine within a step, which frees its
 KV-cache blocks.
@@ -16,6 +17,7 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -81,6 +83,79 @@ class _Abort:
         log.info("[vllm] Cancelling the request '%s'", self.request_id)
         await self.engine.abort(self.request_id)
         log.info("[vllm] Successfully cancelled the request '%s'", self.request_id)
+
+
+class _Tokenizing:
+    """Tokenizes prompts on the engine renderer's thread, those that arrive together in one hand-off.
+
+    vLLM's own ``render_cmpl_async`` hands each prompt to the renderer's thread and back: two wake-ups and a
+    wait for the interpreter lock per prompt, taken in turn with the event loop. When many requests arrive at
+    once (a burst of streams) those hand-offs queue one behind another while the loop also parses the requests,
+    and the last prompt reaches the engine hundreds of milliseconds after the first (measured with
+    ``bench/chat_ttft_probe.py``: 128 streams, 200-400 ms from the first prompt to the last on two cores). Here
+    the prompts that came while the thread was busy go together in the next hand-off, each still rendered by the
+    renderer's own synchronous ``render_cmpl`` (the same tokenization, the same engine input, one prompt's
+    failure its own), on the renderer's thread where the engine tokenizes everything else (its tokenizer is not
+    used by two threads at once)."""
+
+    __slots__ = ("_executor", "_own", "_pending", "_running", "renderer")
+
+    def __init__(self, renderer) -> None:
+        self.renderer = renderer
+        executor = getattr(renderer, "_executor", None)  # the renderer's tokenizer thread (vLLM's own pool)
+        self._own = not isinstance(executor, Executor)
+        self._executor: Executor = ThreadPoolExecutor(1, thread_name_prefix="vllm-tokenize") if self._own \
+            else executor
+        self._pending: list[tuple[Any, Any, asyncio.Future]] = []
+        self._running = False
+
+    async def render(self, parsed, tok_params):
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._pending.append((parsed, tok_params, future))
+        if not self._running:
+            self._running = True
+            loop.create_task(self._drain())  # from the next turn: what arrives in this one goes along
+        return await future
+
+    async def _drain(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while self._pending:
+                batch, self._pending = self._pending, []
+                try:
+                    results = await loop.run_in_executor(self._executor, self._render_all, batch)
+                except BaseException as exc:  # the thread is gone (shut down): each prompt fails with it
+                    results = [(False, exc)] * len(batch)
+                    if not isinstance(exc, Exception):
+                        raise
+                for (_, _, future), (ok, value) in zip(batch, results, strict=True):
+                    if not future.done():
+                        if ok:
+                            future.set_result(value)
+                        else:
+                            future.set_exception(value)
+        finally:
+            self._running = False
+            for _, _, future in self._pending:  # left by a cancelled drain: fail them rather than hang
+                if not future.done():
+                    future.set_exception(Unavailable("the engine's tokenizer stopped"))
+            self._pending = []
+
+    def _render_all(self, batch: list) -> list[tuple[bool, Any]]:
+        """On the tokenizer thread: each prompt's engine input, or its exception."""
+        render = self.renderer.render_cmpl
+        out = []
+        for parsed, tok_params, _ in batch:
+            try:
+                out.append((True, render([parsed], tok_params)[0]))
+            except Exception as exc:
+                out.append((False, exc))
+        return out
+
+    def close(self) -> None:
+        if self._own:
+            self._executor.shutdown(wait=False)
 
 
 class DeadlineExpired(DeadlinePassed):
@@ -198,6 +273,7 @@ class Generator:
         # a request's priority reaches the engine only when it schedules by priority (model.json
         # "scheduling_policy": "priority"; lower values first, as vLLM orders them); otherwise it is ignored
         self.priority_scheduling = engine.vllm_config.scheduler_config.policy == "priority"
+        self.tokenizing = _Tokenizing(engine.renderer)
 
     async def run(self, request: InferenceRequest) -> None:
         sender = request.response_sender
@@ -320,8 +396,10 @@ class Generator:
         tok_params = None
         if not add_special_tokens:
             tok_params = dataclasses.replace(renderer.default_cmpl_tok_params, add_special_tokens=False)
-        (engine_input,) = await renderer.render_cmpl_async([parsed], tok_params)
-        return engine_input
+        return await self.tokenizing.render(parsed, tok_params)
+
+    def close(self) -> None:
+        self.tokenizing.close()
 
     @staticmethod
     def _finish(tracker: GenerationTracker, last: Any, aborted: bool) -> None:

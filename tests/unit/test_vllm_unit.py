@@ -323,3 +323,64 @@ async def test_pass_through_scheduler_runs_requests_concurrently():
     assert started == requests  # all running at once, none waiting for another
     release.set()
     await scheduler.stop()
+
+
+# -- tokenizing ---------------------------------------------------------------------------------
+async def test_prompts_arriving_together_are_tokenized_in_one_hand_off():
+    """A burst of prompts crosses to the renderer's thread in a few hand-offs, not one each; each prompt gets its
+    own engine input, and a prompt that fails fails alone (issue 21: the first tokens of a 128-stream burst)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tideserve.llm_backends.vllm.generation import _Tokenizing
+
+    calls, threads = [], set()
+
+    hand_offs = []
+
+    class Counting(ThreadPoolExecutor):
+        def submit(self, fn, batch, *args):
+            hand_offs.append(len(batch))
+            return super().submit(fn, batch, *args)
+
+    class Renderer:
+        _executor = Counting(1)
+
+        def render_cmpl(self, prompts, tok_params):
+            threads.add(threading.get_ident())
+            calls.append(prompts[0])
+            if prompts[0] == "bad":
+                raise ValueError("too long")
+            return [{"type": "token", "prompt_token_ids": [len(prompts[0])], "params": tok_params}]
+
+    renderer = Renderer()
+    tokenizing = _Tokenizing(renderer)
+    prompts = [f"prompt {i}" for i in range(50)] + ["bad"]
+    results = await asyncio.gather(*(tokenizing.render(p, "params") for p in prompts), return_exceptions=True)
+    assert [r["prompt_token_ids"] for r in results[:50]] == [[len(p)] for p in prompts[:50]]
+    assert isinstance(results[50], ValueError) and str(results[50]) == "too long"
+    assert sum(hand_offs) == 51 and len(hand_offs) <= 2  # one hand-off for the burst (two at most)
+    assert threads and threading.get_ident() not in threads  # never on the loop's thread
+    # one at a time afterwards: each in its own hand-off, promptly
+    assert (await tokenizing.render("alone", None))["prompt_token_ids"] == [5]
+    assert hand_offs[-1] == 1
+    tokenizing.close()
+    Renderer._executor.shutdown()
+
+
+async def test_a_cancelled_prompt_does_not_stop_the_others():
+    from tideserve.llm_backends.vllm.generation import _Tokenizing
+
+    class Renderer:  # no executor of its own: the tokenizing makes one
+        def render_cmpl(self, prompts, tok_params):
+            return [prompts[0].upper()]
+
+    tokenizing = _Tokenizing(Renderer())
+    first = asyncio.ensure_future(tokenizing.render("a", None))
+    second = asyncio.ensure_future(tokenizing.render("b", None))
+    await asyncio.sleep(0)
+    first.cancel()
+    assert await second == "B"
+    assert first.cancelled()
+    assert await tokenizing.render("c", None) == "C"
+    tokenizing.close()
