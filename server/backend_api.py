@@ -111,7 +111,7 @@ if TYPE_CHECKING:
     from .schedulers import DirectScheduler, DynamicBatcher, PassThroughScheduler, Scheduler
     from .schedulers.base import drop_cancelled
     from .stats import ModelStats
-    from .workers.direct import DirectAnswer, DirectSubmit, DirectToProcess
+    from .workers.direct import DirectAnswer, DirectAnswers, DirectSubmit, DirectToProcess
 
 # The scheduler side of the API is imported when a backend first asks for it, so that a model process (which runs
 # instances, never schedulers) does not load the schedulers, the runtime and the statistics.
@@ -120,7 +120,7 @@ _SCHEDULING = {"ModelRuntime": "runtime", "InstanceSlot": "runtime", "Scheduler"
                "drop_cancelled": "schedulers.base",
                # --frontend-direct: a model process's side of the frontend workers' direct links
                "ModelStats": "stats", "DirectSubmit": "workers.direct", "DirectAnswer": "workers.direct",
-               "DirectToProcess": "workers.direct"}
+               "DirectAnswers": "workers.direct", "DirectToProcess": "workers.direct"}
 
 
 def __getattr__(name: str):
@@ -148,7 +148,7 @@ __all__ = [
     "Scheduler", "DirectScheduler", "DynamicBatcher", "PassThroughScheduler", "ModelRuntime", "InstanceSlot",
     "drop_cancelled",
     # --frontend-direct (general_backends/python/direct.py)
-    "ModelStats", "DirectSubmit", "DirectAnswer", "DirectToProcess",
+    "ModelStats", "DirectSubmit", "DirectAnswer", "DirectAnswers", "DirectToProcess",
     # helpers
     "numpy_dtype", "datatype_of", "config_to_datatype", "datatype_to_config", "config_to_dict", "config_to_json",
     "model_paths", "conform_shape",

@@ -17,12 +17,15 @@ the core) while those in flight finish. A worker whose link closes has its reque
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
+import os
 import threading
 import time
 
 from tideserve.backend_api import (
     DirectAnswer,
+    DirectAnswers,
     DirectScheduler,
     DirectSubmit,
     DirectToProcess,
@@ -99,58 +102,82 @@ def _settle(done: asyncio.Future, answers, error: BaseException | None) -> None:
         done.set_exception(error)
 
 
-# The event loop's timers run no finer than this: uvloop rounds a shorter delay to "at once", so a batcher that
-# waits out a 100 us max_queue_delay with them spins through loop turns for the whole delay.
+# The event loop's timers run no finer than this: uvloop rounds a shorter delay to "at once" (asyncio's own loop
+# up to a millisecond), so a batcher that waits out a 100 us max_queue_delay with them spins through loop turns
+# for the whole delay.
 LOOP_TIMER_RESOLUTION_S = 0.001
 
 
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+class _Itimerspec(ctypes.Structure):
+    _fields_ = [("it_interval", _Timespec), ("it_value", _Timespec)]
+
+
 class _FineTimer:
-    """Wakes the loop at sub-millisecond deadlines, from a thread of its own that sleeps until the deadline (a
-    thread's timed wait is as fine as the kernel's), while the loop sleeps until then or until I/O wakes it."""
+    """A sub-millisecond timer for the loop: a Linux ``timerfd`` the loop watches, so the loop sleeps in its
+    poll until the deadline or I/O, whichever comes first (arming and disarming are one system call each; no
+    thread, no spinning)."""
+
+    _CLOCK_MONOTONIC = 1
+    _TFD_FLAGS = os.O_NONBLOCK | os.O_CLOEXEC  # TFD_NONBLOCK | TFD_CLOEXEC
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self._cond = threading.Condition(threading.Lock())
-        self._due: tuple[float, asyncio.Future] | None = None
-        self._thread: threading.Thread | None = None
+        libc = ctypes.PyDLL(None, use_errno=True)  # holds the GIL: the calls never block, and a release would
+        # hand the GIL to the instance's thread in the middle of the loop's turn
+        self._settime = libc.timerfd_settime
+        self._settime.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.POINTER(_Itimerspec), ctypes.c_void_p)
+        fd = libc.timerfd_create(self._CLOCK_MONOTONIC, self._TFD_FLAGS)
+        if fd < 0:
+            raise OSError(ctypes.get_errno(), "timerfd_create")
+        self.fd = fd
+        self._spec = _Itimerspec()
+        self._off = _Itimerspec()
+        self._armed = False
+        self._waiter: asyncio.Future | None = None
+        loop.add_reader(fd, self._expired)
+
+    @classmethod
+    def create(cls, loop: asyncio.AbstractEventLoop) -> _FineTimer | None:
+        """A fine timer, or None where the system has no timerfd (the loop's own timers are used then)."""
+        try:
+            return cls(loop)
+        except (OSError, AttributeError, NotImplementedError):
+            return None
 
     def arm(self, timeout: float, waiter: asyncio.Future) -> None:
-        with self._cond:
-            self._due = (time.monotonic() + timeout, waiter)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="direct-batcher-timer", daemon=True)
-                self._thread.start()
-            else:
-                self._cond.notify()
+        value = self._spec.it_value
+        value.tv_sec = 0
+        value.tv_nsec = max(int(timeout * 1e9), 1)
+        self._settime(self.fd, 0, self._spec, None)
+        self._armed = True
+        self._waiter = waiter
 
     def disarm(self, waiter: asyncio.Future) -> None:
-        """The wait ended: nothing to wake (the thread finds nothing due when it wakes; no notify, no syscall)."""
-        due = self._due
-        if due is not None and due[1] is waiter:
-            self._due = None
+        if self._waiter is waiter:
+            self._waiter = None
+            if self._armed:  # the wait ended early (a request came): the timer must not wake the loop for nothing
+                self._armed = False
+                self._settime(self.fd, 0, self._off, None)
 
-    def _run(self) -> None:
-        cond = self._cond
-        with cond:
-            while True:
-                due = self._due
-                if due is None:
-                    cond.wait()
-                    continue
-                remaining = due[0] - time.monotonic()
-                if remaining > 0:
-                    cond.wait(remaining)
-                    continue
-                self._due = None
-                try:
-                    self.loop.call_soon_threadsafe(_wake_waiter, due[1])
-                except RuntimeError:  # the loop is closed: the process is exiting
-                    return
+    def _expired(self) -> None:
+        try:
+            os.read(self.fd, 8)
+        except BlockingIOError:
+            return
+        self._armed = False
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
-
-def _wake_waiter(waiter: asyncio.Future) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
+    def close(self) -> None:
+        try:
+            self.loop.remove_reader(self.fd)
+        finally:
+            os.close(self.fd)
 
 
 class _DirectBatcher(DynamicBatcher):
@@ -158,10 +185,10 @@ class _DirectBatcher(DynamicBatcher):
 
     def __init__(self, runtime) -> None:
         super().__init__(runtime)
-        self._fine = _FineTimer(asyncio.get_running_loop())
+        self._fine = _FineTimer.create(asyncio.get_running_loop())
 
     async def _sleep(self, timeout: float | None) -> None:
-        if timeout is None or not 0 < timeout < LOOP_TIMER_RESOLUTION_S:
+        if timeout is None or self._fine is None or not 0 < timeout < LOOP_TIMER_RESOLUTION_S:
             await super()._sleep(timeout)
             return
         waiter = self._waiter = self._fine.loop.create_future()
@@ -190,7 +217,7 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.reader = wire.FrameReader(DirectToProcess)
         self.requests: dict[int, _Entry] = {}
-        self._out: list[bytes] = []
+        self._out: list[DirectAnswer] = []
         self._flush_scheduled = False
 
     def connection_made(self, transport) -> None:
@@ -208,15 +235,16 @@ class _Connection(asyncio.Protocol):
         server = self.server
         for message in self.reader.feed(data):
             if type(message) is DirectSubmit:
-                server.submit(self, message.request)
+                for request in message.requests:
+                    server.submit(self, request)
             else:
                 server.cancel(self, message.rid)
 
-    def send(self, message) -> None:
-        """Queue ``message`` (on the loop): what one turn of the loop sends leaves in one write."""
+    def send(self, message: DirectAnswer) -> None:
+        """Queue ``message`` (on the loop): what one turn of the loop sends leaves in one message."""
         if self.transport is None:
             return
-        self._out.append(wire.frame(message))
+        self._out.append(message)
         if not self._flush_scheduled:
             self._flush_scheduled = True
             self.server.loop.call_soon(self._flush)
@@ -225,8 +253,21 @@ class _Connection(asyncio.Protocol):
         self._flush_scheduled = False
         out, transport = self._out, self.transport
         if out and transport is not None and not transport.is_closing():
-            transport.write(out[0] if len(out) == 1 else b"".join(out))
-        out.clear()
+            try:
+                transport.write(wire.frame(out[0] if len(out) == 1 else DirectAnswers(out)))
+            except Exception:  # an output the link cannot carry: each answer alone, that one as an error
+                for message in out:
+                    transport.write(self._framed(message))
+        self._out = []
+
+    def _framed(self, message: DirectAnswer) -> bytes:
+        try:
+            return wire.frame(message)
+        except Exception as exc:  # noqa: BLE001 - as in DirectServer._respond: the final one answers the error
+            log.exception("model '%s': a response cannot be sent to the frontend", self.server.runtime.name)
+            if not message.response.final:
+                return b""
+            return wire.frame(DirectAnswer(message.rid, wire.Response(error=wire.error_data(exc))))
 
 
 class DirectServer:

@@ -4,8 +4,10 @@ Python model, and reads its responses straight back, so the core's event loop ne
 The core publishes, in the snapshot it pushes, the address of a Unix socket that each instance process of an
 eligible model listens on (``Snapshot.direct``, by runtime uid; see ``FrontendWorkers.direct_addresses``). A
 worker keeps one link per address, opened at first use; each request goes to the instance with the fewest of
-this worker's requests in flight (round robin among equals) as a :class:`DirectSubmit`, its responses come back as
-:class:`DirectAnswer`; a stream closed early sends ``wire.Cancel``. In the process the requests meet a scheduler of
+this worker's requests in flight (round robin among equals; the requests of one loop turn for a model go to one
+instance, so that they leave in one :class:`DirectSubmit` and can run as one batch), its responses come back as
+:class:`DirectAnswer`, those of one loop turn there in one :class:`DirectAnswers`; a stream closed early sends
+``wire.Cancel``. In the process the requests meet a scheduler of
 their own (``general_backends/python/direct.py``). Everything else goes through the core as before: a request
 that is not eligible, one the worker's validation refuses (the core answers it, and counts it, exactly as it
 always does), one whose link cannot be opened, and one the process hands back (``retry``: it is draining for an
@@ -42,9 +44,10 @@ SEQUENCE_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end")
 
 # -- the link's messages (worker <-> instance process) -----------------------------------------------------
 class DirectSubmit(msgspec.Struct, tag=True, array_like=True):
-    """A request to run (tensors inline)."""
+    """Requests to run (tensors inline): those a worker's loop turn sends to one instance process, in one
+    message."""
 
-    request: wire.Request
+    requests: list[wire.Request]
 
 
 class DirectAnswer(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
@@ -57,8 +60,14 @@ class DirectAnswer(msgspec.Struct, tag=True, array_like=True, omit_defaults=True
     retry: bool = False
 
 
+class DirectAnswers(msgspec.Struct, tag=True, array_like=True):
+    """The responses one loop turn of the instance process sends to a worker (a batch's), in one message."""
+
+    answers: list[DirectAnswer]
+
+
 DirectToProcess = DirectSubmit | wire.Cancel
-DirectToWorker = DirectAnswer
+DirectToWorker = DirectAnswer | DirectAnswers
 
 _RETRY = object()
 
@@ -132,7 +141,8 @@ class DirectLink(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.reader = wire.FrameReader(DirectToWorker)
         self.streams: dict[int, DirectStream] = {}
-        self.waiting: list[bytes] = []  # frames to write (at the end of this loop turn, or once connected)
+        self.submits: list[wire.Request] = []  # requests to send (at the end of this loop turn, or once connected)
+        self.waiting: list[bytes] = []  # other frames to write after them (cancellations)
         self.state = "new"  # new -> connecting -> up -> down
         self._flush_scheduled = False
 
@@ -151,14 +161,13 @@ class DirectLink(asyncio.Protocol):
             for stream in list(self.streams.values()):  # never sent: the core takes them
                 stream._put(_RETRY)
             self.streams.clear()
+            self.submits.clear()
             self.waiting.clear()
 
     def connection_made(self, transport) -> None:
         self.transport = transport
         self.state = "up"
-        if self.waiting:
-            transport.write(b"".join(self.waiting))
-            self.waiting.clear()
+        self._flush()
 
     def connection_lost(self, exc) -> None:
         self.state = "down"
@@ -171,30 +180,45 @@ class DirectLink(asyncio.Protocol):
             asyncio.get_running_loop().create_task(self.router.fail(self.address, streams))
 
     def data_received(self, data: bytes) -> None:
+        streams = self.streams
         for message in self.reader.feed(data):
-            stream = self.streams.get(message.rid)
-            if stream is None:
-                continue
-            if message.retry:
-                stream._put(_RETRY)
-            elif message.rejected:
-                stream._put(wire.server_error(message.response.error))
-            else:
-                stream._put(wire.core_response(message.response))
+            for answer in message.answers if type(message) is DirectAnswers else (message,):
+                stream = streams.get(answer.rid)
+                if stream is None:
+                    continue
+                if answer.retry:
+                    stream._put(_RETRY)
+                elif answer.rejected:
+                    stream._put(wire.server_error(answer.response.error))
+                else:
+                    stream._put(wire.core_response(answer.response))
+
+    def submit(self, request: wire.Request) -> None:
+        """Queue ``request``: the requests of one turn of the event loop leave in one message."""
+        self.submits.append(request)
+        self._schedule()
 
     def send(self, message) -> None:
-        """Queue ``message``: what one turn of the event loop sends leaves in one write."""
+        """Queue ``message`` (a cancellation): it leaves with this turn's write."""
         if self.state == "down":
             return
         self.waiting.append(wire.frame(message))
+        self._schedule()
+
+    def _schedule(self) -> None:
         if self.state == "up" and not self._flush_scheduled:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
 
     def _flush(self) -> None:
         self._flush_scheduled = False
-        waiting = self.waiting
-        if waiting and self.state == "up":
+        if self.state != "up":
+            return
+        submits, waiting = self.submits, self.waiting
+        if submits:  # before the cancellations: a request cancelled in the turn it was sent arrives first
+            waiting.insert(0, wire.frame(DirectSubmit(submits)))
+            self.submits = []
+        if waiting:
             self.transport.write(waiting[0] if len(waiting) == 1 else b"".join(waiting))
             waiting.clear()
 
@@ -259,7 +283,7 @@ class DirectRouter:
         rid = next(self._ids)
         stream = DirectStream(self, link, rid, request, runtime, unary)
         link.streams[rid] = stream
-        link.send(DirectSubmit(wire.request_message(rid, request)))
+        link.submit(wire.request_message(rid, request))
         return stream
 
     def _pick(self, addresses: list[str], runtime: RemoteRuntime) -> DirectLink:

@@ -81,6 +81,9 @@ def server(tmp_path_factory):
     _add_sub_copy(repo, "batcher", "instance_group [ { kind: KIND_CPU count: 1 } ]\n"
                                    "dynamic_batching { preferred_batch_size: [ 4 ] max_queue_delay_microseconds: 5000000 }\n")
     _add_sub_copy(repo, "checked", "instance_group [ { kind: KIND_CPU count: 1 } ]\n")
+    # waits shorter than the loop's timers can time: the instance process's batcher uses its fine timer
+    _add_sub_copy(repo, "burst", "instance_group [ { kind: KIND_CPU count: 2 } ]\n"
+                                 "dynamic_batching { max_queue_delay_microseconds: 300 }\n")
     marker = tmp_path_factory.mktemp("direct-marker") / "victim.pid"
     _slow(repo, "victim", sleep="3", marker=str(marker))
     _slow(repo, "slow", sleep="0.3")
@@ -174,6 +177,42 @@ def test_grpc_and_http_requests_are_counted_once_in_statistics_and_metrics(serve
     assert _metric(text, "nv_inference_count", "add_sub") == 11
     assert _metric(text, "nv_inference_exec_count", "add_sub") == stats["execution_count"]
     assert _metric(text, "nv_inference_request_duration_histogram_ms_count", "add_sub") == 8
+
+
+def test_a_burst_over_both_protocols_batches_and_each_request_gets_its_own_answer(server):
+    """Requests of one loop turn leave a worker in one message to one instance process, and a batch's answers come
+    back in one message: each must still reach its own request (distinct inputs, checked one by one)."""
+    sent = []
+    with httpclient.InferenceServerClient(server.http_url, concurrency=8, network_timeout=60) as client, \
+            grpcclient.InferenceServerClient(server.grpc_url) as grpc_client:
+        for i in range(24):
+            inputs, a = _add_sub_inputs(httpclient, rows=1 + i % 2, offset=100 * i)
+            sent.append((client.async_infer("burst", inputs).get_result, a))
+        for i in range(24):
+            inputs, a = _add_sub_inputs(grpcclient, rows=1 + i % 2, offset=-100 * (i + 1))
+            done = threading.Event()
+            box = {}
+
+            def callback(result, error, box=box, done=done):
+                box["result"], box["error"] = result, error
+                done.set()
+
+            grpc_client.async_infer("burst", inputs, callback)
+            sent.append((lambda box=box, done=done: done.wait(60) and box["error"] is None and box["result"], a))
+        for get, a in sent:
+            result = get()
+            assert result, "no answer (or an error)"
+            np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + 1)
+            np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - 1)
+    stats = _stats(server, "burst")
+    assert stats["inference_stats"]["success"]["count"] == 48
+    assert stats["inference_count"] == 72  # half of them with two rows
+    assert 1 <= stats["execution_count"] <= 48
+    # and one at a time, each alone in its batch: the sub-millisecond wait ends on the fine timer
+    with httpclient.InferenceServerClient(server.http_url) as client:
+        for i in range(3):
+            inputs, a = _add_sub_inputs(httpclient, offset=i)
+            np.testing.assert_array_equal(client.infer("burst", inputs).as_numpy("OUTPUT0"), a + 1)
 
 
 def test_a_bad_input_gets_the_core_paths_error_and_is_counted(server):

@@ -1,0 +1,129 @@
+"""--frontend-direct's data path, without a server: a worker's requests of one loop turn for a model go to one
+instance process (up to its max_batch_size) and leave in one message; an instance process answers a loop turn's
+responses in one message; its batcher waits sub-millisecond delays on a timerfd (the loop's own timers would fire
+at once, round after round, for the whole delay)."""
+
+from __future__ import annotations
+
+import asyncio
+import types
+
+import pytest
+from tideserve import wire
+from tideserve.general_backends.python.direct import _FineTimer
+from tideserve.workers.direct import DirectAnswer, DirectAnswers, DirectLink, DirectRouter, DirectSubmit
+from tritonclient.grpc import model_config_pb2 as mc
+
+
+def _runtime(uid: int, max_batch_size: int):
+    return types.SimpleNamespace(uid=uid, config=mc.ModelConfig(max_batch_size=max_batch_size))
+
+
+class _Transport:
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(bytes(data))
+
+
+def _router(addresses: list[str]) -> DirectRouter:
+    router = DirectRouter(plane=None)
+    for address in addresses:
+        link = router.links[address] = DirectLink(router, address)
+        link.connection_made(_Transport())
+    return router
+
+
+async def _pick(router: DirectRouter, addresses: list[str], runtime) -> DirectLink:
+    link = router._pick(addresses, runtime)
+    link.streams[len(link.streams) + 1000 * id(link)] = object()  # in flight, as route() records it
+    return link
+
+
+def test_one_turns_requests_go_to_one_instance_up_to_its_batch_size_then_the_least_loaded():
+    async def main():
+        addresses = ["a", "b"]
+        router = _router(addresses)
+        model = _runtime(1, max_batch_size=3)
+        first = [await _pick(router, addresses, model) for _ in range(3)]
+        assert first[0] is first[1] is first[2]
+        fourth = await _pick(router, addresses, model)
+        assert fourth is not first[0]  # the first one is full for this turn
+        other = await _pick(router, addresses, _runtime(2, max_batch_size=3))  # another model picks for itself
+        assert other in (first[0], fourth)
+        await asyncio.sleep(0)  # the next turn: the least loaded instance
+        assert await _pick(router, addresses, model) is fourth
+
+    asyncio.run(main())
+
+
+def test_a_model_without_batching_spreads_its_requests():
+    async def main():
+        addresses = ["a", "b"]
+        router = _router(addresses)
+        model = _runtime(1, max_batch_size=0)
+        picked = [await _pick(router, addresses, model) for _ in range(4)]
+        assert picked[0] is not picked[1] and picked[0] is picked[2] and picked[1] is picked[3]
+
+    asyncio.run(main())
+
+
+def test_a_turns_submissions_leave_in_one_message_before_its_cancellations():
+    async def main():
+        router = _router(["a"])
+        link = router.links["a"]
+        for rid in (1, 2, 3):
+            link.submit(wire.Request(rid, "m", "", "", [], [], {}))
+        link.send(wire.Cancel(2))
+        await asyncio.sleep(0)
+        (data,) = link.transport.writes
+        reader = wire.FrameReader(DirectSubmit | wire.Cancel)
+        submit, cancel = reader.feed(data)
+        assert [r.rid for r in submit.requests] == [1, 2, 3]
+        assert cancel == wire.Cancel(2)
+
+    asyncio.run(main())
+
+
+def test_a_batch_of_answers_reaches_each_stream():
+    async def main():
+        router = _router(["a"])
+        link = router.links["a"]
+        got = {}
+        for rid in (7, 8):
+            link.streams[rid] = types.SimpleNamespace(_put=lambda item, rid=rid: got.setdefault(rid, item))
+        answers = DirectAnswers([DirectAnswer(7, wire.Response(id="seven")), DirectAnswer(9, wire.Response()),
+                                 DirectAnswer(8, wire.Response(id="eight"))])
+        link.data_received(wire.frame(answers) + wire.frame(DirectAnswer(8, wire.Response(id="late"))))
+        assert got[7].id == "seven" and got[8].id == "eight"  # 9 is gone: dropped
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_the_fine_timer_wakes_its_waiter_and_a_disarmed_one_stays_asleep(loop):
+    async def main():
+        running = asyncio.get_running_loop()
+        timer = _FineTimer.create(running)
+        assert timer is not None  # Linux
+        try:
+            woken = running.create_future()
+            timer.arm(0.0002, woken)
+            await asyncio.wait_for(woken, 10)
+            disarmed = running.create_future()
+            timer.arm(0.0002, disarmed)
+            timer.disarm(disarmed)
+            again = running.create_future()
+            timer.arm(0.0005, again)  # re-armed for another waiter: only that one wakes
+            await asyncio.wait_for(again, 10)
+            await asyncio.sleep(0.01)
+            assert not disarmed.done()
+        finally:
+            timer.close()
+
+    if loop == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        uvloop.run(main())
+    else:
+        asyncio.run(main())
