@@ -66,6 +66,13 @@ def deadline_late_header(exc: BaseException) -> tuple[bytes, bytes] | None:
     return DEADLINE_LATE_HEADER, value.encode()
 
 
+def send_whole(send, status: int, body: bytes, headers: list) -> bool:
+    """:func:`send_response` where it needs no await (uvicorn's httptools cycle, the answer written at once):
+    True once sent; False, having sent nothing, where ``send_response`` must be awaited."""
+    cycle = getattr(send, "__self__", None)
+    return type(cycle) is _UvicornCycle and _write_whole(cycle, status, body, headers)
+
+
 async def send_response(send, status: int, body: bytes, headers: list) -> None:
     """One complete answer; ``headers`` (a list of byte pairs) gets the Content-Length appended."""
     cycle = getattr(send, "__self__", None)

@@ -22,7 +22,7 @@ from fastapi.responses import Response
 from starlette.routing import Route
 
 from .. import config as config_module
-from ..asgi import JSON_HEADER, ClientGone, cancel_on_disconnect, error_body, send_error, send_response
+from ..asgi import JSON_HEADER, ClientGone, cancel_on_disconnect, error_body, send_error, send_response, send_whole
 from ..classification import classify, read_labels
 from ..errors import InvalidArgument, ServerError, Unsupported, as_server_error
 from ..limits import TensorLimits
@@ -100,18 +100,12 @@ class HttpFrontend:
 
     # -- inference -----------------------------------------------------------------------
     async def infer(self, scope, receive, send, model_name: str, model_version: str) -> None:
-        content_length = header_length = encoding = accept = traceparent = None
-        for key, value in scope["headers"]:
-            if key == b"content-length":
-                content_length = value
-            elif key == b"inference-header-content-length":
-                header_length = value
-            elif key == b"content-encoding":
-                encoding = value
-            elif key == b"accept-encoding":
-                accept = value
-            elif key == b"traceparent":
-                traceparent = value
+        given = dict(scope["headers"])  # the last of a repeated header, as a loop over them would keep
+        content_length = given.get(b"content-length")
+        header_length = given.get(b"inference-header-content-length")
+        encoding = given.get(b"content-encoding")
+        accept = given.get(b"accept-encoding")
+        traceparent = given.get(b"traceparent")
         try:
             if content_length is not None:
                 content_length = parse_length(content_length, "Content-Length")
@@ -172,7 +166,8 @@ class HttpFrontend:
             if chosen is not None:
                 payload = _compress(payload, chosen)
                 headers.append((b"content-encoding", chosen.encode()))
-        await send_response(send, 200, payload, headers)
+        if not send_whole(send, 200, payload, headers):
+            await send_response(send, 200, payload, headers)
 
     def _classifier(self, runtime):
         batched = runtime.config.max_batch_size > 0

@@ -170,6 +170,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._head_received = 0  # bytes read since the head began: a bound on its size
         self._head_count = 0     # headers of the request whose body is being read (more are trailers)
         self._unseen = 0         # bytes read while waiting for a body with none of it seen: trailers
+        self._body_began = False  # the head completed in the read being parsed: the body's wait begins
         self._refusal: tuple[int, str] | None = None
         self._shortest = min(limits.header_timeout, limits.body_timeout, self.timeout_keep_alive)
 
@@ -281,22 +282,33 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        # A head or a body that begins here is timed from here only if this read does not complete it (the
+        # usual request arrives whole in one read: its two waits cost nothing).
         waiting = self._waiting
+        head_began = False
         if waiting == _IDLE or waiting == _KEPT:  # the next request's first bytes
             self._head_received = len(data)
-            self._wait_for(_HEAD, self.limits.header_timeout)
+            self._waiting = _HEAD
+            head_began = True
         elif waiting == _HEAD:
             self._head_received += len(data)
         else:  # more of a body
             self._deadline = self.loop.time() + self.limits.body_timeout
             self._unseen += len(data)
+        self._body_began = False
         super().data_received(data)
-        if self._waiting == _IDLE or self.transport.is_closing():
+        waiting = self._waiting
+        if waiting == _IDLE or self.transport.is_closing():
             return
-        if self._waiting == _HEAD:
+        if waiting == _HEAD:
+            if head_began:
+                self._wait_for(_HEAD, self.limits.header_timeout)
             if self._head_received > self.limits.max_header_size:
                 self._answer(431, self._too_large(self._head_received))  # a header that does not end
-        elif self._unseen > self.limits.max_header_size or \
+            return
+        if self._body_began:
+            self._wait_for(_BODY, self.limits.body_timeout)
+        if self._unseen > self.limits.max_header_size or \
                 len(self.headers) - self._head_count > self.limits.max_header_count:
             # a chunked body's trailers: held to the limits of a head
             self._answer(431, "the request's trailers take more than the limits of its headers "
@@ -315,7 +327,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._check_head()
         self._head_count = len(self.headers)
         self._unseen = 0
-        self._wait_for(_BODY, self.limits.body_timeout)
+        self._waiting = _BODY  # timed once the read that brought the head is parsed (data_received)
+        self._body_began = True
         super().on_headers_complete()
 
     def on_body(self, body: bytes) -> None:
