@@ -14,13 +14,15 @@ that delta unparsed, so the client's own JSON work at the first token is alike t
 events). Beside them, the CPU time of the tideserve process (the HTTP frontend, the API code and vLLM's output
 processing; the engine's own process left out) per output token: the API's own cost, which a loaded machine disturbs
 less than the rates, and the CPU time of this client per output token (it shares the machine's cores with the
-engine, so a client that costs more per event would slow the engine of its side). ``bench/responses_delta_cost.py``
-measures the two APIs' stream writers alone, per delta; ``bench/responses_ttft_probe.py`` splits the time to the
-first text inside the server, phase by phase, for both APIs. Responses are sent with ``store: false`` (chat stores
-nothing); ``--store`` sends ``store: true`` and so measures the SQLite store too. Each side reports the median of
-each measure over its rounds; the ratios are responses / chat, against the targets of issue 23 (>= 0.95x output
-tok/s, TTFT p50 <= 1.05x). Beside them, the throughput ratio within each round (its two sides run back to back) and
-their median, which what drifts between rounds moves less.
+engine, so a client that costs more per event would slow the engine of its side). And the text events per output
+token: under 1 where the server joined the deltas of a stream it read late (fewer, longer events, each a write),
+which lowers the CPU per token of that side. ``bench/responses_delta_cost.py`` measures the two APIs' stream writers
+alone, per delta; ``bench/responses_ttft_probe.py`` splits the time to the first text inside the server, phase by
+phase, for both APIs. Responses are sent with ``store: false`` (chat stores nothing); ``--store`` sends ``store:
+true`` and so measures the SQLite store too. Each side reports the median of each measure over its rounds; the
+ratios are responses / chat, against the targets of issue 23 (>= 0.95x output tok/s, TTFT p50 <= 1.05x). Beside
+them, the throughput ratio within each round (its two sides run back to back) and their median, which what drifts
+between rounds moves less.
 
     python bench/responses_vs_chat.py [--streams 32] [--tokens 768] [--rounds 6] [--size tiny|100m] [--store]
 
@@ -76,11 +78,13 @@ def run_round(port: int, side: str, texts: list[str], tokens: int, store: bool, 
     if summary["failed"] or summary["truncated"]:
         raise RuntimeError(f"{side}: {summary['failed']} failed, {summary['truncated']} truncated: "
                            f"{summary['errors'] or summary['truncations']}")
+    produced = max(summary["total_output_tokens"], 1)
     return {"output_tokens": summary["total_output_tokens"], "wall_s": summary["duration_s"],
             "tokens_per_s": summary["output_throughput"], "ttft_p50_s": summary["ttft_ms"]["median"] / 1000,
             "itl_p50_s": summary["itl_ms"]["median"] / 1000, "load_average": os.getloadavg()[0],
-            "server_cpu_us_per_token": cpu * 1e6 / max(summary["total_output_tokens"], 1),
-            "client_cpu_us_per_token": client * 1e6 / max(summary["total_output_tokens"], 1), "texts": result.texts}
+            "server_cpu_us_per_token": cpu * 1e6 / produced, "client_cpu_us_per_token": client * 1e6 / produced,
+            # text events per output token: below 1 where the server joined the deltas of a stream it read late
+            "events_per_token": sum(len(r.chunk_times) for r in result.records) / produced, "texts": result.texts}
 
 
 def main() -> None:
@@ -123,13 +127,13 @@ def main() -> None:
                 runs[side].append(result)
                 print(f"round {index + 1} {side:9s} {result['tokens_per_s']:8.1f} tok/s  TTFT p50 "
                       f"{result['ttft_p50_s']:.3f}s  ITL p50 {result['itl_p50_s'] * 1000:.1f}ms  server CPU "
-                      f"{result['server_cpu_us_per_token']:.1f} us/token  (load average "
-                      f"{result['load_average']:.1f})", flush=True)
+                      f"{result['server_cpu_us_per_token']:.1f} us/token, {result['events_per_token']:.2f} "
+                      f"events/token  (load average {result['load_average']:.1f})", flush=True)
     finally:
         stop_process(proc)
 
     keys = ("output_tokens", "wall_s", "tokens_per_s", "ttft_p50_s", "itl_p50_s", "server_cpu_us_per_token",
-            "client_cpu_us_per_token")
+            "client_cpu_us_per_token", "events_per_token")
     rows = {side: {k: statistics.median(r[k] for r in rs) for k in keys} for side, rs in runs.items()}
     chat, responses = rows["chat"], rows["responses"]
     def ratio(key: str) -> float:  # (an ITL median is 0 where the client reads several events at once)
@@ -143,11 +147,12 @@ def main() -> None:
     ratios["tokens_per_s_paired_median"] = statistics.median(paired)
     same_text = sum(a == b for a, b in zip(runs["chat"][0]["texts"], runs["responses"][0]["texts"]))
     print("\n| API | output tok/s | TTFT p50 (s) | ITL p50 (ms) | server CPU (us/token) | client CPU (us/token) "
-          "| tok/s per round |\n|---|---|---|---|---|---|---|")
+          "| text events / token | tok/s per round |\n|---|---|---|---|---|---|---|---|")
     for side, row in rows.items():
         per_round = " / ".join(f"{r['tokens_per_s']:.0f}" for r in runs[side])
         print(f"| {side} | {row['tokens_per_s']:.1f} | {row['ttft_p50_s']:.3f} | {row['itl_p50_s'] * 1000:.1f} "
-              f"| {row['server_cpu_us_per_token']:.1f} | {row['client_cpu_us_per_token']:.1f} | {per_round} |")
+              f"| {row['server_cpu_us_per_token']:.1f} | {row['client_cpu_us_per_token']:.1f} "
+              f"| {row['events_per_token']:.3f} | {per_round} |")
     print(f"\nresponses / chat: throughput {ratios['tokens_per_s']:.3f}x (target >= 0.95x: "
           f"{'met' if ratios['tokens_per_s'] >= 0.95 else 'NOT met'}), TTFT p50 {ratios['ttft_p50']:.3f}x (target "
           f"<= 1.05x: {'met' if ratios['ttft_p50'] <= 1.05 else 'NOT met'}), ITL p50 {ratios['itl_p50']:.3f}x, "
