@@ -286,7 +286,11 @@ def test_instances_run_in_parallel(model, parallel, tideserve):
         slow.join(30)
     assert set(finished) == {"slow", "fast"}
     assert finished["slow"] > sent, "the long request ended before the short one was sent: make it longer"
-    assert (finished["fast"] < finished["slow"]) is parallel
+    if parallel:
+        assert finished["fast"] < finished["slow"]
+    else:  # the short request waited for the long one: both answers leave together, and which of the two client
+        # threads reads its answer first is a race of its own, so allow the slow one's thread a moment's lead
+        assert finished["fast"] > finished["slow"] - 0.1
 
 
 def test_output_datatype_mismatch_is_a_clear_error(grpc):
