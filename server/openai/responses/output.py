@@ -8,8 +8,9 @@ OpenAI's events: ``response.output_item.added``, ``response.content_part.added``
 then the matching ``.done`` events and ``response.output_item.done``; the items it finishes are built by
 the same functions as the whole answer's, so the streamed events rebuild the non-streamed response.
 :class:`EventWriter` numbers the events and writes their bytes; a text delta that continues an open item
-(:meth:`OutputStream.more_text`: nearly every token) is written from a per-item template, so the tokens of a
-plain answer cost what a chat completion chunk costs.
+(:meth:`OutputStream.more_text`, or a plain answer's message item held by the stream's reader: nearly every token)
+is written from a per-item template, so the tokens of a plain answer cost what a chat completion chunk costs
+(``bench/responses_delta_cost.py``).
 """
 
 from __future__ import annotations
