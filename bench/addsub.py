@@ -7,7 +7,8 @@ add_sub model, two FP32 [4] inputs, max_batch_size 8, dynamic batching, 2 CPU in
     python bench/addsub.py [--concurrency 1 8 32] [--http-format json|binary]
                            [--servers triton tideserve:w1 tideserve:w2]
 
-``tideserve:wN`` runs tideserve with ``--frontend-workers N``, ``tideserve:wN:direct`` adds ``--frontend-direct on``
+``tideserve:wN`` runs tideserve with ``--frontend-workers N --frontend-direct off``, ``tideserve:wN:direct`` with
+``--frontend-direct on``
 (the workers send add_sub's requests straight to its instance processes); ``tideserve:wN@PATH`` runs it from another
 checkout of this repository at PATH (an A/B of two commits in one run: ``git worktree add /tmp/prev HEAD~``,
 then ``--servers tideserve:w1@/tmp/prev tideserve:w1``). Besides throughput and latency it reports
@@ -143,8 +144,7 @@ def start_server(kind: str, repo: Path, log: Path, model: str = "add_sub",
     if kind.startswith("tideserve"):
         _, _, workers = kind.partition(":w")
         workers, _, mode = workers.partition(":")
-        if mode == "direct":
-            args = (*args, "--frontend-direct", "on")
+        args = (*args, "--frontend-direct", "on" if mode == "direct" else "off")
         cmd = [sys.executable, "-m", "tideserve.cli", "--model-repository", str(repo), *ports,
                "--frontend-workers", workers or "1", *args]
     else:

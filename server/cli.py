@@ -47,8 +47,11 @@ def _count(text: str, least: int = 1) -> int:
     return value
 
 
-def _on_off(text: str) -> bool:
-    return _bool(text, "on or off")
+def _on_off_auto(text: str) -> bool | None:
+    """``on`` / ``off`` (and the other boolean spellings), or ``auto``: None, decided once the rest is known."""
+    if text.strip().lower() == "auto":
+        return None
+    return _bool(text, "on, off or auto")
 
 
 def _workers(text: str) -> int:
@@ -291,12 +294,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="processes that serve the HTTP and gRPC ports (same ports, shared), each talking to the core "
                         "process that runs the models; 1 serves them in the core process itself. 'auto' "
                         "(default): one per two cores, at most 8")
-    p.add_argument("--frontend-direct", type=_on_off, default=False, metavar="on|off",
+    p.add_argument("--frontend-direct", type=_on_off_auto, default=None, metavar="on|off|auto",
                    help="with more than one frontend worker: plain inference requests to Python models (process "
                         "mode; no sequence batching, response cache, ensemble or --rate-limit) go from the worker "
                         "straight to the model's instance processes, which batch them with the model's "
                         "dynamic_batching settings (one queue per instance), instead of through the core process. "
-                        "Default off")
+                        "'auto' (default): on whenever there is more than one frontend worker")
     p.add_argument("--log-verbose", type=int, default=0, help="0: info, 1 or more: debug")
     p.add_argument("--version", action="version", version=f"tideserve {__version__}")
     return p
@@ -341,7 +344,8 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
                                      args.response_store_max_bytes),
         mcp=_mcp_settings(args),
         log_verbose=args.log_verbose, api_key=args.api_key, freeze_heap=True,
-        frontend_workers=args.frontend_workers, frontend_direct=args.frontend_direct,
+        frontend_workers=args.frontend_workers,
+        frontend_direct=args.frontend_workers > 1 if args.frontend_direct is None else args.frontend_direct,
         openapi=args.openapi if args.openapi is not None else not args.http_restricted_api,
         metrics_address=args.metrics_address, api_key_scope=scope,
         http_restricted_apis=parse_restrictions(args.http_restricted_api, "--http-restricted-api"),

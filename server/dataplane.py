@@ -334,6 +334,7 @@ class DataPlane(ServingInterface):
     # -- load and caches (GET /load, the ORCA header, POST /reset_prefix_cache) ------------------
     async def load_report(self, model_name: str = "") -> dict[str, Any]:
         runtimes = [self.repository.get(model_name)] if model_name else self._ready_runtimes()
+        await self._refresh_direct(runtimes)
         return load_report.report(runtimes)
 
     async def reset_prefix_cache(self, model_name: str = "", reset_running_requests: bool = False) -> dict[str, Any]:

@@ -27,7 +27,9 @@ ORCA_METRICS = ("kv_cache_usage_perc", "num_requests_waiting")  # the named metr
 
 
 def model_load(runtime: ModelRuntime) -> dict[str, Any]:
-    """One model version's figures."""
+    """One model version's figures. With --frontend-direct, the requests the model's instance processes took
+    straight from the frontend workers count too (as of their last counters: ``DataPlane.load_report`` asks for
+    them first)."""
     inflight = runtime.inflight
     engine = runtime.model.engine_load()
     if engine is not None:
@@ -37,6 +39,10 @@ def model_load(runtime: ModelRuntime) -> dict[str, Any]:
     else:
         scheduler = runtime.scheduler
         waiting = min(inflight, scheduler.pending()) if scheduler is not None else 0
+        for counters in getattr(runtime.stats, "remote", {}).values():
+            direct = int(counters.get("inflight", 0))
+            inflight += direct
+            waiting += min(direct, int(counters.get("pending", 0)))
         running, usage = inflight - waiting, 0.0
     return {"model_name": runtime.name, "version": str(runtime.version), "server_load": inflight,
             "num_requests_running": running, "num_requests_waiting": waiting, "kv_cache_usage_perc": usage}

@@ -80,9 +80,10 @@ def start_server(repositories: list[Path], *extra_args: str, tmp_dir: Path, read
     # the protocol tests run a second time with frontend worker processes (.ci/run; see docs/architecture.md)
     if "--frontend-workers" not in extra_args:  # not the core count's default: the same on every machine
         args += ["--frontend-workers", os.environ.get("TIDESERVE_TEST_FRONTEND_WORKERS") or "1"]
-    # ... and once more with --frontend-direct on (TIDESERVE_TEST_FRONTEND_DIRECT=1: `make test`'s third pass)
-    if "--frontend-direct" not in extra_args and os.environ.get("TIDESERVE_TEST_FRONTEND_DIRECT") == "1":
-        args += ["--frontend-direct", "on"]
+    # ... through the core (the second pass: --frontend-direct off), and once more with --frontend-direct on
+    # (TIDESERVE_TEST_FRONTEND_DIRECT=1: `make test`'s third pass); a test that names neither gets the default
+    if "--frontend-direct" not in extra_args and os.environ.get("TIDESERVE_TEST_FRONTEND_WORKERS"):
+        args += ["--frontend-direct", "on" if os.environ.get("TIDESERVE_TEST_FRONTEND_DIRECT") == "1" else "off"]
     log_path = tmp_dir / f"tideserve-{http_port}.log"
     log_file = open(log_path, "ab")  # a server restarted on the same ports logs after its predecessor
     process = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT,

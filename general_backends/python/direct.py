@@ -299,6 +299,7 @@ class DirectServer:
     def counters(self) -> dict:
         counters = self.stats.export()
         counters["pending"] = self.scheduler.pending()  # nv_inference_pending_request_count, as of now
+        counters["inflight"] = self.inflight  # GET /load's server_load, as of now
         return counters
 
     async def drain(self, timeout: float) -> dict:

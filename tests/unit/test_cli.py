@@ -80,3 +80,16 @@ def test_backend_config_flags_parse_as_tritonserver_takes_them():
     for bad in ("python", "python,", "python,=3", "a,b,c=1"):
         with pytest.raises(ValueError, match="--backend-config option format is '<backend name>,<setting>=<value>'"):
             backend_settings([bad])
+
+
+def test_frontend_direct_follows_the_worker_count_unless_named():
+    def options(*flags):
+        return options_from_args(build_parser().parse_args(["--model-repository", "x", *flags]))
+
+    assert options("--frontend-workers", "1").frontend_direct is False
+    assert options("--frontend-workers", "4").frontend_direct is True  # auto: on with more than one worker
+    assert options("--frontend-workers", "4", "--frontend-direct", "auto").frontend_direct is True
+    assert options("--frontend-workers", "4", "--frontend-direct", "off").frontend_direct is False
+    assert options("--frontend-workers", "1", "--frontend-direct", "on").frontend_direct is True
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--model-repository", "x", "--frontend-direct", "sometimes"])
