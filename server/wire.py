@@ -163,7 +163,10 @@ def _element(item: Any) -> bytes:
 
 
 def _is_bytes(tensor: CoreTensor, data: np.ndarray) -> bool:
-    return tensor.datatype == "BYTES" or data.dtype == np.object_
+    return tensor.datatype == "BYTES" or data.dtype.kind == "O"
+
+
+_COPY_MAX = 4096  # inline data up to this size is copied out at once (cheaper than a memoryview of it)
 
 
 def inline_tensor(tensor: CoreTensor) -> Tensor:
@@ -174,9 +177,12 @@ def inline_tensor(tensor: CoreTensor) -> Tensor:
     if _is_bytes(tensor, data):
         return Tensor(tensor.name, tensor.datatype, "|O", tuple(data.shape), [_element(x) for x in data.reshape(-1)],
                       parameters=tensor.parameters or {})
-    if not data.flags.c_contiguous:
-        data = np.ascontiguousarray(data)
-    body = memoryview(data).cast("B") if data.ndim and data.size else data.tobytes()
+    if data.nbytes <= _COPY_MAX:
+        body = data.tobytes()  # C order whatever the array's
+    else:
+        if not data.flags.c_contiguous:
+            data = np.ascontiguousarray(data)
+        body = memoryview(data).cast("B") if data.ndim and data.size else data.tobytes()
     return Tensor(tensor.name, tensor.datatype, data.dtype.str, tuple(data.shape), body,
                   parameters=tensor.parameters or {})
 
@@ -263,15 +269,16 @@ def core_tensor(tensor: Tensor, block: np.ndarray | None = None) -> CoreTensor:
     """The core tensor ``tensor`` describes: an array over its inline bytes, or over ``block`` (the message's block,
     a uint8 array) where it lies there; BYTES elements are copied out."""
     shape = tuple(tensor.shape)
-    if not tensor.dtype:
+    dtype = tensor.dtype
+    if not dtype:
         data = None
     elif tensor.offset == INLINE:
-        if tensor.dtype == "|O":
+        if dtype == "|O":
             data = np.empty(len(tensor.data), np.object_)
             data[:] = tensor.data
             data = data.reshape(shape)
         else:
-            data = np.frombuffer(tensor.data, _dtype(tensor.dtype)).reshape(shape)
+            data = np.frombuffer(tensor.data, _DTYPES.get(dtype) or _dtype(dtype)).reshape(shape)
     elif tensor.dtype == "|O":
         count = int(np.prod(shape)) if shape else 1
         if not count:  # no elements: nothing in the block (there may be no block)
@@ -289,7 +296,7 @@ def core_tensor(tensor: Tensor, block: np.ndarray | None = None) -> CoreTensor:
         data = block[tensor.offset:tensor.offset + tensor.nbytes].view(_dtype(tensor.dtype)).reshape(shape)
     else:
         data = np.empty(shape, _dtype(tensor.dtype))
-    return CoreTensor(tensor.name, tensor.datatype, shape, data, dict(tensor.parameters))
+    return CoreTensor(tensor.name, tensor.datatype, shape, data, dict(tensor.parameters) if tensor.parameters else {})
 
 
 # -- requests and responses -----------------------------------------------------------------------------------

@@ -487,7 +487,7 @@ def encode_response(response: InferenceResponse, decoded: DecodedRequest, classi
         elif datatype == "BF16":
             raise InvalidArgument(f"output '{tensor.name}': BF16 outputs can only be returned as binary data")
         else:
-            entry["data"] = np.ascontiguousarray(array).reshape(-1)
+            entry["data"] = array.ravel()  # contiguous, as orjson needs (a copy only where it is not)
         outputs.append(entry)
     doc: dict[str, Any] = {}
     if response.id:
