@@ -195,7 +195,8 @@ class ModelRuntime:
     # -- requests ------------------------------------------------------------------------
     def request_started(self) -> None:
         self.inflight += 1
-        self._idle.clear()
+        if self.inflight == 1:  # no longer idle (set by request_finished at 0)
+            self._idle.clear()
 
     def request_finished(self) -> None:
         self.inflight -= 1
@@ -203,7 +204,7 @@ class ModelRuntime:
             self._idle.set()
 
     def enqueue(self, request: InferenceRequest) -> None:
-        if self.state is not ModelState.READY:
+        if self._state is not ModelState.READY:
             raise Unavailable(f"model '{self.name}' version {self.version} is not ready")
         request.queue_start_ns = time.monotonic_ns()
         self.scheduler.enqueue(request)
@@ -240,9 +241,13 @@ class ModelRuntime:
                 if request.trace is not None:
                     request.trace.compute_done(end)
         if record:  # rows never queued (a sequence batch's padding) are in the batch size, not inferences
-            queued = [r for r in requests if r.queue_start_ns]
-            stats.record_execution(sum(r.batch_size for r in requests), len(queued), 0, end - start, 0,
-                                   sum(r.batch_size for r in queued))
+            rows = inferences = queued = 0
+            for request in requests:
+                rows += request.batch_size
+                if request.queue_start_ns:
+                    queued += 1
+                    inferences += request.batch_size
+            stats.record_execution(rows, queued, 0, end - start, 0, inferences)
         if error is not None:
             for request in requests:
                 request.response_sender.send_error(error)
