@@ -219,12 +219,18 @@ class ModelRuntime:
         start = time.monotonic_ns()
         stats = self.stats
         traced = False
+        waited = queued = rows = inferences = 0  # rows never queued (a sequence batch's padding) are no inferences
         for request in requests:
+            rows += request.batch_size
             if request.queue_start_ns:
-                stats.record_queue(start - request.queue_start_ns)
+                waited += start - request.queue_start_ns
+                queued += 1
+                inferences += request.batch_size
             if request.trace is not None:
                 request.trace.compute = (start, 0)
                 traced = True
+        if queued:
+            stats.record_queue(waited, queued)
         try:
             if slot.is_async:
                 result = await slot.instance.execute(requests)
@@ -240,13 +246,7 @@ class ModelRuntime:
             for request in requests:
                 if request.trace is not None:
                     request.trace.compute_done(end)
-        if record:  # rows never queued (a sequence batch's padding) are in the batch size, not inferences
-            rows = inferences = queued = 0
-            for request in requests:
-                rows += request.batch_size
-                if request.queue_start_ns:
-                    queued += 1
-                    inferences += request.batch_size
+        if record:
             stats.record_execution(rows, queued, 0, end - start, 0, inferences)
         if error is not None:
             for request in requests:

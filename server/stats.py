@@ -105,11 +105,16 @@ class ModelStats:
         success.count += 1
         success.ns += elapsed_ns
         self.last_inference_ms = int(time.time() * 1000)
-        if self.latency is not None:
+        latency = self.latency
+        if latency is not None:  # LatencyHistogram.observe, the bucket found once for both histograms
             ms = elapsed_ns / 1e6
-            self.latency.observe(ms)
+            bucket = bisect.bisect_left(LATENCY_BUCKETS_MS, ms)
+            latency.counts[bucket] += 1
+            latency.sum += ms
             if first:
-                self.first_response.observe(ms)
+                first_response = self.first_response
+                first_response.counts[bucket] += 1
+                first_response.sum += ms
 
     def record_failure(self, elapsed_ns: int, reason: str) -> None:
         self.fail.add(elapsed_ns)
@@ -123,8 +128,9 @@ class ModelStats:
         self.cache_miss.add(lookup_and_insert_ns)
 
     # -- recorded by the schedulers --------------------------------------------------------
-    def record_queue(self, ns: int) -> None:
-        self.queue.add(ns)
+    def record_queue(self, ns: int, count: int = 1) -> None:
+        """``count`` requests waited ``ns`` in all in the queue."""
+        self.queue.add(ns, count)
 
     def record_execution(self, batch_size: int, requests: int, input_ns: int, infer_ns: int,
                          output_ns: int, inferences: int | None = None) -> None:
