@@ -290,9 +290,15 @@ def loop_thread_use(sched: list) -> dict:
     wait for a CPU within one sampling interval (ms): a loop that waits for a CPU fires its timers late however
     little work it has."""
     engine = [x for x in sched if x[0] == "engine"]
-    sched = [x for x in sched if x[0] != "engine"]
+    server = [x for x in sched if x[0] == "server"]
+    probe = [x for x in sched if x[0] == "probe"]
+    sched = [x for x in sched if x[0] not in ("engine", "server", "probe")]
     out = {"engine_cpu_cores": engine[0][1] if engine else float("nan"),
-           "engine_wait_cores": engine[0][2] if engine else float("nan")}
+           "engine_wait_cores": engine[0][2] if engine else float("nan"),
+           # the server's own process, every thread (loop, tokenizer threads, vLLM's output handling)
+           "server_cpu_cores": server[0][1] if server else float("nan"),
+           "server_wait_cores": server[0][2] if server else float("nan"),
+           **{f"probe_{k}": v for k, v in (probe[0][1] if probe else {}).items()}}
     if len(sched) < 2:
         return {**out, "loop_cpu_share": float("nan"), "loop_wait_share": float("nan"),
                 "loop_wait_max_ms": float("nan")}
@@ -302,9 +308,17 @@ def loop_thread_use(sched: list) -> dict:
             "loop_wait_share": (sched[-1][2] - sched[0][2]) / wall, "loop_wait_max_ms": max(waits) / 1e6}
 
 
+def probe_counts(path: Path | None) -> dict[str, int]:
+    """The server's deadline probe counts (``TIDESERVE_DEADLINE_PROBE_FILE``; {} where unreadable)."""
+    try:
+        return json.loads(path.read_text()) if path is not None else {}
+    except (OSError, ValueError):
+        return {}
+
+
 def run_side(pool: ProcessPoolExecutor, processes: int, base: str, api: str, steady: int, flood: int, tokens: int,
              deadline_ms: float, duration: float, retry_s: float, pid: int | None = None,
-             sched: list | None = None) -> tuple[list[dict], list[float], list]:
+             sched: list | None = None, probe: Path | None = None) -> tuple[list[dict], list[float], list]:
     """The side's clients, spread over ``processes`` client processes (each its own event loop), for ``duration``
     seconds from now (CLOCK_MONOTONIC: one clock for all of them), and the server's load sampled meanwhile."""
     roles = [("steady", i) for i in range(steady)] + [("flood", steady + i) for i in range(flood)]
@@ -315,6 +329,7 @@ def run_side(pool: ProcessPoolExecutor, processes: int, base: str, api: str, ste
                                                          pid), daemon=True)
     engine = descendants(pid) if pid is not None else []
     engine_before, started = processes_schedstat(engine), time.monotonic()
+    server_before, counts_before = processes_schedstat([pid] if pid is not None else []), probe_counts(probe)
     sampler.start()
     results = list(pool.map(_client_process, [(base, api, share, tokens, deadline_ms, until, retry_s)
                                               for share in shares]))
@@ -322,6 +337,9 @@ def run_side(pool: ProcessPoolExecutor, processes: int, base: str, api: str, ste
     if sched is not None and engine:  # the engine's processes (all their threads): CPU and run-queue wait, in cores
         engine_after, wall = processes_schedstat(engine), (time.monotonic() - started) * 1e9
         sched.append(("engine", (engine_after[0] - engine_before[0]) / wall, (engine_after[1] - engine_before[1]) / wall))
+        server_after, counts_after = processes_schedstat([pid]), probe_counts(probe)
+        sched.append(("server", (server_after[0] - server_before[0]) / wall, (server_after[1] - server_before[1]) / wall))
+        sched.append(("probe", {k: v - counts_before.get(k, 0) for k, v in counts_after.items()}))
     return [r for out, _ in results for r in out], [x for _, lags in results for x in lags], samples
 
 
@@ -434,6 +452,9 @@ def main() -> None:
     env = engine_env(work)
     if args.probe:
         env["TIDESERVE_DEADLINE_PROBE"] = "1"  # refusals say how long the loop waited for a CPU (see loop_thread_use)
+        # and the server counts what the engine scheduled for requests then refused (engine.DeadlineProbe)
+        env["TIDESERVE_DEADLINE_PROBE_FILE"] = str(work / "deadline-probe.json")
+    probe_file = work / "deadline-probe.json" if args.probe else None
     model = make_model(args.model_dir / args.size, args.size)
     repo = write_vllm_repository(work, model, args.max_num_seqs, args.max_queue_size)
     holds = args.max_num_seqs + args.max_queue_size
@@ -468,7 +489,7 @@ def main() -> None:
                     sched: list = []
                     requests, lags, load = run_side(pool, args.client_processes, base, api, args.max_num_seqs,
                                               flood if side == "flooded" else 0, args.tokens, args.deadline_ms,
-                                              args.duration, args.retry_ms / 1000, proc.pid, sched)
+                                              args.duration, args.retry_ms / 1000, proc.pid, sched, probe_file)
                     sides[api][side].append((requests, lags, load))
                     row = summarize(requests, lags, load, args.duration, args.deadline_ms, args.ttft_slo)
                     row.update(loop_thread_use(sched))
@@ -486,7 +507,12 @@ def main() -> None:
                           f"{row['waiting_mean']:.1f}; client loop lag p99 {row['client_lag_p99_ms']:.1f} ms (max {row['client_lag_max_ms']:.0f}); server "
                           f"loop thread on a CPU {row['loop_cpu_share']:.0%}, waiting for one {row['loop_wait_share']:.0%} "
                           f"(most in one sampling interval: {row['loop_wait_max_ms']:.0f} ms); engine processes on a CPU "
-                          f"{row['engine_cpu_cores']:.2f} cores, waiting for one {row['engine_wait_cores']:.2f}", flush=True)
+                          f"{row['engine_cpu_cores']:.2f} cores, waiting for one {row['engine_wait_cores']:.2f}; server "
+                          f"process {row['server_cpu_cores']:.2f} cores (waiting {row['server_wait_cores']:.2f}); engine "
+                          f"scheduled {row.get('probe_scheduled', '?')} in {row.get('probe_steps', '?')} steps, first "
+                          f"tokens before the deadline {row.get('probe_started', '?')}, refused "
+                          f"{row.get('probe_expired', '?')} (rendering {row.get('probe_expired_rendering', '?')}, "
+                          f"prefill run {row.get('probe_expired_with_tokens', '?')})", flush=True)
     finally:
         pool.shutdown()
         stop_process(proc)
@@ -535,6 +561,9 @@ def main() -> None:
             summary[api][side]["loop_cpu_share"] = sum(r["loop_cpu_share"] for r in rows) / len(rows)
             summary[api][side]["loop_wait_share"] = sum(r["loop_wait_share"] for r in rows) / len(rows)
             summary[api][side]["engine_cpu_cores"] = sum(r["engine_cpu_cores"] for r in rows) / len(rows)
+            summary[api][side]["server_cpu_cores"] = sum(r["server_cpu_cores"] for r in rows) / len(rows)
+            for key in [k for k in rows[0] if k.startswith("probe_")]:
+                summary[api][side][key] = sum(r.get(key, 0) for r in rows)
         s = summary[api]
         print(f"{api}: server loop thread on a CPU / waiting for one: unflooded {s['unflooded']['loop_cpu_share']:.0%} / "
               f"{s['unflooded']['loop_wait_share']:.0%}, flooded {s['flooded']['loop_cpu_share']:.0%} / "

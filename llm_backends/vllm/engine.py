@@ -8,7 +8,10 @@ which is the server's.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +39,38 @@ class EngineState:
     kv_cache_usage: float = 0.0  # fraction of KV-cache blocks in use, 0 to 1
 
 
+class DeadlineProbe:
+    """For measurements only (``TIDESERVE_DEADLINE_PROBE_FILE``: a path): what an admission flood costs the
+    engine. Counts, since the server started: ``scheduled`` (requests the engine's scheduler admitted for the
+    first time: their prefill started), ``steps`` (engine steps), ``started`` (requests whose first token the
+    server saw before their deadline), ``placed`` (requests that reached their deadline with a place in the
+    engine, :mod:`.placement`: they ran on), ``expired`` (refused at the deadline), ``expired_rendering`` (of those,
+    refused while their prompt was still rendering: never sent to the engine) and ``expired_with_tokens`` (of
+    those, ones whose first token then reached the server: the engine had run their prefill). Written to the
+    file as JSON at most every 0.1 s (from the engine's stat logger, on the server's loop); scheduled minus
+    started is what the engine scheduled for requests it was then told to abort."""
+
+    path = os.environ.get("TIDESERVE_DEADLINE_PROBE_FILE", "")
+    counts = dict.fromkeys(("scheduled", "preempted", "steps", "started", "placed", "expired", "expired_rendering",
+                            "expired_with_tokens"), 0)
+    _written = 0.0
+
+    @classmethod
+    def count(cls, key: str, n: int = 1) -> None:
+        if cls.path:
+            cls.counts[key] += n
+
+    @classmethod
+    def write(cls) -> None:
+        now = time.monotonic()
+        if now - cls._written >= 0.1:
+            cls._written = now
+            tmp = f"{cls.path}.tmp"
+            with open(tmp, "w") as out:
+                json.dump(cls.counts, out)
+            os.replace(tmp, cls.path)
+
+
 class _StateLogger(StatLoggerBase):
     """A vLLM stat logger that hands each step's scheduler stats to a callback (on the engine's loop)."""
 
@@ -49,6 +84,12 @@ class _StateLogger(StatLoggerBase):
             running=scheduler_stats.num_running_reqs,
             waiting=scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs,
             kv_cache_usage=scheduler_stats.kv_cache_usage))
+        if DeadlineProbe.path:
+            DeadlineProbe.count("steps")
+            if (cache := scheduler_stats.prefix_cache_stats) is not None:
+                DeadlineProbe.count("scheduled", cache.requests)
+                DeadlineProbe.count("preempted", cache.preempted_requests)
+            DeadlineProbe.write()
 
     def log_engine_initialized(self) -> None:
         pass

@@ -38,9 +38,11 @@ from tideserve.backend_api import (
     Unavailable,
 )
 
+from .engine import DeadlineProbe
 from .inputs import RETURN_CACHED_TOKENS, parse_inputs
 from .lora import LORA_NAME, Adapters
 from .outputs import ResponseBuilder
+from .placement import EngineOrder
 from .sampling import fit_to_context, make_sampling_params
 
 log = logging.getLogger(__name__)
@@ -213,8 +215,8 @@ class _Deadline:
     clock read at the start of its turn, so one can fire up to a millisecond early: then it is set again for the
     rest, and no request is refused before its deadline."""
 
-    __slots__ = ("abort", "deadline_ns", "expired", "handle", "limit_ms", "loop", "model_name", "reaborted",
-                 "request", "started")
+    __slots__ = ("abort", "deadline_ns", "engine_id", "expired", "handle", "limit_ms", "loop", "model_name",
+                 "order", "reaborted", "request", "started")
 
     def __init__(self, request: InferenceRequest, deadline_ns: int, limit_ms: float, abort: _Abort,
                  model_name: str) -> None:
@@ -226,6 +228,8 @@ class _Deadline:
         self.started = False
         self.expired = False
         self.reaborted = False
+        self.order: EngineOrder | None = None  # once added to the engine: its order there, and its id
+        self.engine_id = ""
         self.loop = asyncio.get_running_loop()
         self.handle = self.loop.call_later(max(0.0, (deadline_ns - time.monotonic_ns()) / 1e9), self._expire)
         _probe(self.loop)
@@ -237,7 +241,14 @@ class _Deadline:
         if now < self.deadline_ns:  # the timer came early: wait for the rest
             self.handle = self.loop.call_later((self.deadline_ns - now) / 1e9, self._expire)
             return
+        if self.order is not None:
+            if self.order.placed(self.engine_id):  # the engine runs it or takes it in at its next step: it started
+                self.started = True
+                DeadlineProbe.count("placed")
+                return
+            self.order.remove(self.engine_id)  # refused: no longer ahead of the requests after it
         self.expired = True
+        DeadlineProbe.count("expired")
         error = deadline_error(self.model_name, self.limit_ms, self.deadline_ns, now)
         if (probe := _probe(self.loop)) is not None:
             error.cpu_wait_ns = probe.waited_since(self.deadline_ns)
@@ -274,6 +285,9 @@ class Generator:
         # "scheduling_policy": "priority"; lower values first, as vLLM orders them); otherwise it is ignored
         self.priority_scheduling = engine.vllm_config.scheduler_config.policy == "priority"
         self.tokenizing = _Tokenizing(engine.renderer)
+        # the requests in the engine in the order added: at its deadline, one the engine has a place for started
+        self.order = EngineOrder(engine.vllm_config.scheduler_config.max_num_seqs,
+                                 enabled=not self.priority_scheduling)
 
     async def run(self, request: InferenceRequest) -> None:
         sender = request.response_sender
@@ -318,12 +332,16 @@ class Generator:
             sender.send_error(exc if isinstance(exc, ServerError) else InvalidArgument(f"invalid prompt: {exc}"))
             return
         if deadline is not None and deadline.expired:  # refused while the prompt rendered: never sent to the engine
+            DeadlineProbe.count("expired_rendering")
             return
         tracker = GenerationTracker(self.metrics, self.model_name, self.version, arrival=request.arrival_ns / 1e9)
         request.cancellation.add_callback(abort.on_cancel)
         last = None
         priority = request.priority if self.priority_scheduling else 0
         cached = cached or request.parameters.get(RETURN_CACHED_TOKENS) is True
+        self.order.add(request_id, params.n)
+        if deadline is not None:
+            deadline.order, deadline.engine_id = self.order, request_id
         try:
             async for output in self.engine.generate(prompt, params, request_id, lora_request=lora,
                                                      priority=priority):
@@ -331,12 +349,15 @@ class Generator:
                 tracker.tokens(sum(len(c.token_ids) for c in output.outputs))
                 if deadline is not None and not deadline.started:
                     if deadline.expired:  # answered already; abort again in case it came before the engine had it
+                        if not deadline.reaborted and any(c.token_ids for c in output.outputs):
+                            DeadlineProbe.count("expired_with_tokens")  # (its prefill had run)
                         if not output.finished and not deadline.reaborted:
                             deadline.reaborted = True
                             await self.engine.abort(request_id)
                         continue
                     deadline.started = True
                     deadline.cancel()
+                    DeadlineProbe.count("started")
                 if request.is_cancelled():
                     if not output.finished:
                         await abort.now()  # the engine answers with a final 'abort' output
@@ -361,6 +382,8 @@ class Generator:
                 self._finish(tracker, last, aborted=True)
             sender.send_error(engine_error(exc))
             return
+        finally:
+            self.order.remove(request_id)
         if deadline is not None:
             deadline.cancel()
             if deadline.expired:  # answered at the deadline (503); the engine has aborted it

@@ -1,0 +1,89 @@
+"""A queue deadline's notion of "started" for a vLLM model (``llm_backends/vllm/placement.py``): at its
+deadline, a request with a place in the engine (fewer than ``max_num_seqs`` sequences unfinished ahead of it,
+first come first served) runs on; one without is refused and leaves the order."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import uvloop
+
+from tideserve.llm_backends.vllm.placement import KV_NEARLY_FULL, EngineOrder
+
+
+def test_a_request_has_a_place_while_fewer_than_max_num_seqs_sequences_are_ahead():
+    order = EngineOrder(max_num_seqs=3)
+    for key in "abcd":
+        order.add(key, 1)
+    assert [order.placed(k) for k in "abcd"] == [True, True, True, False]
+    order.remove("b")  # finished (or refused): the next one moves up
+    assert order.placed("d")
+    assert not order.placed("gone")  # not in the engine (still rendering, or already left): no place
+
+
+def test_parallel_sampling_takes_n_places():
+    order = EngineOrder(max_num_seqs=4)
+    order.add("a", 3)
+    order.add("b", 2)  # 3 + 2 > 4: not all of b's sequences fit
+    order.add("c", 0)  # n counts at least one
+    assert order.placed("a") and not order.placed("b") and not order.placed("c")
+    order.remove("a")
+    assert order.placed("b") and order.placed("c")
+
+
+def test_no_place_under_priority_scheduling_or_a_nearly_full_kv_cache():
+    order = EngineOrder(max_num_seqs=8, enabled=False)  # the engine's order is not the arrival order
+    order.add("a", 1)
+    assert not order.placed("a")
+    usage = [0.0]
+    order = EngineOrder(max_num_seqs=8, kv_usage=lambda: usage[0])
+    order.add("a", 1)
+    assert order.placed("a")
+    usage[0] = KV_NEARLY_FULL  # the engine may hold requests back for want of blocks
+    assert not order.placed("a")
+
+
+def test_deadline_lets_a_placed_request_run_on_and_refuses_one_without_a_place():
+    from tideserve.errors import DeadlinePassed
+    from tideserve.llm_backends.vllm.generation import _Abort, _Deadline
+
+    answers: dict = {}
+    aborted: list = []
+
+    class Engine:
+        async def abort(self, request_id):
+            aborted.append(request_id)
+
+    class Sender:
+        def __init__(self, key):
+            self.key = key
+
+        def send_error(self, error):
+            answers[self.key] = error
+
+    order = EngineOrder(max_num_seqs=2)
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        deadlines = {}
+        for key in ("running", "next", "waiting"):
+            order.add(key, 1)
+            request = SimpleNamespace(response_sender=Sender(key), is_cancelled=lambda: False)
+            deadline = _Deadline(request, time.monotonic_ns() + 2_000_000, 2.0, _Abort(Engine(), key, loop), "llm")
+            deadline.order, deadline.engine_id = order, key
+            deadlines[key] = deadline
+        rendering = SimpleNamespace(response_sender=Sender("rendering"), is_cancelled=lambda: False)
+        deadlines["rendering"] = _Deadline(rendering, time.monotonic_ns() + 2_000_000, 2.0,
+                                           _Abort(Engine(), "rendering", loop), "llm")  # not in the engine yet
+        await asyncio.sleep(0.05)
+        return deadlines
+
+    deadlines = uvloop.run(run())
+    assert deadlines["running"].started and deadlines["next"].started  # places in the engine: they run on
+    assert not deadlines["running"].expired and not deadlines["next"].expired
+    assert sorted(answers) == ["rendering", "waiting"]  # the third in line and the one never added: refused
+    assert all(isinstance(error, DeadlinePassed) for error in answers.values())
+    assert sorted(aborted) == ["rendering", "waiting"]
+    assert list(order.entries) == ["running", "next"]  # the refused one left the order at once
