@@ -28,7 +28,8 @@ client's and the engine's times line up with the server's. Per request, in order
     written    the first chunk's bytes (the role chunk) were handed to the transport
     read       the client read the first chunk (the bench's TTFT mark)
 
-Beside them, per round: the event loop's lateness (a 5 ms timer; each turn late by more than ``--lag-ms`` kept), the
+Beside them, per round: the event loop's lateness (a 5 ms timer; each turn late by more than 20 ms kept, with the
+server loop thread's time since the previous tick split as the kernel counts it: ran, starved of a CPU, blocked), the
 garbage collector's passes (``gc.callbacks``, each longer than 1 ms kept), and every engine output batch's arrival
 (its engine-core timestamp, its arrival at the engine client, its size), to tell an engine step from a stall of the
 server's loop or the client's.
@@ -84,17 +85,30 @@ def install_probe(path: str) -> None:
     def write(kind: str, **doc) -> None:
         out.write(json.dumps({"kind": kind, **doc}) + "\n")
 
-    def start_sampler() -> None:  # the loop's lateness: a 5 ms timer, turns late by more than 20 ms written
+    def start_sampler() -> None:
+        """The loop's lateness: a 5 ms timer; a turn late by more than 20 ms is written with how the loop's thread
+        spent the time since the previous tick, as the kernel counts it (``schedstat``): on a CPU (its own work,
+        the collector's included), waiting for a CPU (``starved``: runnable, not run), or neither (``blocked``:
+        the interpreter lock, a system call)."""
         loop = asyncio.get_running_loop()
         every = 0.005
+        fd = os.open(f"/proc/self/task/{threading.get_native_id()}/schedstat", os.O_RDONLY)
 
-        def tick(due: int) -> None:
-            late = now() - due
-            if late > 20_000_000:
-                write("lag", at=due, late_ms=late / 1e6)
-            loop.call_later(every, tick, now() + int(every * 1e9))
+        def sched() -> tuple[int, int]:
+            ran, waited = os.pread(fd, 96, 0).split()[:2]
+            return int(ran), int(waited)
 
-        loop.call_later(every, tick, now() + int(every * 1e9))
+        def tick(due: int, since: int, ran0: int, waited0: int) -> None:
+            at = now()
+            ran, waited = sched()
+            if at - due > 20_000_000:
+                elapsed = at - since
+                write("lag", at=due, late_ms=(at - due) / 1e6, ran_ms=(ran - ran0) / 1e6,
+                      starved_ms=(waited - waited0) / 1e6,
+                      blocked_ms=max(0, elapsed - (ran - ran0) - (waited - waited0)) / 1e6)
+            loop.call_later(every, tick, at + int(every * 1e9), at, ran, waited)
+
+        loop.call_later(every, tick, now() + int(every * 1e9), now(), *sched())
         gc_start = [0]
 
         def on_gc(phase: str, info: dict) -> None:
@@ -296,18 +310,29 @@ class ClientProbe:
         loop = asyncio.get_running_loop()
         every = 0.005
 
-        def tick(due: int) -> None:
-            late = time.monotonic_ns() - due
-            if late > 20_000_000:
-                self.lines.append({"kind": "c_lag", "at": due, "late_ms": late / 1e6})
-            self._timer = loop.call_later(every, tick, time.monotonic_ns() + int(every * 1e9))
+        fd = os.open(f"/proc/self/task/{threading.get_native_id()}/schedstat", os.O_RDONLY)
 
-        self._timer = loop.call_later(every, tick, time.monotonic_ns() + int(every * 1e9))
+        def sched() -> tuple[int, int]:
+            ran, waited = os.pread(fd, 96, 0).split()[:2]
+            return int(ran), int(waited)
+
+        def tick(due: int, since: int, ran0: int, waited0: int) -> None:
+            at = time.monotonic_ns()
+            ran, waited = sched()
+            if at - due > 20_000_000:
+                self.lines.append({"kind": "c_lag", "at": due, "late_ms": (at - due) / 1e6,
+                                   "ran_ms": (ran - ran0) / 1e6, "starved_ms": (waited - waited0) / 1e6,
+                                   "blocked_ms": max(0, at - since - (ran - ran0) - (waited - waited0)) / 1e6})
+            self._timer = loop.call_later(every, tick, at + int(every * 1e9), at, ran, waited)
+
+        start = time.monotonic_ns()
+        self._timer = loop.call_later(every, tick, start + int(every * 1e9), start, *sched())
         wait = self._cpu_wait_ns()
         try:
             return await measure_async("openai-chat", url, MODEL, texts, tokens, extra={"temperature": 0})
         finally:
             self._timer.cancel()
+            os.close(fd)
             gc.callbacks.remove(self._on_gc)
             self.lines.append({"kind": "c_wait", "ms": (self._cpu_wait_ns() - wait) / 1e6})
 
@@ -356,8 +381,10 @@ def report(round_index: int, records: list[dict], lines: list[dict], ttft_p50_ms
     for who, lag_kind, gc_kind in (("server", "lag", "gc"), ("client", "c_lag", "c_gc")):
         lags = [x for x in lines if x["kind"] == lag_kind and x["at"] >= t0 - 1e9]
         gcs = [x for x in lines if x["kind"] == gc_kind and x["at"] >= t0 - 1e9]
-        print(f"  {who} loop late > 20 ms: " + ", ".join(f"{x['late_ms']:.0f} ms at {(x['at'] - t0) / 1e6:.0f}"
-                                                         for x in lags[:15]))
+        print(f"  {who} loop late > 20 ms: " + ", ".join(
+            f"{x['late_ms']:.0f} ms at {(x['at'] - t0) / 1e6:.0f}" + (
+                f" (ran {x['ran_ms']:.0f}, starved {x['starved_ms']:.0f}, blocked {x['blocked_ms']:.0f})"
+                if "ran_ms" in x else "") for x in lags[:15]))
         print(f"  {who} GC > 1 ms: " + ", ".join(f"gen {x['generation']} {x['ms']:.1f} ms at "
                                                  f"{(x['at'] - t0) / 1e6:.0f}" for x in gcs[:15]))
     waits = [x["ms"] for x in lines if x["kind"] == "c_wait"]
