@@ -122,24 +122,24 @@ class _Tokenizing:
 
     async def _drain(self) -> None:
         loop = asyncio.get_running_loop()
+        batch: list = []
         try:
             while self._pending:
                 batch, self._pending = self._pending, []
                 try:
                     results = await loop.run_in_executor(self._executor, self._render_all, batch)
-                except BaseException as exc:  # the thread is gone (shut down): each prompt fails with it
+                except Exception as exc:  # the thread is gone (shut down): each prompt fails with it
                     results = [(False, exc)] * len(batch)
-                    if not isinstance(exc, Exception):
-                        raise
                 for (_, _, future), (ok, value) in zip(batch, results, strict=True):
                     if not future.done():
                         if ok:
                             future.set_result(value)
                         else:
                             future.set_exception(value)
+                batch = []
         finally:
             self._running = False
-            for _, _, future in self._pending:  # left by a cancelled drain: fail them rather than hang
+            for _, _, future in batch + self._pending:  # left by a cancelled drain (the loop's end): fail, not hang
                 if not future.done():
                     future.set_exception(Unavailable("the engine's tokenizer stopped"))
             self._pending = []

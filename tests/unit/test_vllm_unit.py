@@ -384,3 +384,21 @@ async def test_a_cancelled_prompt_does_not_stop_the_others():
     assert first.cancelled()
     assert await tokenizing.render("c", None) == "C"
     tokenizing.close()
+
+
+async def test_prompts_fail_rather_than_hang_when_the_tokenizer_thread_is_gone():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tideserve.llm_backends.vllm.generation import _Tokenizing
+
+    class Renderer:
+        _executor = ThreadPoolExecutor(1)
+
+        def render_cmpl(self, prompts, tok_params):
+            return [prompts[0]]
+
+    Renderer._executor.shutdown()
+    tokenizing = _Tokenizing(Renderer())
+    results = await asyncio.wait_for(asyncio.gather(*(tokenizing.render(p, None) for p in "ab"),
+                                                    return_exceptions=True), 5)
+    assert all(isinstance(r, RuntimeError) for r in results)
