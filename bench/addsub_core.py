@@ -134,13 +134,11 @@ def model_cpu() -> float:
 
 async def start(repo: Path, concurrency: int):
     import uvicorn
-    from uvicorn.server import ServerState
-
+    from tideserve import heap
     from tideserve.app import Server, ServerOptions
     from tideserve.http import create_app
     from tideserve.http.limits import ConnectionLimits
-
-    from tideserve import heap
+    from uvicorn.server import ServerState
 
     server = Server(ServerOptions(model_repositories=[repo], allow_grpc=False, allow_metrics=False))
     await server.repository.start()
@@ -241,7 +239,7 @@ def main() -> None:
                        "--toggle-collect=functools_reduce", f"--callgrind-out-file={work}/callgrind.%p", *cmd,
                        "--callgrind"]
             run = subprocess.run(cmd, env=env, cwd=addsub.ROOT if own else tree, capture_output=True, text=True,
-                                 timeout=1800)
+                                 check=False, timeout=1800)
             line = next((x for x in run.stdout.splitlines() if x.startswith("RESULT ")), None)
             if line is None:
                 raise RuntimeError(f"tree {tree}: no result\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}")
