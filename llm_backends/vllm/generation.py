@@ -317,6 +317,8 @@ class Generator:
             return
         deadline_ns, limit_ms = self._deadline(request)
         if deadline_ns and (now := time.monotonic_ns()) >= deadline_ns:
+            DeadlineProbe.count("expired")
+            DeadlineProbe.count("expired_rendering")  # (before the engine had it)
             sender.send_error(deadline_error(self.model_name, limit_ms, deadline_ns, now))
             return
         streaming = inputs.stream and request.streaming

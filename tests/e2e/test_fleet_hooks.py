@@ -61,9 +61,11 @@ def fleet(tmp_path_factory):
         "model": str(tiny), "dtype": "float32", "max_model_len": 2048, "enforce_eager": True,
         "max_num_seqs": MAX_NUM_SEQS, "enable_prefix_caching": True, "kv_events_config": kv_events,
         "enable_lora": True, "max_loras": 1, "max_lora_rank": 8})
+    probe = tmp / "deadline-probe.json"  # the deadline counts the server keeps for measurements (engine.DeadlineProbe)
     server = start_server([tmp / "models"], "--allowed-model-root", str(tiny), "--exit-timeout-secs", "120",
-                          tmp_dir=tmp, env=vllm_env(tmp), ready_timeout=600)
-    server.events_port, server.replay_port = events_port, replay_port
+                          tmp_dir=tmp, env={**vllm_env(tmp), "TIDESERVE_DEADLINE_PROBE_FILE": str(probe)},
+                          ready_timeout=600)
+    server.events_port, server.replay_port, server.probe = events_port, replay_port, probe
     try:
         yield server
     finally:
@@ -357,6 +359,50 @@ def test_deadline_on_responses_and_messages(fleet):
         load = _wait_for(lambda: (lambda load: load if load["num_requests_waiting"] == 0 else None)(
             _load(fleet, model=MODEL)), timeout=30)
         assert load, _load(fleet, model=MODEL)
+
+
+def _probe_counts(server) -> dict:
+    try:
+        return msgspec.json.decode(server.probe.read_bytes())
+    except (OSError, msgspec.DecodeError):
+        return {}
+
+
+def test_deadline_counts_a_request_with_a_place_in_the_engine_as_started(fleet):
+    """A request with a place in the engine at its deadline (fewer than ``max_num_seqs`` sequences ahead of it)
+    has started: it runs on even when its first token has not come yet. Requests one at a time on an idle engine
+    with deadlines of a few milliseconds: each is either refused while its prompt still renders (before the
+    engine has it) or served whole; none is refused once the engine has it (the server's probe counts)."""
+    ended = ("started", "placed", "expired")
+    client = _client(fleet)
+    for _ in range(2):  # the counts are written on the engine's steps, at most every 0.1 s: bring them up to date
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=1)
+        time.sleep(0.15)
+    client.completions.create(model=MODEL, prompt="Hi", max_tokens=1)
+    before = _probe_counts(fleet)
+    served = refused = 0
+    for deadline_ms in (1, 2, 3, 5, 8, 12, 20, 30) * 2:
+        try:
+            completion = client.completions.create(model=MODEL, prompt="Tell me a story", max_tokens=8,
+                                                   extra_body={"ignore_eos": True},
+                                                   extra_headers={"x-request-timeout-ms": str(deadline_ms)})
+            assert completion.choices[0].finish_reason == "length" and completion.usage.completion_tokens == 8
+            served += 1
+        except openai.APIStatusError as exc:
+            assert exc.status_code == 503 and "deadline" in exc.body["message"], exc.body
+            refused += 1
+
+    def settled():  # the counts are written on the engine's steps: a short request makes some
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=1)
+        counts = _probe_counts(fleet)
+        done = sum(counts.get(key, 0) - before.get(key, 0) for key in ended)
+        return counts if done >= served + refused else None
+
+    counts = _wait_for(settled, timeout=30)
+    assert counts, (_probe_counts(fleet), before, served, refused)
+    delta = {key: value - before.get(key, 0) for key, value in counts.items()}
+    assert delta["expired"] == delta["expired_rendering"] == refused, delta  # never once in the engine
+    assert delta["started"] + delta["placed"] == served, delta
 
 
 # -- 6. SIGTERM while streams run (ends the module's server) ------------------------------------------------
