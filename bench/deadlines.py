@@ -40,7 +40,11 @@ Reported, all rounds of a mode pooled:
    from the timer to the answer written; (c) the rest of what the client saw (the way in, the way back, the
    client's loop). Per side, the server loop thread's share of the wall time on a CPU and waiting for one
    (``/proc/<pid>/task/<pid>/schedstat``): on a machine whose cores are all busy, (a) is mostly that wait; and
-   the engine processes' CPU and run-queue wait (all their threads, in cores), which moves the goodput.
+   the engine processes' CPU and run-queue wait (all their threads, in cores), which moves the goodput; the
+   server process's own CPU (every thread); and, from the server's ``TIDESERVE_DEADLINE_PROBE_FILE`` counts
+   (``probe_*`` in the JSON), the requests the engine's scheduler took in, those whose first token came before
+   their deadline, those that ran on with a place in the engine at their deadline, and the refusals (before the
+   engine had them, and after its prefill had run): what the engine spent on requests then refused.
 2. goodput: requests per second that got their whole stream with TTFT (send to first token) <= ``--ttft-slo``
    (2 s), among those sent during the side's window; flooded vs unflooded (target >= 0.9x), for all clients and
    for the S steady clients alone. Also the counts: served, refused at the deadline, refused busy (the queue

@@ -208,8 +208,9 @@ def _probe(loop: asyncio.AbstractEventLoop) -> _CpuWaitProbe | None:
 
 
 class _Deadline:
-    """Refuses a request whose first token has not come by its deadline: answers it at once and aborts it in the
-    engine. A request that has started generating is left to run on.
+    """Refuses a request that has not started by its deadline: answers it at once and aborts it in the engine. A
+    request has started when its first token came or when, at the deadline, the engine has a place for it
+    (:mod:`.placement`); it is left to run on.
 
     One loop timer per request, due at the deadline itself. The loop's timers count whole milliseconds from a
     clock read at the start of its turn, so one can fire up to a millisecond early: then it is set again for the

@@ -6,7 +6,7 @@ KV-cache events over ZMQ (pyzmq + msgpack: a prompt's blocks stored, then cleare
 /reset_prefix_cache``, and replayed); ``GET /load`` and the ORCA ``endpoint-load-metrics`` header; queue
 deadlines (Triton's ``timeout`` over gRPC, ``x-request-timeout-ms`` over ``/v1``): refused with 503 /
 UNAVAILABLE + Retry-After when the engine has not started them, counted as REJECTED, while one that started
-runs on; and last, a SIGTERM while streams run (this ends the module's server): every stream finishes,
+(its first token came, or the engine had a place for it at its deadline) runs on; and last, a SIGTERM while streams run (this ends the module's server): every stream finishes,
 readiness turns false at once, new requests are refused.
 
 One engine for the module: ``max_num_seqs`` 2, so two long generations keep it busy and a third waits.
