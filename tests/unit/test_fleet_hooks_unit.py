@@ -15,10 +15,13 @@ from tideserve.llm_backends.vllm import config as vllm_config
 from tideserve.load_report import orca_header, report, requested_format
 
 
-def _runtime(name, inflight, engine=None, pending=0):
+def _runtime(name, inflight, engine=None, pending=0, direct=()):
+    """A model version's figures as load_report reads them; ``direct``: the counters its instance processes
+    last reported for requests they took straight from frontend workers (--frontend-direct)."""
     model = SimpleNamespace(engine_load=lambda: engine)
     return SimpleNamespace(name=name, version=1, inflight=inflight, model=model,
-                           scheduler=SimpleNamespace(pending=lambda: pending))
+                           scheduler=SimpleNamespace(pending=lambda: pending),
+                           stats=SimpleNamespace(remote={i: counters for i, counters in enumerate(direct)}))
 
 
 def test_report_sums_models_and_keeps_the_highest_kv_usage():
@@ -32,6 +35,13 @@ def test_report_sums_models_and_keeps_the_highest_kv_usage():
     assert [m["model_name"] for m in figures["models"]] == ["llm", "add_sub"]
     assert report([]) == {"server_load": 0, "num_requests_running": 0, "num_requests_waiting": 0,
                           "kv_cache_usage_perc": 0.0, "models": []}
+
+
+def test_report_counts_the_requests_instance_processes_took_from_frontend_workers():
+    direct = report([_runtime("add_sub", 1, pending=1,
+                              direct=[{"inflight": 3, "pending": 2}, {"inflight": 1, "pending": 0}, {}])])
+    assert direct["server_load"] == 1 + 3 + 1
+    assert direct["num_requests_waiting"] == 1 + 2 and direct["num_requests_running"] == 5 - 3
 
 
 def test_orca_header_in_vllms_two_formats():
