@@ -9,7 +9,6 @@ import time
 from types import SimpleNamespace
 
 import uvloop
-
 from tideserve.llm_backends.vllm.placement import KV_NEARLY_FULL, EngineOrder
 
 
