@@ -66,12 +66,30 @@ class RunningServer:
         return self.process.returncode
 
 
+class PortTaken(RuntimeError):
+    """The server could not bind a port it was given (another process took it after it was found free)."""
+
+
 def start_server(repositories: list[Path], *extra_args: str, tmp_dir: Path, ready_timeout: float = 120,
                  wait_ready: bool = True, env: dict | None = None,
                  ports: tuple[int, int, int] | None = None) -> RunningServer:
     """Start ``tideserve`` as its own process and wait until it answers on HTTP. ``ports``: its HTTP, gRPC and
-    metrics ports (a replica restarted where a router expects it); free ones by default."""
-    http_port, grpc_port, metrics_port = ports or (free_port(), free_port(), free_port())
+    metrics ports (a replica restarted where a router expects it); free ones by default, and others again if one
+    of them was taken before the server bound it (it binds once its models are loaded, minutes for an engine,
+    while another server's engine may take ephemeral ports)."""
+    for attempt in range(3):
+        try:
+            return _start_server(repositories, extra_args, tmp_dir, ready_timeout, wait_ready, env,
+                                 ports or (free_port(), free_port(), free_port()))
+        except PortTaken:
+            if ports is not None or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _start_server(repositories: list[Path], extra_args: tuple[str, ...], tmp_dir: Path, ready_timeout: float,
+                  wait_ready: bool, env: dict | None, ports: tuple[int, int, int]) -> RunningServer:
+    http_port, grpc_port, metrics_port = ports
     args = [sys.executable, "-m", "tideserve.cli", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
             "--metrics-port", str(metrics_port)]
     for repo in repositories:
@@ -93,7 +111,9 @@ def start_server(repositories: list[Path], *extra_args: str, tmp_dir: Path, read
     deadline = time.monotonic() + ready_timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"tideserve exited with {process.returncode}:\n{server.log()}")
+            log = server.log()
+            taken = "failed to bind" in log or "address already in use" in log.lower()
+            raise (PortTaken if taken else RuntimeError)(f"tideserve exited with {process.returncode}:\n{log}")
         try:
             with urllib.request.urlopen(f"{server.base_url}{path}", timeout=2) as response:
                 if response.status == 200:

@@ -1,5 +1,5 @@
-"""A queue deadline's notion of "started" for a vLLM model (``llm_backends/vllm/placement.py``): at its
-deadline, a request with a place in the engine (fewer than ``max_num_seqs`` sequences unfinished ahead of it,
+"""A queue deadline's notion of "started" for a vLLM model (``EngineOrder`` in
+``llm_backends/vllm/generation.py``): at its deadline, a request with a place in the engine (fewer than ``max_num_seqs`` sequences unfinished ahead of it,
 first come first served) runs on; one without is refused and leaves the order."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 from types import SimpleNamespace
 
 import uvloop
-from tideserve.llm_backends.vllm.placement import KV_NEARLY_FULL, EngineOrder
+from tideserve.llm_backends.vllm.generation import KV_NEARLY_FULL, EngineOrder
 
 
 def test_a_request_has_a_place_while_fewer_than_max_num_seqs_sequences_are_ahead():
