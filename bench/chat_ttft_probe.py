@@ -71,6 +71,39 @@ MARKS = ("sent", "received", "route", "handler", "render_q", "render_0", "render
 MODEL = "llm"
 
 
+def sample_loop_lag(emit, every: float = 0.005, late_ns: int = 20_000_000):
+    """The running loop's lateness: a ``every`` s timer; a turn late by more than ``late_ns`` is passed to ``emit``
+    (``at``, ``late_ms``) with how the loop's thread spent the time since the previous tick, as the kernel counts it
+    (``schedstat``): on a CPU (``ran_ms``: its own work, the collector's included), waiting for a CPU
+    (``starved_ms``: runnable, not run), or neither (``blocked_ms``: the interpreter lock, a system call).
+    Returns a function that stops it."""
+    loop = asyncio.get_running_loop()
+    fd = os.open(f"/proc/self/task/{threading.get_native_id()}/schedstat", os.O_RDONLY)
+    timer: list[asyncio.TimerHandle] = []
+
+    def sched() -> tuple[int, int]:
+        ran, waited = os.pread(fd, 96, 0).split()[:2]
+        return int(ran), int(waited)
+
+    def tick(due: int, since: int, ran0: int, waited0: int) -> None:
+        at = time.monotonic_ns()
+        ran, waited = sched()
+        if at - due > late_ns:
+            emit({"at": due, "late_ms": (at - due) / 1e6, "ran_ms": (ran - ran0) / 1e6,
+                  "starved_ms": (waited - waited0) / 1e6,
+                  "blocked_ms": max(0, at - since - (ran - ran0) - (waited - waited0)) / 1e6})
+        timer[:] = [loop.call_later(every, tick, at + int(every * 1e9), at, ran, waited)]
+
+    start = time.monotonic_ns()
+    timer.append(loop.call_later(every, tick, start + int(every * 1e9), start, *sched()))
+
+    def stop() -> None:
+        timer[0].cancel()
+        os.close(fd)
+
+    return stop
+
+
 # -- inside the server (--serve) ------------------------------------------------------------------------
 def install_probe(path: str) -> None:
     from tideserve.asgi import received_ns
@@ -86,29 +119,8 @@ def install_probe(path: str) -> None:
         out.write(json.dumps({"kind": kind, **doc}) + "\n")
 
     def start_sampler() -> None:
-        """The loop's lateness: a 5 ms timer; a turn late by more than 20 ms is written with how the loop's thread
-        spent the time since the previous tick, as the kernel counts it (``schedstat``): on a CPU (its own work,
-        the collector's included), waiting for a CPU (``starved``: runnable, not run), or neither (``blocked``:
-        the interpreter lock, a system call)."""
-        loop = asyncio.get_running_loop()
-        every = 0.005
-        fd = os.open(f"/proc/self/task/{threading.get_native_id()}/schedstat", os.O_RDONLY)
-
-        def sched() -> tuple[int, int]:
-            ran, waited = os.pread(fd, 96, 0).split()[:2]
-            return int(ran), int(waited)
-
-        def tick(due: int, since: int, ran0: int, waited0: int) -> None:
-            at = now()
-            ran, waited = sched()
-            if at - due > 20_000_000:
-                elapsed = at - since
-                write("lag", at=due, late_ms=(at - due) / 1e6, ran_ms=(ran - ran0) / 1e6,
-                      starved_ms=(waited - waited0) / 1e6,
-                      blocked_ms=max(0, elapsed - (ran - ran0) - (waited - waited0)) / 1e6)
-            loop.call_later(every, tick, at + int(every * 1e9), at, ran, waited)
-
-        loop.call_later(every, tick, now() + int(every * 1e9), now(), *sched())
+        """The loop's lateness (:func:`sample_loop_lag`) and the collector's passes longer than 1 ms."""
+        sample_loop_lag(lambda lag: write("lag", **lag))
         gc_start = [0]
 
         def on_gc(phase: str, info: dict) -> None:
@@ -307,32 +319,12 @@ class ClientProbe:
     async def measure(self, measure_async, url: str, texts: list[str], tokens: int):
         self._gc_start = 0
         gc.callbacks.append(self._on_gc)
-        loop = asyncio.get_running_loop()
-        every = 0.005
-
-        fd = os.open(f"/proc/self/task/{threading.get_native_id()}/schedstat", os.O_RDONLY)
-
-        def sched() -> tuple[int, int]:
-            ran, waited = os.pread(fd, 96, 0).split()[:2]
-            return int(ran), int(waited)
-
-        def tick(due: int, since: int, ran0: int, waited0: int) -> None:
-            at = time.monotonic_ns()
-            ran, waited = sched()
-            if at - due > 20_000_000:
-                self.lines.append({"kind": "c_lag", "at": due, "late_ms": (at - due) / 1e6,
-                                   "ran_ms": (ran - ran0) / 1e6, "starved_ms": (waited - waited0) / 1e6,
-                                   "blocked_ms": max(0, at - since - (ran - ran0) - (waited - waited0)) / 1e6})
-            self._timer = loop.call_later(every, tick, at + int(every * 1e9), at, ran, waited)
-
-        start = time.monotonic_ns()
-        self._timer = loop.call_later(every, tick, start + int(every * 1e9), start, *sched())
+        stop = sample_loop_lag(lambda lag: self.lines.append({"kind": "c_lag", **lag}))
         wait = self._cpu_wait_ns()
         try:
             return await measure_async("openai-chat", url, MODEL, texts, tokens, extra={"temperature": 0})
         finally:
-            self._timer.cancel()
-            os.close(fd)
+            stop()
             gc.callbacks.remove(self._on_gc)
             self.lines.append({"kind": "c_wait", "ms": (self._cpu_wait_ns() - wait) / 1e6})
 
