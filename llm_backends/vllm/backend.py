@@ -156,7 +156,7 @@ class VllmModel(Model):
                   for t in self.config.output if t.data_type != mc.TYPE_STRING}
         self.generator = Generator(self.engine, self.ctx.name, str(self.ctx.version), self.metrics, dtypes,
                                    self.adapters, max_queue_delay_ms=self.options.max_queue_delay_ms)
-        # a request counts as placed at its deadline only while the engine's KV cache has room (placement.py)
+        # a request counts as placed at its deadline only while the engine's KV cache has room (generation.EngineOrder)
         self.generator.order.kv_usage = lambda: self.state.kv_cache_usage if self.state is not None else 0.0
         self._set_state_gauges(running=0, waiting=0, kv_cache_usage=0.0)
         self._watchdog = asyncio.get_running_loop().create_task(self._watch_engine(), name=f"{self.ctx.name}-watchdog")

@@ -44,9 +44,10 @@ class DeadlineProbe:
     engine. Counts, since the server started: ``scheduled`` (requests the engine's scheduler admitted for the
     first time: their prefill started), ``steps`` (engine steps), ``started`` (requests whose first token the
     server saw before their deadline), ``placed`` (requests that reached their deadline with a place in the
-    engine, :mod:`.placement`: they ran on), ``expired`` (refused at the deadline), ``expired_rendering`` (of those,
-    refused before the engine had them: on arrival or while their prompt was still rendering) and ``expired_with_tokens`` (of
-    those, ones whose first token then reached the server: the engine had run their prefill). Written to the
+    engine, ``generation.EngineOrder``: they ran on), ``expired`` (refused at the deadline), ``expired_rendering``
+    (of those, refused before the engine had them: on arrival or while their prompt was still rendering) and
+    ``expired_with_tokens`` (of those, ones whose first token then reached the server: the engine had run their
+    prefill). Written to the
     file as JSON at most every 0.1 s (from the engine's stat logger, on the server's loop); scheduled minus
     started is what the engine scheduled for requests it was then told to abort."""
 

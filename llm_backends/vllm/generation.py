@@ -264,7 +264,7 @@ class EngineOrder:
 class _Deadline:
     """Refuses a request that has not started by its deadline: answers it at once and aborts it in the engine. A
     request has started when its first token came or when, at the deadline, the engine has a place for it
-    (:mod:`.placement`); it is left to run on.
+    (:class:`EngineOrder`); it is left to run on.
 
     One loop timer per request, due at the deadline itself. The loop's timers count whole milliseconds from a
     clock read at the start of its turn, so one can fire up to a millisecond early: then it is set again for the
