@@ -75,8 +75,7 @@ def send_whole(send, status: int, body: bytes, headers: list) -> bool:
 
 async def send_response(send, status: int, body: bytes, headers: list) -> None:
     """One complete answer; ``headers`` (a list of byte pairs) gets the Content-Length appended."""
-    cycle = getattr(send, "__self__", None)
-    if type(cycle) is _UvicornCycle and _write_whole(cycle, status, body, headers):
+    if send_whole(send, status, body, headers):
         return
     headers.append((b"content-length", str(len(body)).encode()))
     await send({"type": "http.response.start", "status": status, "headers": headers})
