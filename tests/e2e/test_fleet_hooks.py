@@ -286,6 +286,8 @@ def test_deadline_refuses_requests_the_engine_has_not_started(fleet):
         assert refused.value.status() == "StatusCode.UNAVAILABLE"
         assert "did not start generating within its deadline of 300 ms" in refused.value.message()
         grpc.close()
+    # each protocol under a busy engine of its own: a fast engine finishes a long generation in a couple of seconds
+    with _Busy(fleet):
         # /v1, the x-request-timeout-ms header: OpenAI's error shape, 503 + Retry-After
         with pytest.raises(openai.APIStatusError) as refused_v1:
             _client(fleet).completions.create(model=MODEL, prompt="Hello", max_tokens=4,
@@ -294,6 +296,7 @@ def test_deadline_refuses_requests_the_engine_has_not_started(fleet):
         assert refused_v1.value.response.headers["retry-after"] == "1"
         _assert_refused_after_the_deadline(refused_v1.value.response.headers)
         assert "deadline" in refused_v1.value.body["message"] if isinstance(refused_v1.value.body, dict) else True
+    with _Busy(fleet):
         # KServe generate: Triton's 'timeout' parameter
         generate = httpx.post(f"{fleet.base_url}/v2/models/{MODEL}/generate", timeout=60,
                               json={"text_input": "Hello", "parameters": {"max_tokens": 4, "timeout": 200_000}})
