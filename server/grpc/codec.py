@@ -294,6 +294,76 @@ def encode_response(response: InferenceResponse, msg=None):
     return msg
 
 
+# -- outputs as bytes: the serialized ModelInferResponse without a message --------------------
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _string_field(number: int, value: str) -> bytes:
+    """A length-delimited field (wire type 2) holding ``value`` (proto3: nothing for an empty string)."""
+    if not value:
+        return b""
+    data = value.encode()
+    return _varint(number << 3 | 2) + _varint(len(data)) + data
+
+
+def _output_field(name: str, datatype: str, shape: tuple[int, ...]) -> bytes:
+    """``outputs`` (5): one InferOutputTensor with its name (1), datatype (2) and packed shape (3)."""
+    dims = b"".join(_varint(dim) for dim in shape)
+    body = _string_field(1, name) + _string_field(2, datatype) + (b"\x1a" + _varint(len(dims)) + dims if dims else b"")
+    return b"\x2a" + _varint(len(body)) + body
+
+
+_CACHE_MAX = 4096  # entries of each cache below; cleared when full (model names, versions and shapes are few)
+_HEADS: dict[tuple[str, str], bytes] = {}
+_OUTPUTS: dict[tuple[str, str, tuple[int, ...]], bytes] = {}
+_RAW_TAG = b"\x32"  # raw_output_contents (6), length-delimited
+
+
+def encode_response_bytes(response: InferenceResponse) -> bytes | None:
+    """The serialized ModelInferResponse that :func:`encode_response` would make, built as bytes: the model
+    name and version and each output's header come from a cache, the raw contents are appended as they are.
+    None when the response needs the message (parameters on it or on an output, an output in shared memory)."""
+    if response.parameters:
+        return None
+    key = (response.model_name, response.model_version)
+    head = _HEADS.get(key)
+    if head is None:
+        if len(_HEADS) >= _CACHE_MAX:
+            _HEADS.clear()
+        head = _HEADS[key] = _string_field(1, key[0]) + _string_field(2, key[1])
+    parts = [head, _string_field(3, response.id)]
+    raws = []
+    for tensor in response.outputs:
+        data = tensor.data
+        if data is None or tensor.parameters:
+            return None
+        datatype = tensor.datatype
+        if type(data) is not np.ndarray:
+            data = np.asarray(data, dtype=np.object_ if datatype == "BYTES" else _NUMPY.get(datatype))
+        else:
+            expected = _NUMPY.get(datatype)
+            if expected is not None and data.dtype != expected:
+                data = data.astype(expected)
+        out_key = (tensor.name, datatype, data.shape)
+        field = _OUTPUTS.get(out_key)
+        if field is None:
+            if len(_OUTPUTS) >= _CACHE_MAX:
+                _OUTPUTS.clear()
+            field = _OUTPUTS[out_key] = _output_field(*out_key)
+        parts.append(field)
+        raw = to_raw(data, datatype)
+        raws.append(_RAW_TAG + _varint(len(raw)))
+        raws.append(raw)
+    parts += raws
+    return b"".join(parts)
+
+
 def requested_classifications(request: InferenceRequest) -> dict[str, int] | None:
     """``{output name: top-k}`` for outputs requested with the ``classification`` parameter."""
     found = None

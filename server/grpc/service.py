@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 import grpc
 from google.protobuf import json_format
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
@@ -31,8 +32,10 @@ from .access import access_interceptors
 from .codec import (
     StreamOptions,
     apply_classification,
+    ModelInferRequest,
     decode_request,
     encode_response,
+    encode_response_bytes,
     error_message,
     requested_classifications,
 )
@@ -306,6 +309,30 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         except Exception as exc:
             await abort(context, exc)
 
+    async def ModelInferBytes(self, data: bytes, context) -> bytes:
+        """ModelInfer as the server runs it: the request's bytes in (parsed here), the response's bytes out
+        (:func:`encode_response_bytes`, or the message serialized where it needs one)."""
+        try:
+            try:
+                request = ModelInferRequest.FromString(data)
+            except DecodeError:
+                raise InvalidArgument("failed to parse the ModelInferRequest message") from None
+            infer_request = decode_request(request, limits=self.tensor_limits)
+            for name, value in context.invocation_metadata() or ():
+                if name == "traceparent":
+                    infer_request.trace_context = value
+                    break
+            counts = requested_classifications(infer_request) if infer_request.outputs else None
+            response = await self.dataplane.infer_unary(infer_request)
+            if counts:
+                self.classifier.apply(infer_request, response, counts)
+            encoded = encode_response_bytes(response)
+            return encoded if encoded is not None else encode_response(response).SerializeToString()
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            await abort(context, exc)
+
     @abort_on_error
     async def ModelStreamInfer(self, request_iterator, context):
         state = _Stream((_header(context, "triton_grpc_error") or "").lower() == "true",
@@ -546,28 +573,35 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
 
 
 class _HandlerCapture:
-    """Stands in for the server while generated code adds a servicer: keeps its generic handler only."""
+    """Stands in for the server while generated code adds a servicer: keeps its method handlers."""
 
     def __init__(self) -> None:
         self.handlers: tuple = ()
+        self.methods: dict[str, dict[str, grpc.RpcMethodHandler]] = {}
 
     def add_generic_rpc_handlers(self, handlers) -> None:
         self.handlers += tuple(handlers)
 
     def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
-        pass
+        self.methods[service] = dict(handlers)
 
 
-def _add_unregistered(add_to_server, servicer, server: grpc.aio.Server) -> None:
+def _add_unregistered(add_to_server, servicer, server: grpc.aio.Server,
+                      replace: dict[str, grpc.RpcMethodHandler] | None = None) -> None:
     """Add ``servicer`` with its generic handler only, none of its methods registered with the server.
 
     grpc.aio keeps one pending "request call" task per registered method plus one for all others, and on
     every call waits on all of them (``asyncio.wait``: a done callback added to and removed from each): with
     the two services' 22 methods registered, that is 23 tasks walked per call. Unregistered, every call
     arrives through the one generic request call and is dispatched by method name (a dict lookup); calls,
-    statuses and unknown methods (UNIMPLEMENTED) are answered as before."""
+    statuses and unknown methods (UNIMPLEMENTED) are answered as before. ``replace``: method name -> the handler
+    that serves it instead of the generated one (ModelInfer on raw bytes)."""
     capture = _HandlerCapture()
     add_to_server(servicer, capture)
+    if replace:  # methods of the (one) service served by other handlers
+        (service, methods), = capture.methods.items()
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, {**methods, **replace}),))
+        return
     server.add_generic_rpc_handlers(capture.handlers)
 
 
@@ -582,8 +616,10 @@ async def start_grpc_server(dataplane: ServingInterface, host: str, port: int, *
     channel_args = dict(SERVER_OPTIONS)
     channel_args.update(options or [])
     server = grpc.aio.server(options=list(channel_args.items()), interceptors=access_interceptors(access))
-    _add_unregistered(service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server,
-                      InferenceServicer(dataplane, tensor_limits), server)
+    servicer = InferenceServicer(dataplane, tensor_limits)
+    # ModelInfer on raw bytes: no request or response message made for grpc's (de)serializer hooks
+    _add_unregistered(service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server, servicer, server,
+                      {"ModelInfer": grpc.unary_unary_rpc_method_handler(servicer.ModelInferBytes)})
     _add_unregistered(health_pb2_grpc.add_HealthServicer_to_server, HealthServicer(dataplane), server)
     address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
     try:
