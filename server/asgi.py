@@ -70,7 +70,8 @@ def send_whole(send, status: int, body: bytes, headers: list) -> bool:
     """:func:`send_response` where it needs no await (uvicorn's httptools cycle, the answer written at once):
     True once sent; False, having sent nothing, where ``send_response`` must be awaited."""
     cycle = getattr(send, "__self__", None)
-    return type(cycle) is _UvicornCycle and _write_whole(cycle, status, body, headers)
+    kind = type(cycle)
+    return (kind is _UvicornCycle or kind is FastCycle) and _write_whole(cycle, status, body, headers)
 
 
 async def send_response(send, status: int, body: bytes, headers: list) -> None:
@@ -90,6 +91,61 @@ try:  # uvicorn's httptools protocol (the one the server runs): a whole answer c
     from uvicorn.protocols.http.httptools_impl import RequestResponseCycle as _UvicornCycle
 except ImportError:  # pragma: no cover - another uvicorn layout: the ASGI sends serve
     _UvicornCycle = None
+
+if _UvicornCycle is not None:
+    class FastCycle(_UvicornCycle):
+        """uvicorn's request-response cycle for a request the HTTP protocol hands straight to its handler (KServe
+        infer: server/http/limits.py), made with less: its ``message_event`` (an ``asyncio.Event``) is made only
+        when someone waits on it or it is asked for (a request whose body is in and whose answer is written at once
+        never needs one); until then :meth:`wake` and :meth:`calm` keep whether it would be set. Everything else,
+        ``receive`` and ``send`` included, is uvicorn's own."""
+
+        def __init__(self, scope, transport, flow, logger, access_logger, access_log: bool, default_headers,
+                     keep_alive: bool, on_response) -> None:  # uvicorn's, less its Event and its 100 Continue
+            self.scope = scope
+            self.transport = transport
+            self.flow = flow
+            self.logger = logger
+            self.access_logger = access_logger
+            self.access_log = access_log
+            self.default_headers = default_headers
+            self.on_response = on_response
+            self.disconnected = False
+            self.keep_alive = keep_alive
+            self.waiting_for_100_continue = False
+            self.body = bytearray()
+            self.more_body = True
+            self.response_started = False
+            self.response_complete = False
+            self.chunked_encoding = None
+            self.expected_content_length = 0
+            self._event = None
+            self._woken = False
+
+        @property
+        def message_event(self) -> asyncio.Event:
+            event = self._event
+            if event is None:
+                event = self._event = asyncio.Event()
+                if self._woken:
+                    event.set()
+            return event
+
+        def wake(self) -> None:
+            """``message_event.set()``, without making the Event."""
+            if self._event is None:
+                self._woken = True
+            else:
+                self._event.set()
+
+        def calm(self) -> None:
+            """``message_event.clear()``, without making the Event."""
+            if self._event is None:
+                self._woken = False
+            else:
+                self._event.clear()
+else:  # pragma: no cover - another uvicorn layout
+    FastCycle = None
 
 _WHOLE_MAX = 1 << 16  # a body up to this size leaves in the same write as the head (a copy); larger ones after it
 _CONNECTION_HEADERS = (b"connection", b"transfer-encoding", b"content-length")
@@ -113,7 +169,8 @@ def _write_whole(cycle, status: int, body: bytes, headers: list) -> bool:
                 or cycle.scope["method"] == "HEAD" or status not in _STATUS_LINE):
             return False
         default_headers, keep_alive, transport = cycle.default_headers, cycle.keep_alive, cycle.transport
-        message_event, on_response = cycle.message_event, cycle.on_response
+        message_event = None if type(cycle) is FastCycle else cycle.message_event
+        on_response = cycle.on_response
     except AttributeError:  # a uvicorn whose cycle differs from the one this was written for: its ASGI sends
         log.warning("uvicorn %s: whole answers go through its ASGI sends", getattr(uvicorn, "__version__", "?"))
         _UvicornCycle = None
@@ -152,7 +209,10 @@ def _write_whole(cycle, status: int, body: bytes, headers: list) -> bool:
         write(b"".join(content))
         write(body)
     cycle.response_complete = True
-    message_event.set()
+    if message_event is None:
+        cycle.wake()
+    else:
+        message_event.set()
     if not keep_alive:
         transport.close()
     on_response()
@@ -165,14 +225,19 @@ def whole_body(receive) -> bytes | None:
     None, having done nothing, where ``receive`` must be awaited (more body to come, a 100 Continue owed, the
     client gone or the answer done, another server)."""
     cycle = getattr(receive, "__self__", None)
-    if type(cycle) is not _UvicornCycle:
+    kind = type(cycle)
+    if kind is not _UvicornCycle and kind is not FastCycle:
         return None
     try:
         if cycle.more_body or cycle.waiting_for_100_continue or cycle.disconnected or cycle.response_complete:
             return None
         body = bytes(cycle.body)
         cycle.body = bytearray()
-        cycle.message_event.clear()  # as receive leaves it: a later receive (the disconnect watch) waits
+        # as receive leaves it: a later receive (the disconnect watch) waits
+        if kind is FastCycle:
+            cycle.calm()
+        else:
+            cycle.message_event.clear()
         flow = cycle.flow
         if flow.read_paused:
             flow.resume_reading()

@@ -75,6 +75,18 @@ class HttpApp(FastAPI):
                 return
         await super().__call__(scope, receive, send)
 
+    def infer_handler(self, path: str):
+        """For the HTTP protocol (server/http/limits.py), which answers a ``POST`` to ``path`` without an ASGI
+        call where this gives one: ``(handler, model, version)``, called as ``handler(scope, receive, send, model,
+        version)``, for a KServe infer path; None for any other path and where the inference group has an access
+        check (``__call__`` asks it)."""
+        if self.infer_guard is not None or not (path.endswith(INFER_SUFFIX) and path.startswith(INFER_PREFIX)):
+            return None
+        target = infer_target(path)
+        if target is None:
+            return None
+        return self.frontend.infer, target[0], target[1]
+
 
 def create_app(dataplane: ServingInterface, *, max_input_size: int = DEFAULT_MAX_INPUT_SIZE, max_decompressed_size: int | None = None,
                max_json_depth: int = codec.MAX_JSON_DEPTH, tensor_limits: TensorLimits | None = None,

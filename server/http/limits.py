@@ -29,9 +29,10 @@ import time
 from dataclasses import dataclass
 
 import orjson
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from ..asgi import RECEIVED_NS
+from ..asgi import RECEIVED_NS, FastCycle
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +174,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._body_began = False  # the head completed in the read being parsed: the body's wait begins
         self._refusal: tuple[int, str] | None = None
         self._shortest = min(limits.header_timeout, limits.body_timeout, self.timeout_keep_alive)
+        # the app's direct handlers (KServe infer: tideserve.http.app.HttpApp.infer_handler), None for another app
+        self._handler = getattr(self.app, "infer_handler", None) if FastCycle is not None else None
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -329,15 +332,95 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._unseen = 0
         self._waiting = _BODY  # timed once the read that brought the head is parsed (data_received)
         self._body_began = True
-        super().on_headers_complete()
+        if self._handler is None or not self._start_direct():
+            super().on_headers_complete()
+
+    def _start_direct(self) -> bool:
+        """A ``POST`` the app answers without an ASGI call (KServe infer): its handler runs as this request's task
+        on a :class:`~tideserve.asgi.FastCycle` (uvicorn's path: its URL parsed into a new object, a cycle with its
+        own Event, ``run_asgi`` and the app's ``__call__`` around the handler). False, having done nothing, where
+        uvicorn's path must serve: any other method or path, a path with a query or escapes, ``Expect:
+        100-continue``, an upgrade, a request pipelined behind one not answered yet, the concurrency limit
+        reached."""
+        url = self.url
+        if not url.endswith(b"/infer") or self.expect_100_continue or self.root_path:
+            return False
+        parser = self.parser
+        if parser.get_method() != b"POST" or b"?" in url or b"%" in url or b"#" in url or parser.should_upgrade():
+            return False
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            return False  # pipelined: uvicorn queues it
+        limit = self.limit_concurrency
+        if limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit):
+            return False  # uvicorn answers 503
+        try:
+            path = url.decode("ascii")
+        except UnicodeDecodeError:
+            return False
+        found = self._handler(path)
+        if found is None:
+            return False
+        handler, model, version = found
+        scope = self.scope
+        scope["method"] = "POST"
+        http_version = parser.get_http_version()
+        if http_version != "1.1":
+            scope["http_version"] = http_version
+        scope["path"] = path
+        scope["raw_path"] = url
+        scope["query_string"] = b""
+        cycle = self.cycle = FastCycle(scope, self.transport, self.flow, self.logger, self.access_logger,
+                                       self.access_log, self.server_state.default_headers,
+                                       http_version != "1.0" and parser.should_keep_alive(), self.on_response_complete)
+        task = self.loop.create_task(handler(scope, cycle.receive, cycle.send, model, version))
+        task.add_done_callback(functools.partial(self._direct_done, cycle))
+        self.tasks.add(task)
+        return True
+
+    def _direct_done(self, cycle: FastCycle, task) -> None:
+        """As uvicorn's ``run_asgi`` ends a request whose handler raised (the handlers answer their own errors: a
+        cancellation at shutdown, a bug) or returned with no whole answer: 500 where the answer has not started,
+        else the connection closed."""
+        self.tasks.discard(task)
+        if cycle.response_complete or cycle.disconnected:
+            return
+        if not task.cancelled() and task.exception() is not None:
+            log.error("HTTP request to %s failed", cycle.scope.get("path"), exc_info=task.exception())
+        if not cycle.response_started and not self.transport.is_closing():
+            cycle.keep_alive = False
+            body = orjson.dumps({"error": "internal error: the request's handler ended without an answer"})
+            head = [STATUS_LINE[500]]
+            for name, value in self.server_state.default_headers:
+                head.extend([name, b": ", value, b"\r\n"])
+            head.append(b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+                        % len(body))
+            self.transport.write(b"".join(head) + body)
+        cycle.response_complete = True
+        self.transport.close()
 
     def on_body(self, body: bytes) -> None:
         self._unseen = 0
-        super().on_body(body)
+        cycle = self.cycle
+        if type(cycle) is not FastCycle:
+            super().on_body(body)
+            return
+        if cycle.response_complete:
+            return
+        cycle.body += body
+        if len(cycle.body) > HIGH_WATER_LIMIT:
+            self.flow.pause_reading()
+        cycle.wake()
 
     def on_message_complete(self) -> None:
         self._waiting = _IDLE
-        super().on_message_complete()
+        cycle = self.cycle
+        if type(cycle) is not FastCycle:
+            super().on_message_complete()
+            return
+        if not cycle.response_complete:
+            cycle.more_body = False
+            cycle.wake()
 
     def on_response_complete(self) -> None:
         """uvicorn's, with the keep-alive timeout kept by the connection's timer (uvicorn arms one of its own)."""
