@@ -4,7 +4,9 @@ The dynamic batcher hands an instance a list of requests; :class:`TensorModelIns
 concatenates their inputs along the batch dimension, runs the model once and splits every
 output back into per-request responses. Inputs with ``allow_ragged_batch`` are flattened and
 concatenated, and the config's ``batch_input`` entries (element counts and their running sums,
-as Triton defines them) tell the model where each request's elements start.
+as Triton defines them) tell the model where each request's elements start. Inputs the model's
+``pad_batch_inputs`` parameter names (a tideserve extension) batch across lengths: each request's rows
+are padded with zeros to the batch's largest shape, as an in-process caller pads a batch to its longest.
 """
 
 from __future__ import annotations
@@ -18,10 +20,30 @@ from .errors import InternalError, InvalidArgument
 from .types import InferenceRequest, InferenceResponse, Tensor
 
 BatchInput = mc.BatchInput
+PAD_PARAMETER = "pad_batch_inputs"
 
 
-def concat_inputs(requests: list[InferenceRequest], ragged: frozenset[str] = frozenset()) -> dict[str, np.ndarray]:
-    """One array per input name: requests concatenated along axis 0 (ragged ones flattened)."""
+def padded_inputs(config: mc.ModelConfig) -> frozenset[str]:
+    """The inputs the ``pad_batch_inputs`` parameter names (comma-separated): inputs with a variable
+    (-1) dimension, not ragged, whose requests batch across shapes, zero-padded to the batch's largest."""
+    entry = config.parameters.get(PAD_PARAMETER)
+    names = frozenset(n.strip() for n in (entry.string_value if entry else "").split(",") if n.strip())
+    inputs = {t.name: t for t in config.input}
+    for name in sorted(names):
+        spec = inputs.get(name)
+        if spec is None:
+            raise InvalidArgument(f"model '{config.name}': parameter '{PAD_PARAMETER}' names '{name}', which is not "
+                                  f"an input (inputs: {', '.join(inputs) or 'none'})")
+        if spec.allow_ragged_batch or -1 not in spec.dims or spec.data_type == mc.TYPE_STRING:
+            raise InvalidArgument(f"model '{config.name}': parameter '{PAD_PARAMETER}': input '{name}' must have a "
+                                  "variable (-1) dimension, a numeric datatype and no allow_ragged_batch")
+    return names
+
+
+def concat_inputs(requests: list[InferenceRequest], ragged: frozenset[str] = frozenset(),
+                  padded: frozenset[str] = frozenset()) -> dict[str, np.ndarray]:
+    """One array per input name: requests concatenated along axis 0 (ragged ones flattened, ``padded`` ones
+    zero-padded to the batch's largest shape first)."""
     first = requests[0]
     if len(requests) == 1:
         return {name: (t.data.reshape(-1) if name in ragged else t.data) for name, t in first.inputs.items()}
@@ -30,10 +52,31 @@ def concat_inputs(requests: list[InferenceRequest], ragged: frozenset[str] = fro
         parts = [_part(r, name) for r in requests]
         if name in ragged:
             parts = [p.reshape(-1) for p in parts]
+        elif name in padded:
+            parts = _pad_parts(name, parts)
         else:
             _check_batchable(name, parts)
         merged[name] = np.concatenate(parts, axis=0)
     return merged
+
+
+def _pad_parts(name: str, parts: list[np.ndarray]) -> list[np.ndarray]:
+    """The parts zero-padded at the end of each non-batch dimension to the largest part's size."""
+    shapes = {p.shape[1:] for p in parts}
+    if len(shapes) == 1:
+        return parts
+    if len({len(s) for s in shapes}) > 1 or len({p.dtype for p in parts}) > 1:
+        _check_batchable(name, parts)  # raises: ranks or datatypes differ
+    largest = tuple(max(sizes) for sizes in zip(*shapes))
+    out = []
+    for part in parts:
+        if part.shape[1:] == largest:
+            out.append(part)
+        else:
+            grown = np.zeros((part.shape[0], *largest), dtype=part.dtype)
+            grown[(slice(None), *(slice(0, n) for n in part.shape[1:]))] = part
+            out.append(grown)
+    return out
 
 
 def _part(request: InferenceRequest, name: str) -> np.ndarray:
@@ -108,6 +151,7 @@ class TensorModelInstance(ModelInstance):
         super().__init__(model, ctx)
         config = model.config
         self.ragged = frozenset(t.name for t in config.input if t.allow_ragged_batch)
+        self.padded = padded_inputs(config)
         self.output_datatypes = {t.name: config_to_datatype(mc.DataType.Name(t.data_type)) for t in config.output}
         self.has_batch_inputs = bool(config.batch_input)
 
@@ -115,7 +159,7 @@ class TensorModelInstance(ModelInstance):
         raise NotImplementedError(f"{type(self).__name__} does not implement infer()")
 
     def execute(self, requests: list[InferenceRequest]) -> list[InferenceResponse]:
-        inputs = concat_inputs(requests, self.ragged)
+        inputs = concat_inputs(requests, self.ragged, self.padded)
         if self.has_batch_inputs:
             inputs.update(batch_inputs(self.model.config, requests))
         outputs = self.infer(inputs)

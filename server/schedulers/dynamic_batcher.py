@@ -2,7 +2,7 @@
 
 A batch grows, highest priority level first and oldest request first, while the rows fit in
 ``max_batch_size`` and each request's non-batch shapes match the first one's (inputs with
-``allow_ragged_batch`` may differ). It runs at once when it is full, reaches the largest
+``allow_ragged_batch`` may differ; those of the ``pad_batch_inputs`` parameter only in their rank). It runs at once when it is full, reaches the largest
 ``preferred_batch_size`` or cannot grow; otherwise it waits up to ``max_queue_delay_microseconds``
 from its oldest request for more. Queue policies reject or delay requests that wait too long.
 """
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from tritonclient.grpc import model_config_pb2 as mc
 
+from ..batching import padded_inputs
 from ..errors import QueueFull, Unavailable
 from ..types import InferenceRequest
 from .base import DELAY_SCHEDULER_ENV, OrderGate, Scheduler, drop_cancelled, held_until
@@ -56,6 +57,7 @@ class DynamicBatcher(Scheduler):
         self.preferred = sorted(set(batching.preferred_batch_size))
         self.delay_ns = batching.max_queue_delay_microseconds * 1000
         self.ragged = {t.name for t in config.input if t.allow_ragged_batch}
+        self.padded = padded_inputs(config)  # these batch across lengths (zero-padded when the batch runs)
         levels = batching.priority_levels
         if levels:
             policies = batching.priority_queue_policy
@@ -178,12 +180,13 @@ class DynamicBatcher(Scheduler):
         return picked, rows, False
 
     def _signature(self, request: InferenceRequest):
-        ragged = self.ragged
+        ragged, padded = self.ragged, self.padded
         found = []
         for name, tensor in request.inputs.items():  # a loop, not a generator: this runs for every request
             shape = tensor.shape
             found.append((name, tensor.datatype,
-                          None if name in ragged else shape[1:] if type(shape) is tuple else tuple(shape[1:])))
+                          None if name in ragged else len(shape) if name in padded
+                          else shape[1:] if type(shape) is tuple else tuple(shape[1:])))
         if len(found) > 1:
             found.sort()
         return tuple(found)

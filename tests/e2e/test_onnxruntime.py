@@ -92,6 +92,7 @@ def files(tmp_path_factory, minilm_export) -> dict[str, Path | None]:
     root = tmp_path_factory.mktemp("onnx_files")
     return {"mlp": onnx_models.export_mlp(root / "mlp.onnx"), "minilm": minilm_export,
             "identity": onnx_models.make_identity(root / "identity.onnx"),
+            "ids": onnx_models.make_identity(root / "ids.onnx", ["INT64"]),
             "strings": onnx_models.make_identity(root / "strings.onnx", ["BYTES"]),
             "fixed_add": onnx_models.make_fixed_add(root / "fixed_add.onnx"),
             "row_scalar": onnx_models.make_row_scalar(root / "row_scalar.onnx")}
@@ -121,6 +122,12 @@ def repo(tmp_path_factory, files) -> Path:
         _model(repo, "minilm", 'backend: "onnxruntime"\nmax_batch_size: 16\n'
                'dynamic_batching { max_queue_delay_microseconds: 2000 }\n', files["minilm"])
     _model(repo, "identity", 'backend: "onnxruntime"\n', files["identity"])
+    padded = ('max_batch_size: 8\ndynamic_batching { max_queue_delay_microseconds: 500000 preferred_batch_size: [ 4 ] }\n'
+              'parameters { key: "pad_batch_inputs" value: { string_value: "IN_INT64" } }\n')
+    _model(repo, "ids_padded", 'backend: "onnxruntime"\n' + padded, files["ids"])
+    if files["minilm"] is not None:
+        _model(repo, "minilm_padded", 'backend: "onnxruntime"\n' + padded.replace(
+            '"IN_INT64"', '"input_ids,attention_mask"'), files["minilm"])
     _model(repo, "fixed_add", 'backend: "onnxruntime"\n', files["fixed_add"])
     _model(repo, "row_scalar", 'backend: "onnxruntime"\n', files["row_scalar"])
     _model(repo, "strings", 'backend: "onnxruntime"\nmax_batch_size: 8\n'
@@ -136,6 +143,8 @@ def repo(tmp_path_factory, files) -> Path:
     _model(repo, "wrong_dims", _mismatch('input [ { name: "INPUT" data_type: TYPE_FP32 dims: [ 8 ] } ]'),
            files["mlp"])
     _model(repo, "cannot_batch", 'backend: "onnxruntime"\nmax_batch_size: 4\n', files["fixed_add"])
+    _model(repo, "bad_pad", 'backend: "onnxruntime"\nmax_batch_size: 8\n'
+           'parameters { key: "pad_batch_inputs" value: { string_value: "IN_INT64,NOPE" } }\n', files["ids"])
     _model(repo, "bad_param", 'backend: "onnxruntime"\n' + MLP_IO + 'max_batch_size: 8\n'
            'parameters { key: "execution_mode" value: { string_value: "3" } }\n', files["mlp"])
     return repo
@@ -149,6 +158,7 @@ FAILING = {
     "wrong_dims": "input 'INPUT' has dims [-1] + [8] in the configuration, but the model provides shape [-1, 16]",
     "cannot_batch": "max_batch_size is 4 but the model cannot batch",
     "bad_param": "execution_mode must be 0 (sequential) or 1 (parallel)",
+    "bad_pad": "parameter 'pad_batch_inputs' names 'NOPE', which is not an input",
 }
 
 
@@ -231,6 +241,48 @@ def test_dynamic_batcher_batches_and_every_request_stays_exact(http, files):
     inferences, executions = after[0] - before[0], after[1] - before[1]
     assert inferences == sum(len(x) for x in inputs)
     assert executions < len(inputs), f"{executions} executions for {len(inputs)} requests: nothing was batched"
+
+
+def _concurrently(url: str, model: str, arrays: list[dict[str, np.ndarray]], output: str) -> list[np.ndarray]:
+    """Each request sent at once on its own connection; the answers in order."""
+    with httpclient.InferenceServerClient(url, concurrency=len(arrays)) as client:
+        pending = []
+        for feeds in arrays:
+            tensors = []
+            for name, array in feeds.items():
+                tensor = httpclient.InferInput(name, list(array.shape), _datatype(array))
+                tensor.set_data_from_numpy(array)
+                tensors.append(tensor)
+            pending.append(client.async_infer(model, tensors))
+        return [p.get_result(timeout=60).as_numpy(output) for p in pending]
+
+
+def test_pad_batch_inputs_batch_requests_of_different_lengths(srv, http):
+    """``pad_batch_inputs``: requests whose ids differ in length run as one batch, each zero-padded to the
+    batch's longest (an output of variable length comes back at that length)."""
+    before = _stats(http, "ids_padded")
+    rows = [np.arange(1, n + 1, dtype=np.int64).reshape(1, n) for n in (1, 2, 3, 4)]
+    results = _concurrently(srv.http_url, "ids_padded", [{"IN_INT64": r} for r in rows], "OUT_INT64")
+    after = _stats(http, "ids_padded")
+    assert (after[0] - before[0], after[1] - before[1]) == (4, 1)  # four requests, one execution
+    for row, out in zip(rows, results):
+        assert out.shape == (1, 4) and out[0, :row.shape[1]].tolist() == row[0].tolist()
+        assert not out[0, row.shape[1]:].any()
+
+
+def test_pad_batch_inputs_keep_each_embedding(srv, http, minilm_file):
+    """MiniLM with ``pad_batch_inputs``: sentences of different lengths batched together (padded with mask 0)
+    give the vectors ONNX Runtime gives each one alone, unpadded."""
+    texts = ["hi", "The app crashes when I press export.", "I was charged twice for one order, please help me",
+             "Where is my parcel? It should have arrived on Monday, and it has not come yet."]
+    feeds = [onnx_models.minilm_inputs([t]) for t in texts]
+    assert len({f["input_ids"].shape[1] for f in feeds}) == 4
+    before = _stats(http, "minilm_padded")
+    results = _concurrently(srv.http_url, "minilm_padded", feeds, "sentence_embedding")
+    after = _stats(http, "minilm_padded")
+    assert (after[0] - before[0], after[1] - before[1]) == (4, 1)
+    for one, out in zip(feeds, results):
+        np.testing.assert_allclose(out, direct(minilm_file, one)[0], atol=1e-5, rtol=0)
 
 
 def test_two_instances_run_in_parallel(srv, http):
@@ -401,7 +453,7 @@ def test_bad_models_are_unavailable_with_their_reason_while_others_serve(http, g
         assert index[name]["state"] == "UNAVAILABLE", name
         assert reason in index[name]["reason"], (name, index[name]["reason"])
         assert not http.is_model_ready(name) and not grpc.is_model_ready(name)
-    for name in ("mlp", "mlp_auto", "mlp_two", "mlp_named", "identity", "fixed_add", "strings", "row_scalar"):
+    for name in ("mlp", "mlp_auto", "mlp_two", "mlp_named", "identity", "fixed_add", "strings", "row_scalar", "ids_padded"):
         assert index[name]["state"] == "READY", (name, index[name])
     with pytest.raises(InferenceServerException, match="ONNX Runtime cannot load"):
         infer(http, httpclient, "corrupt", {"INPUT": np.zeros((1, 16), np.float32)}, ["OUTPUT"])

@@ -15,7 +15,9 @@ interface:
 * ``openai_tokenize_in_frontend: "true"`` (an ensemble with a ``openai_token_model``): text is tokenized in the
   frontend (it does so anyway, for usage and lengths) and its ids go straight to the token model, padded with
   a mask to a multiple of ``openai_pad_to_multiple_of`` (else the tokenizer step's ``pad_to_multiple_of``
-  parameter), skipping the ensemble and its tokenizer step. The config's author vouches that the tokenizer
+  parameter; unpadded where the token model's ``pad_batch_inputs`` names ``input_ids`` and ``attention_mask``:
+  its batcher then batches any lengths and pads each batch to its longest), skipping the ensemble and its
+  tokenizer step. The config's author vouches that the tokenizer
   step does what the frontend does with the same ``tokenizer.json`` (special tokens added, no truncation
   within ``max_model_len``, padding with id 0 and mask 0). The ensemble's statistics still count each such
   request (success, one execution) where the model runs in this process;
@@ -39,6 +41,7 @@ from typing import Any
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
+from ...batching import PAD_PARAMETER
 from ...datatypes import config_to_datatype, numpy_dtype
 from ...errors import NotFound, ServerError
 from ...types import InferenceRequest, RequestedOutput, Tensor
@@ -65,6 +68,7 @@ class Interface:
     batched: bool
     output: str
     attention_mask: str | None = None  # its datatype, when the model takes one
+    pads_batches: bool = False  # the model pads its batches (pad_batch_inputs): ids go unpadded
 
 
 @dataclass(eq=False)
@@ -177,8 +181,10 @@ def _token_interface(name: str, config, output: str) -> Interface | None:
     if inputs.get("input_ids") not in ("INT32", "INT64"):
         return None
     mask = inputs.get("attention_mask")
-    return Interface(name, "input_ids", inputs["input_ids"], config.max_batch_size > 0, output,
-                     mask if mask in ("INT32", "INT64") else None)
+    mask = mask if mask in ("INT32", "INT64") else None
+    padded = {n.strip() for n in (_parameter(config, PAD_PARAMETER) or "").split(",")}
+    return Interface(name, "input_ids", inputs["input_ids"], config.max_batch_size > 0, output, mask,
+                     "input_ids" in padded and (mask is None or "attention_mask" in padded))
 
 
 def describe(runtime, lookup) -> EmbeddingModel | None:
@@ -202,6 +208,8 @@ def describe(runtime, lookup) -> EmbeddingModel | None:
     directory = chat_template.tokenizer_dir(runtime, lookup)
     max_model_len = _max_model_len(config, directory)
     direct, multiple = _direct(runtime, lookup, text, tokens, directory, max_model_len)
+    if tokens is not None and tokens.pads_batches:
+        multiple = None  # its batcher batches ids of any length and pads each batch to its longest
     return EmbeddingModel(runtime.name, text, tokens, dimension, max_model_len,
                           (_parameter(config, "is_matryoshka") or "").strip().lower() in ("true", "1"),
                           _dimensions(_parameter(config, "matryoshka_dimensions")), directory,
