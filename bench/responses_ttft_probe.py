@@ -8,14 +8,24 @@ clock, from the moment the HTTP protocol began to read the request (``asgi.RECEI
 
     route     the OpenAI route's ASGI app is called (the event loop reached the request)
     handler   the body is read and parsed, the handler starts
-    blocking  the blocking work handed to the worker threads (chat template, prompt-fit), submit to done
+    render_q  the request is validated and its messages made (Responses: its items, the chat request), the chat
+              template's render is handed to the worker threads
+    render_1  the render is done (a worker thread)
     submit    the DataPlane request is made (``generation.Run``)
+    tokenized the vLLM backend has the prompt's tokens (``Generator._render`` returned: the burst tokenizer)
     engine    vLLM's ``AsyncLLM.add_request`` is called for it (the engine client has it)
+    e_first   the engine core's step with its first token ended (its ``first_token_ts``)
+    out       that output reached the backend's generator (the output handler processed the step)
     first     the first model output reached the handler (``Run.peek`` returned)
     written   the first text event's bytes were handed to the transport (chat: its first chunk after the
               role-only one; Responses: the chunk with the first ``response.output_text.delta``)
 
-and prints each phase's median per API at 1 stream and at ``--streams`` concurrent streams (the client is
+and beside them ``blocking`` (the blocking work handed to the worker threads: chat template, prompt-fit; submit
+to done), ``writes`` (the body writes up to the first text: chat 2, its role chunk and the text's) and
+``bytes_first`` (the bytes of those writes), and ``cpu_prepare`` (Responses: the loop's CPU time making the
+stream's opening, :meth:`_Job.prepare`, while the engine computes)
+
+It prints each phase's median per API at 1 stream and at ``--streams`` concurrent streams (the client is
 tideserve-bench's ``openai-chat`` / ``openai-responses`` targets, as in ``responses_vs_chat.py``), and for
 ``responses-late``, Responses streams whose opening events are made after the model's first output (the probe
 turns :meth:`_Job.prepare` off for them: the order of the code before the opening was made meanwhile). Beside the
@@ -51,7 +61,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 
 PROBE_FILE = "TIDESERVE_TTFT_PROBE_FILE"  # where the serving process appends one JSON line per request
-PHASES = ("route", "handler", "submit", "engine", "first", "written")
+PHASES = ("route", "handler", "render_q", "render_1", "submit", "tokenized", "engine", "e_first", "out", "first",
+          "written")
 # responses-late: the stream's opening made after the model's first output, as before it was made meanwhile (a
 # request field the probe's patch of _Job.prepare reads)
 SIDES = {"chat": "openai-chat", "responses": "openai-responses", "responses-late": "openai-responses"}
@@ -80,6 +91,8 @@ def install_probe(path: str) -> None:
         async def probed_send(message):
             if message["type"] == "http.response.body" and message.get("body") and "written" not in record:
                 body = message["body"]
+                record["writes"] = record.get("writes", 0) + 1
+                record["bytes_first"] = record.get("bytes_first", 0) + len(body)
                 chat_text = b'"content":"' in body and b'"role":"assistant","content":""' not in body
                 if b"response.output_text.delta" in body or chat_text:
                     record["written"], record["cpu"]["written"] = now(), cpu()
@@ -148,20 +161,73 @@ def install_probe(path: str) -> None:
 
     generation.Run.peek = probed_peek
 
+    from tideserve.openai import chat_run
+    from tideserve.openai.chat_completion import serving as chat_serving
     from tideserve.openai.responses import serving
+
+    render = chat_serving._render
+
+    def probed_render(request, llm, limits):
+        try:
+            return render(request, llm, limits)
+        finally:
+            record = getattr(request, "_probe_record", None)
+            if record is not None:
+                record["render_1"] = now()
+
+    chat_serving._render = chat_run._render = probed_render
+    run_blocking_marked = http.OpenAIServer.run_blocking
+
+    async def probed_render_q(self, fn, *args):
+        record = current.get()
+        if record is not None and fn is probed_render and args:
+            record["render_q"], record["cpu"]["render_q"] = now(), cpu()
+            object.__setattr__(args[0], "_probe_record", record)
+        return await run_blocking_marked(self, fn, *args)
+
+    http.OpenAIServer.run_blocking = probed_render_q
 
     prepare = serving._Job.prepare
 
     def probed_prepare(self, chat, llm):
         if not (self.request.model_extra or {}).get(LATE):
+            before = cpu()
             prepare(self, chat, llm)
+            record = current.get()
+            if record is not None:
+                record["cpu_prepare"] = (cpu() - before) / 1e6
 
     serving._Job.prepare = probed_prepare
 
     try:
+        from tideserve.llm_backends.vllm import generation as vgen
         from vllm.v1.engine.async_llm import AsyncLLM
     except ImportError:
         return
+    gen_render = vgen.Generator._render
+
+    async def probed_gen_render(self, *args, **kwargs):
+        try:
+            return await gen_render(self, *args, **kwargs)
+        finally:
+            record = current.get()
+            if record is not None and "tokenized" not in record:
+                record["tokenized"] = now()
+
+    vgen.Generator._render = probed_gen_render
+    generate = AsyncLLM.generate
+
+    async def probed_generate(self, *args, **kwargs):
+        record = current.get()
+        async for output in generate(self, *args, **kwargs):
+            if record is not None and "out" not in record:
+                record["out"] = now()
+                first_ts = getattr(getattr(output, "metrics", None), "first_token_ts", 0.0) or 0.0
+                if first_ts:
+                    record["e_first"] = int(first_ts * 1e9)  # the engine core's monotonic clock, as ours
+            yield output
+
+    AsyncLLM.generate = probed_generate
     add_request = AsyncLLM.add_request
 
     async def probed_add_request(self, *args, **kwargs):
@@ -197,12 +263,23 @@ def phases(record: dict) -> dict[str, float]:
         last = value
     out["total"] = (last - marks[0][1]) / 1e6
     out["blocking"] = sum(end - start for _, start, end in record["blocking"]) / 1e6  # submit to result
+    for name in ("writes", "bytes_first", "cpu_prepare"):
+        if name in record:
+            out[name] = record[name]
     marks = record["cpu"]
     for name, before in (("handler", "route"), ("submit", "handler"), ("written", "first"), ("written", "route")):
         if name in marks and before in marks:
             out["cpu_total" if before == "route" and name == "written" else f"cpu_{name}"] = \
                 (marks[name] - marks[before]) / 1e6
     return out
+
+
+def timeline(records: list[dict]) -> dict[str, float]:
+    """Milliseconds from the round's first request's arrival to each mark, the median over the round's requests
+    (where a burst's requests stand: the phases above are each request's own)."""
+    t0 = min(r["received"] or r["route"] for r in records)
+    return {m: statistics.median((r[m] - t0) / 1e6 for r in records if r.get(m)) for m in PHASES
+            if any(r.get(m) for r in records)}
 
 
 def main() -> None:
@@ -257,6 +334,7 @@ def main() -> None:
                     role_chunk_is_token=False)
         results: dict[tuple[int, str], list[dict]] = {}
         ttft: dict[tuple[int, str], list[float]] = {}
+        lines: dict[tuple[int, str], list[dict[str, float]]] = {}
         for streams in (1, args.streams):
             texts = story_prompts(args.single if streams == 1 else streams)
             for index in range(args.rounds):
@@ -274,17 +352,28 @@ def main() -> None:
                             raw.writelines(json.dumps({"streams": streams, "side": side, **r}) + "\n"
                                            for r in records)
                     results.setdefault((streams, side), []).extend(phases(r) for r in records)
+                    if records:
+                        lines.setdefault((streams, side), []).append(timeline(records))
     finally:
         stop_process(proc)
     print(f"load average {os.getloadavg()[0]:.2f}; medians in ms, each phase from the mark before it")
-    names = [*PHASES, "total", "blocking", "cpu_handler", "cpu_submit", "cpu_written",
-             "cpu_total"]
+    names = [*PHASES, "total", "blocking", "writes", "bytes_first", "cpu_handler", "cpu_submit", "cpu_prepare",
+             "cpu_written", "cpu_total"]
     print("| streams | API | client TTFT p50 | " + " | ".join(names) + " |")
     print("|---" * (len(names) + 3) + "|")
     for (streams, side), rows in results.items():
         cells = [statistics.median(r.get(n, float("nan")) for r in rows) for n in names]
         print(f"| {streams} | {side} | {statistics.median(ttft[(streams, side)]):.2f} | "
               + " | ".join(f"{c:.2f}" for c in cells) + " |")
+    print(f"\n{args.streams} streams: the round's timeline, ms from its first request's arrival to each mark (the "
+          "median request's), the median over the rounds")
+    print("| API | " + " | ".join(PHASES) + " |")
+    print("|---" * (len(PHASES) + 1) + "|")
+    for (streams, side), rounds in lines.items():
+        if streams == args.streams:
+            print(f"| {side} | " + " | ".join(
+                f"{statistics.median(t[m] for t in rounds if m in t):.2f}" if any(m in t for t in rounds) else "-"
+                for m in PHASES) + " |")
     shutil.rmtree(work, ignore_errors=True)
 
 

@@ -157,6 +157,16 @@ class OutputStream:
                        {"type": "response.content_part.added", "item_id": state.id, "output_index": index,
                         "content_index": 0, "part": part}]
 
+    def announce_message(self, writer: EventWriter) -> tuple[_Open, bytes]:
+        """:meth:`announce` of a ``message`` item written at once by ``writer`` (numbered from its next number): the
+        bytes of ``writer.events(events)`` from a template, no event dict made (a streamed plain answer's opening,
+        made for every request before its first token)."""
+        state = _Open("message", new_id("msg"), len(self.items))
+        sequence = writer.sequence
+        writer.sequence = sequence + 2
+        item_id = state.id.encode()
+        return state, _MESSAGE_ANNOUNCED % (state.index, item_id, sequence, item_id, state.index, sequence + 1)
+
     def adopt(self, state: _Open, text: str) -> _Open | None:
         """``text`` starts the item :meth:`announce` made (its events written by the caller): the item, open with
         that text, for :meth:`EventWriter.delta`; None (nothing done) when an item is open or its place was taken
@@ -214,6 +224,16 @@ class OutputStream:
             self.items[index] = item
         else:
             self.items.append(item)
+
+
+# the events of OutputStream.announce("message"), as EventWriter.events writes them: output index, item id, number,
+# item id, output index, number (an id of new_id: hex digits, nothing to escape)
+_MESSAGE_ANNOUNCED = (
+    b'event: response.output_item.added\ndata: {"type":"response.output_item.added","output_index":%d,"item":'
+    b'{"id":"%s","type":"message","status":"in_progress","role":"assistant","content":[]},"sequence_number":%d}\n\n'
+    b'event: response.content_part.added\ndata: {"type":"response.content_part.added","item_id":"%s",'
+    b'"output_index":%d,"content_index":0,"part":{"type":"output_text","text":"","annotations":[],"logprobs":[]},'
+    b'"sequence_number":%d}\n\n')
 
 
 class EventWriter:

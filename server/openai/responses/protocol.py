@@ -143,8 +143,9 @@ def input_items(request: ResponsesRequest) -> list[dict]:
     """The request's input as items with ids (what ``GET .../input_items`` lists); a string is one user
     message. Malformed items are a 400 naming ``input[i]``."""
     given = request.input
-    if isinstance(given, str):
-        given = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": given}]}]
+    if isinstance(given, str):  # one user message: the item _message_item makes of it, made at once
+        return [{"id": new_id("msg"), "type": "message", "role": "user",
+                 "content": [{"type": "input_text", "text": given}], "status": "completed"}]
     items = []
     for i, item in enumerate(given):
         kind = item.get("type", "message")

@@ -160,6 +160,15 @@ class _Job:
         self._echo = self.request.echo()
         return self._echo
 
+    def started(self) -> bytes:
+        """The JSON of :meth:`response` ``in_progress`` with no output (``response.created`` and
+        ``response.in_progress`` carry it): its fixed head written around the JSON of the request's settings, the
+        bytes ``orjson.dumps(self.response("in_progress", []))`` gives, without the merged dict."""
+        echo = self._echo or self._echoed()
+        if echo.get("model") != self.model:  # (the model is set on the request before its settings are echoed)
+            return orjson.dumps(self.response("in_progress", []))
+        return _STARTED % (orjson.dumps(self.id), self.created, orjson.dumps(echo)[1:])
+
     def answer(self, items: list[dict], reason: str, usage: dict) -> dict:
         if reason == "length":
             return self.response("incomplete", items, usage, incomplete={"reason": "max_output_tokens"})
@@ -272,7 +281,7 @@ class _Job:
     async def round_events(self, rounds: mcp.ToolRounds):
         """The events of a response with MCP tools (:class:`.mcp.ToolRounds`)."""
         writer = output.EventWriter()
-        started = orjson.dumps(self.response("in_progress", []))
+        started = self.started()
         yield writer.wrapped("response.created", started) + writer.wrapped("response.in_progress", started)
         try:
             async for event in rounds.events():
@@ -362,19 +371,22 @@ class _Ahead:
     __slots__ = ("announced", "choices", "item", "opening")
 
     def __init__(self, job: _Job, choices: ChoiceStream) -> None:
-        started = orjson.dumps(job.response("in_progress", []))
+        started = job.started()
         writer = output.EventWriter()
         self.opening = writer.wrapped("response.created", started) + writer.wrapped("response.in_progress", started)
         self.choices = choices
         self.item = None
         self.announced = b""
         if choices.plain:
-            self.item, events = output.OutputStream().announce("message")
-            self.announced = writer.events(events)
+            self.item, self.announced = output.OutputStream().announce_message(writer)
             writer.head(self.item)
 
 
 _TEXT_KEYS = {"message": "content", "reasoning": "reasoning"}
+# _Job.response("in_progress", []) up to the request's settings: id (JSON), created_at, then the settings' JSON
+# without its opening brace
+_STARTED = (b'{"id":%s,"object":"response","created_at":%d,"status":"in_progress","error":null,'
+            b'"incomplete_details":null,"output":[],"usage":null,%s')
 
 
 def _only_text(delta: dict) -> str | None:
