@@ -38,7 +38,10 @@ Reported, all rounds of a mode pooled:
    here; ``--no-probe``), the time its loop thread waited for a CPU and what is left, the loop's own work (or
    the thread blocked: the GIL, a virtual CPU the host did not run); (b)
    from the timer to the answer written; (c) the rest of what the client saw (the way in, the way back, the
-   client's loop). Per side, the server loop thread's share of the wall time on a CPU and waiting for one
+   client's loop). The way in is split again where aiohttp's trace says when the request's bytes were written:
+   the client's own part (send to bytes written) and the rest (to the server's first parsed byte: the server's
+   loop getting to the connection); and each way carries the time the client's own loop was stalled within it
+   (late wake-ups of its lag probe), so a tail made by the client shows as such. Per side, the server loop thread's share of the wall time on a CPU and waiting for one
    (``/proc/<pid>/task/<pid>/schedstat``): on a machine whose cores are all busy, (a) is mostly that wait; and
    the engine processes' CPU and run-queue wait (all their threads, in cores), which moves the goodput; the
    server process's own CPU (every thread); and, from the server's ``TIDESERVE_DEADLINE_PROBE_FILE`` counts
@@ -120,9 +123,9 @@ async def one_request(session: aiohttp.ClientSession, base: str, api: str, promp
                 "ignore_eos": True}
         headers = {"x-request-timeout-ms": str(int(deadline_ms))}
     result = {"sent": time.monotonic(), "status": None, "first": None, "answered": None, "complete": False,
-              "error": None}
+              "error": None, "written": None}
     try:
-        async with session.post(url, json=body, headers=headers) as response:
+        async with session.post(url, json=body, headers=headers, trace_request_ctx=result) as response:
             result["answered"] = time.monotonic()
             result["status"] = response.status
             if response.status != 200:
@@ -172,26 +175,55 @@ async def closed_loop(session: aiohttp.ClientSession, base: str, api: str, role:
             await asyncio.sleep(retry_s)
 
 
-async def loop_lag(stop: asyncio.Event, lags: list[float], every_s: float = 0.005) -> None:
-    """The client's own event-loop lag (how late a 5 ms sleep wakes), which inflates every client-side time."""
+async def loop_lag(stop: asyncio.Event, lags: list[float], every_s: float = 0.005,
+                   stalls: list[tuple[float, float]] | None = None) -> None:
+    """The client's own event-loop lag (how late a 5 ms sleep wakes), which inflates every client-side time; with
+    ``stalls``, also each late wake-up as (from, to) on the monotonic clock: the loop could not run meanwhile."""
     while not stop.is_set():
         start = time.monotonic()
         await asyncio.sleep(every_s)
-        lags.append((time.monotonic() - start - every_s) * 1000)
+        now = time.monotonic()
+        lags.append((now - start - every_s) * 1000)
+        if stalls is not None and now - start - every_s > 0.0005:
+            stalls.append((start + every_s, now))
+
+
+def stalled_ms(stalls: list[tuple[float, float]], start: float, end: float) -> float:
+    """ms of ``[start, end]`` during which the client's loop was stalled (late wake-ups of its lag probe)."""
+    return sum(max(0.0, min(end, b) - max(start, a)) for a, b in stalls if b > start and a < end) * 1000
+
+
+async def _on_chunk_sent(session, context, params) -> None:
+    """aiohttp's trace: the request's body is about to be written (with its head): its bytes leave now."""
+    result = context.trace_request_ctx
+    if isinstance(result, dict) and result.get("written") is None:
+        result["written"] = time.monotonic()
 
 
 async def run_clients(base: str, api: str, roles: list[tuple[str, int]], tokens: int, deadline_ms: float,
                       until: float, retry_s: float) -> tuple[list[dict], list[float]]:
     connector = aiohttp.TCPConnector(limit=len(roles) + 4)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as session:
+    trace = aiohttp.TraceConfig()
+    trace.on_request_chunk_sent.append(_on_chunk_sent)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120),
+                                     trace_configs=[trace]) as session:
         out: list[dict] = []
         lags: list[float] = []
+        stalls: list[tuple[float, float]] = []
         stop = asyncio.Event()
-        monitor = asyncio.ensure_future(loop_lag(stop, lags))
+        monitor = asyncio.ensure_future(loop_lag(stop, lags, stalls=stalls))
         await asyncio.gather(*(closed_loop(session, base, api, role, index, tokens, deadline_ms, until, retry_s, out)
                                for role, index in roles))
         stop.set()
         await monitor
+    # each refusal that the server timed: how long this client's loop was stalled on its way in (send to the
+    # server's first parsed byte) and on its way back (the answer written to read)
+    for r in out:
+        late = r.get("server_late")
+        if r["status"] == 503 and late and late[3] is not None and r["answered"] is not None:
+            received = late[3] - late[1] / 1000 - deadline_ms / 1000  # the server's arrival, its clock (the host's)
+            r["stall_in_ms"] = stalled_ms(stalls, r["sent"], received)
+            r["stall_back_ms"] = stalled_ms(stalls, late[3], r["answered"])
     return out, lags
 
 
@@ -375,11 +407,24 @@ def summarize(requests: list[dict], lags: list[float], load: list[tuple[int, int
     # byte: a server loop that reads the request late starts its deadline late)
     in_ms: list[float] = []
     back_ms: list[float] = []
+    # the way in split where aiohttp said when the request's bytes left (its trace): the client's own part (send
+    # to bytes written: building the request, its loop) and the rest (bytes written to the server's first parsed
+    # byte: the server's loop getting to the connection); and the client's loop stalls within each way
+    prep_ms: list[float] = []
+    in_server_ms: list[float] = []
+    stall_in_ms: list[float] = []
+    stall_back_ms: list[float] = []
     for r in at_deadline:
         late = r.get("server_late")
         if late and late[3] is not None:
             back_ms.append((r["answered"] - late[3]) * 1000)
             in_ms.append((r["answered"] - r["sent"]) * 1000 - deadline_ms - late[1] - back_ms[-1])
+            if r.get("written") is not None:
+                prep_ms.append((r["written"] - r["sent"]) * 1000)
+                in_server_ms.append(in_ms[-1] - prep_ms[-1])
+            if "stall_in_ms" in r:
+                stall_in_ms.append(r["stall_in_ms"])
+                stall_back_ms.append(r["stall_back_ms"])
     # (a) split where the server measured it: its loop waiting for a CPU (up to 2 ms before the deadline counted
     # in), and what is left: the loop's own work ahead of the timer, or the loop thread blocked (on the GIL while
     # another of the server's threads runs, or a virtual CPU the host did not run: neither is a run-queue wait)
@@ -409,7 +454,11 @@ def summarize(requests: list[dict], lags: list[float], load: list[tuple[int, int
         **spread_ms("server_timer_own_work", own_work_ms),
         **spread_ms("client_rest", client_rest_ms),
         **spread_ms("way_in", in_ms),
+        **spread_ms("way_in_client", prep_ms),
+        **spread_ms("way_in_to_server", in_server_ms),
+        **spread_ms("way_in_client_stall", stall_in_ms),
         **spread_ms("way_back", back_ms),
+        **spread_ms("way_back_client_stall", stall_back_ms),
         "in_flight_mean": sum(x for x, _ in load) / len(load) if load else float("nan"),
         "waiting_mean": sum(w for _, w in load) / len(load) if load else float("nan"),
         **spread_ms("client_lag", lags),
@@ -505,7 +554,8 @@ def main() -> None:
                           f"ms; server: timer p99 {row['server_timer_late_p99_ms']:.1f} (CPU wait p99 "
                           f"{row['server_cpu_wait_p99_ms']:.1f}, own work p99 {row['server_timer_own_work_p99_ms']:.1f}), "
                           f"answer p99 "
-                          f"{row['server_answer_late_p99_ms']:.1f} ms; way in p99 {row['way_in_p99_ms']:.1f}, way "
+                          f"{row['server_answer_late_p99_ms']:.1f} ms; way in p99 {row['way_in_p99_ms']:.1f} (client "
+                          f"{row['way_in_client_p99_ms']:.1f}, to the server {row['way_in_to_server_p99_ms']:.1f}), way "
                           f"back p99 {row['way_back_p99_ms']:.1f} ms), busy {row['refused_busy']}, "
                           f"errors {row['errors']}; in flight mean {row['in_flight_mean']:.1f}, engine waiting mean "
                           f"{row['waiting_mean']:.1f}; client loop lag p99 {row['client_lag_p99_ms']:.1f} ms (max {row['client_lag_max_ms']:.0f}); server "
@@ -559,6 +609,17 @@ def main() -> None:
               f"| {trio('server_cpu_wait')} | {trio('server_timer_own_work')} | {trio('server_timer_to_answer')} "
               f"| {trio('server_answer_late')} | {trio('client_rest')} | {trio('way_in')} | {trio('way_back')} "
               f"| {trio('lateness')} | {r['client_lag_p99_ms']:.1f} |")
+    print("\nThe way in and the way back, flooded sides pooled (ms; p50 / p99 / max): the way in is the client's part "
+          "(send to the request's bytes written, aiohttp's trace) and the rest (bytes written to the server's first "
+          "parsed byte); the client's loop stalls (late wake-ups of its lag probe) within each way")
+    print("| mode | way in | client's part | to the server | client stalled, way in | way back | client stalled, way "
+          "back |")
+    print("|---|---|---|---|---|---|---|")
+    for api in apis:
+        r = summary[api]["flooded"]
+        trio = lambda key, r=r: f"{r[key + '_p50_ms']:.1f} / {r[key + '_p99_ms']:.1f} / {r[key + '_max_ms']:.1f}"
+        print(f"| {api} | {trio('way_in')} | {trio('way_in_client')} | {trio('way_in_to_server')} "
+              f"| {trio('way_in_client_stall')} | {trio('way_back')} | {trio('way_back_client_stall')} |")
     for api in apis:
         for side in ("unflooded", "flooded"):
             rows = [r for r in rounds_out if r["api"] == api and r["side"] == side]

@@ -150,6 +150,12 @@ class InferenceStream:
     async def aclose(self) -> None:
         self.cancel()
 
+    def on_error(self, hook) -> None:
+        """``hook(error)`` once, on the loop, when the backend ends the request with an error, before the reader
+        takes that response (which it still does): a handler writes a refusal in the turn the backend refused
+        in. Streams of other kinds (a frontend worker's) have no such method."""
+        self._stream.on_error = hook
+
     def abort(self, error: ServerError) -> None:
         """End the stream with ``error`` now (server shutdown) and cancel the backend's work."""
         self.request.cancellation.cancel()

@@ -29,7 +29,7 @@ async def content_responses(stream) -> list[InferenceResponse]:
 class ResponseStream:
     """Async iterator of one request's responses; ``put`` may be called from any thread."""
 
-    __slots__ = ("_loop", "_loop_thread", "_items", "_waiter", "_done")
+    __slots__ = ("_loop", "_loop_thread", "_items", "_waiter", "_done", "on_error")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -37,6 +37,9 @@ class ResponseStream:
         self._items: collections.deque[InferenceResponse] = collections.deque()
         self._waiter: asyncio.Future | None = None
         self._done = False
+        # called once, on the loop, with the error of an error response as it is put (after the reader's wake-up):
+        # a protocol handler that can answer a refusal at once, in the same loop turn as the backend refused it
+        self.on_error: Callable[[BaseException], None] | None = None
 
     def put(self, response: InferenceResponse) -> None:
         if threading.get_ident() == self._loop_thread:
@@ -60,6 +63,9 @@ class ResponseStream:
             self._waiter = None
             if not waiter.done():
                 waiter.set_result(None)
+        if response.error is not None and self.on_error is not None:
+            hook, self.on_error = self.on_error, None
+            hook(response.error)
 
     def wait(self) -> asyncio.Future:
         """A future done once a response is there to take (a reader awaits it directly: no coroutine of its

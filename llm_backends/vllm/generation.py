@@ -207,6 +207,55 @@ def _probe(loop: asyncio.AbstractEventLoop) -> _CpuWaitProbe | None:
     return probe
 
 
+LOOP_SLICE_ENV = "TIDESERVE_LOOP_SLICE_US"
+DEFAULT_LOOP_SLICE_US = 100
+_SCHED_SETATTR = {"x86_64": 314, "aarch64": 274}  # the system call's number (Linux)
+_SCHED_FLAG_RESET_ON_FORK = 0x01
+_sliced: list[int] = []  # the threads that asked already
+
+
+def ask_for_short_slice(slice_us: int | None = None) -> bool:
+    """Ask the kernel to run the calling thread (the server's event loop) soon after it wakes: a time slice of
+    ``slice_us`` (``TIDESERVE_LOOP_SLICE_US``, default 100 µs; 0: leave it) instead of the default (0.7-3 ms).
+
+    The engine's processes keep the host's cores busy, so the loop thread, woken by a request's bytes or a
+    deadline's timer, used to wait for one of them to use up its slice: the way in and the refusal of a request
+    under an admission flood came several milliseconds late (``bench/deadlines.py``). Linux's EEVDF scheduler
+    (6.12 and later) lets a task with a shorter slice preempt on its wake-up; its share of the CPU is unchanged
+    (its nice value is kept), and the threads and processes it starts get the default slice again
+    (``SCHED_RESET_ON_FORK``). Elsewhere (another OS, an older kernel, another policy) nothing changes. True
+    when the kernel took it."""
+    if slice_us is None:
+        try:
+            slice_us = int(os.environ.get(LOOP_SLICE_ENV, DEFAULT_LOOP_SLICE_US))
+        except ValueError:
+            slice_us = DEFAULT_LOOP_SLICE_US
+    number = _SCHED_SETATTR.get(os.uname().machine)
+    tid = threading.get_native_id()
+    if slice_us <= 0 or number is None or tid in _sliced:
+        return False
+    _sliced.append(tid)
+    try:
+        import ctypes
+        import struct
+
+        if os.sched_getscheduler(0) != os.SCHED_OTHER:
+            return False
+        # struct sched_attr (48 bytes): size, policy, flags, nice, priority, runtime (the slice, ns), deadline,
+        # period
+        attr = struct.pack("IIQiIQQQ", 48, os.SCHED_OTHER, _SCHED_FLAG_RESET_ON_FORK,
+                           os.getpriority(os.PRIO_PROCESS, 0), 0, slice_us * 1000, 0, 0)
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.syscall(number, 0, ctypes.create_string_buffer(attr), 0) != 0:
+            log.debug("sched_setattr: %s", os.strerror(ctypes.get_errno()))
+            return False
+    except (OSError, AttributeError, ValueError) as exc:  # no such call here
+        log.debug("sched_setattr: %s", exc)
+        return False
+    log.debug("the event loop's thread %d runs with a %d us time slice", tid, slice_us)
+    return True
+
+
 KV_NEARLY_FULL = 0.9  # the engine's last reported KV-cache usage from which no request counts as placed
 
 
@@ -343,6 +392,7 @@ class Generator:
         # the requests in the engine in the order added: at its deadline, one the engine has a place for started
         self.order = EngineOrder(engine.vllm_config.scheduler_config.max_num_seqs,
                                  enabled=not self.priority_scheduling)
+        ask_for_short_slice()  # (the loop's thread, beside the engine's busy processes: see there)
 
     async def run(self, request: InferenceRequest) -> None:
         sender = request.response_sender

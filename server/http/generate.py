@@ -45,9 +45,10 @@ from ..asgi import (
     received_ns,
     send_error,
     send_response,
+    send_whole,
 )
 from ..datatypes import config_to_datatype, element_size, numpy_dtype
-from ..errors import InvalidArgument, ServerError, Unsupported, as_server_error
+from ..errors import DeadlinePassed, InvalidArgument, ServerError, Unsupported, as_server_error
 from ..responses import content_responses
 from ..serving import ServingInterface
 from ..types import InferenceRequest, InferenceResponse, Tensor
@@ -443,10 +444,42 @@ async def _one_response(stream) -> InferenceResponse:
     return responses[0]
 
 
+def _error_answer(error: ServerError) -> tuple[bytes, list]:
+    """The whole answer of a stream whose first response is ``error``: its one event and the headers."""
+    headers = [SSE_CONTENT_TYPE, (b"cache-control", b"no-store"), (b"x-accel-buffering", b"no")]
+    if error.retry_after_s is not None:  # when to retry
+        headers.append((b"retry-after", str(error.retry_after_s).encode()))
+    if (late := deadline_late_header(error)) is not None:
+        headers.append(late)
+    return _event(error_body(error.message)), headers
+
+
+class _RefusalNow:
+    """Answers a queue-deadline refusal where the backend refuses it (the deadline's timer, on the loop), in one
+    write: not a loop turn later, when the handler's task wakes (the answer is the same). Armed until the stream's
+    first response; False where the answer must wait for the handler (not uvicorn's cycle, an access log...)."""
+
+    __slots__ = ("armed", "done", "send")
+
+    def __init__(self, stream, send) -> None:
+        self.send = send
+        self.armed = True
+        self.done = False
+        on_error = getattr(stream, "on_error", None)  # (a frontend worker's stream learns the refusal later)
+        if on_error is not None:
+            on_error(self)
+
+    def __call__(self, error: BaseException) -> None:
+        if self.armed and isinstance(error, DeadlinePassed):
+            body, headers = _error_answer(error)
+            self.done = send_whole(self.send, error.http_code, body, headers)
+
+
 async def _stream(stream, scope, receive, send) -> None:
     """Server-sent events, one per response; the first response decides the status (as in Triton)."""
     first: list[bytes] = []
     error: ServerError | None = None
+    refusal = _RefusalNow(stream, send)
     try:
         with cancel_on_disconnect(receive):
             async for response in stream:
@@ -466,14 +499,14 @@ async def _stream(stream, scope, receive, send) -> None:
     except BaseException:
         await stream.aclose()
         raise
+    finally:
+        refusal.armed = False
     if error is not None:  # the first response is the error (a refusal: queue full, deadline): the whole answer
         await stream.aclose()  # at once, its one event, the error's status (no stream left to keep open)
-        headers = [SSE_CONTENT_TYPE, (b"cache-control", b"no-store"), (b"x-accel-buffering", b"no")]
-        if error.retry_after_s is not None:  # when to retry
-            headers.append((b"retry-after", str(error.retry_after_s).encode()))
-        if (late := deadline_late_header(error)) is not None:
-            headers.append(late)
-        await send_response(send, error.http_code, first[0], headers)
+        if refusal.done:  # written already, at the deadline itself
+            return
+        body, headers = _error_answer(error)
+        await send_response(send, error.http_code, body, headers)
         return
 
     async def events():

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import orjson
 
 from ..errors import as_server_error
-from .http import event
+from .http import REFUSAL, event
 from .llm import LLMModel, Step, StepReader
 
 
@@ -26,6 +26,8 @@ class Run:
 
     def __init__(self, dataplane, llm: LLMModel, request, n: int, index: int = 0) -> None:
         self.stream = dataplane.infer(request)  # raises ServerError when the request is refused
+        if (refusal := REFUSAL.get()) is not None:  # a deadline refusal is answered where it is made
+            refusal.watch(self.stream)
         self.reader = StepReader(llm, n)
         self.index = index
         self.prompt_tokens: int | None = None

@@ -10,6 +10,7 @@ and the restricted API groups are checked before a route runs (server/access.py)
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -18,9 +19,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import orjson
 
 from .. import load_report
-from ..asgi import JSON_HEADER, ClientGone, cancel_on_disconnect, deadline_late_header, send_response
+from ..asgi import JSON_HEADER, ClientGone, cancel_on_disconnect, deadline_late_header, send_response, send_whole
 from ..asgi import received_ns as request_received_ns  # noqa: F401 (the /v1 routes read it beside request_timeout_us)
-from ..errors import ServerError
+from ..errors import DeadlinePassed, ServerError
 from .errors import BadRequest, OpenAIError, from_server_error
 from .limits import OpenAILimits
 
@@ -114,9 +115,13 @@ class OpenAIRoute:
         except ClientGone:
             return
         reply = None
+        refusal = _RefusalNow(send) if getattr(self.handler, "answers_refusals", False) else None
+        REFUSAL.set(refusal)  # (this request's task alone: its runs' streams answer a deadline refusal at once)
         try:
             with cancel_on_disconnect(receive):
                 reply = await self.handler(server, doc, scope)
+                if refusal is not None:
+                    refusal.armed = False
                 if isinstance(reply, bytes):
                     header = _TEXT_HEADER if isinstance(reply, PlainText) else JSON_HEADER
                     await send_response(send, 200, reply, [header, *await _load_header(server, scope, doc)])
@@ -134,6 +139,8 @@ class OpenAIRoute:
         except ClientGone:  # the client went away: the DataPlane streams are closed below
             return
         except (OpenAIError, ServerError) as exc:
+            if refusal is not None and refusal.done:  # answered at the deadline itself
+                return
             await _send_error(send, from_server_error(exc))
         except Exception as exc:  # a bug, not bad input: say so without a stack trace
             log.exception("OpenAI request %s failed", scope["path"])
@@ -199,10 +206,43 @@ def _error_event(exc: BaseException) -> bytes:
     return b"data: " + from_server_error(exc).json() + b"\n\n" + DONE
 
 
-async def _send_error(send, exc: OpenAIError) -> None:
+def _error_headers(exc: OpenAIError) -> list:
     headers = [JSON_HEADER]
     if exc.retry_after_s is not None:
         headers.append((b"retry-after", str(exc.retry_after_s).encode()))
     if (late := deadline_late_header(exc)) is not None:
         headers.append(late)
-    await send_response(send, exc.status, exc.json(), headers)
+    return headers
+
+
+async def _send_error(send, exc: OpenAIError) -> None:
+    await send_response(send, exc.status, exc.json(), _error_headers(exc))
+
+
+class _RefusalNow:
+    """Answers a queue-deadline refusal where the backend refuses it (the deadline's timer, on the loop), in one
+    write, not a loop turn later when the handler's task wakes and raises it (the answer is the same: 503, the
+    OpenAI error, Retry-After). For the routes whose handler ``answers_refusals`` (completions, chat): each
+    :class:`~.generation.Run` arms it on its stream; disarmed once the handler returns (an answer started)."""
+
+    __slots__ = ("armed", "done", "send")
+
+    def __init__(self, send) -> None:
+        self.send = send
+        self.armed = True
+        self.done = False
+
+    def watch(self, stream) -> None:
+        on_error = getattr(stream, "on_error", None)  # (a frontend worker's stream learns the refusal later)
+        if on_error is not None:
+            on_error(self)
+
+    def __call__(self, error: BaseException) -> None:
+        if self.armed and not self.done and isinstance(error, DeadlinePassed):
+            exc = from_server_error(error)
+            self.done = send_whole(self.send, exc.status, exc.json(), _error_headers(exc))
+
+
+REFUSAL: contextvars.ContextVar[_RefusalNow | None] = contextvars.ContextVar("tideserve_openai_refusal",
+                                                                            default=None)
+"""The request's :class:`_RefusalNow` (set by :class:`OpenAIRoute` in the request's own task)."""

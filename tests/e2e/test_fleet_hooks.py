@@ -94,22 +94,32 @@ class _Busy:
     def __init__(self, server) -> None:
         self.server = server
         self.stop = threading.Event()
+        self.first = threading.Semaphore(0)  # released by each stream at its first event
         self.pool = ThreadPoolExecutor(MAX_NUM_SEQS)
         self.futures = [self.pool.submit(self._stream) for _ in range(MAX_NUM_SEQS)]
 
     def _stream(self) -> int:
         body = {"text_input": "Tell me a long story", "parameters": {**LONG, "stream": True}}
         events = 0
-        with httpx.stream("POST", f"{self.server.base_url}/v2/models/{MODEL}/generate_stream", json=body,
-                          timeout=300) as response:
-            assert response.status_code == 200, response.read()
-            for line in response.iter_lines():
-                events += line.startswith("data:")
-                if self.stop.is_set():
-                    break
+        try:
+            with httpx.stream("POST", f"{self.server.base_url}/v2/models/{MODEL}/generate_stream", json=body,
+                              timeout=300) as response:
+                assert response.status_code == 200, response.read()
+                for line in response.iter_lines():
+                    events += line.startswith("data:")
+                    if events == 1:
+                        self.first.release()
+                    if self.stop.is_set():
+                        break
+        finally:
+            if events == 0:
+                self.first.release()  # (the block's exit reports it)
         return events
 
     def __enter__(self) -> _Busy:
+        # this block's own streams generating (the engine has them, not the last block's, still being aborted)
+        for _ in self.futures:
+            self.first.acquire(timeout=60)
         load = _wait_for(lambda: (r := _load(self.server))["num_requests_running"] == MAX_NUM_SEQS and r)
         assert load, f"the engine never ran {MAX_NUM_SEQS} requests: {_load(self.server)}"
         return self
@@ -340,15 +350,17 @@ def test_deadline_on_responses_and_messages(fleet):
     ``overloaded_error``), whole or streamed: 503 + Retry-After while the engine has no room."""
     import anthropic
 
-    with _Busy(fleet):
-        for stream in (False, True):
+    # each request under a busy engine of its own: a fast engine finishes a long generation in a couple of seconds
+    for stream in (False, True):
+        with _Busy(fleet):
             with pytest.raises(openai.APIStatusError) as refused:
                 _client(fleet).responses.create(model=MODEL, input="Hello", max_output_tokens=4, stream=stream,
                                                 store=False, extra_headers={"x-request-timeout-ms": "300"})
             assert refused.value.status_code == 503 and refused.value.response.headers["retry-after"] == "1"
             assert "deadline" in refused.value.body["message"]
-        with anthropic.Anthropic(base_url=fleet.base_url, api_key="none", max_retries=0) as claude:
-            for stream in (False, True):
+    with anthropic.Anthropic(base_url=fleet.base_url, api_key="none", max_retries=0) as claude:
+        for stream in (False, True):
+            with _Busy(fleet):
                 with pytest.raises(anthropic.APIStatusError) as refused_messages:
                     claude.messages.create(model=MODEL, max_tokens=4, stream=stream,
                                            messages=[{"role": "user", "content": "Hello"}],
@@ -358,10 +370,48 @@ def test_deadline_on_responses_and_messages(fleet):
                 body = answer.json()
                 assert body["type"] == "error" and body["error"]["type"] == "overloaded_error"
                 assert "deadline" in body["error"]["message"]
-        # the refused requests left the engine (its load is what its last step reported: poll for the next)
-        load = _wait_for(lambda: (lambda load: load if load["num_requests_waiting"] == 0 else None)(
-            _load(fleet, model=MODEL)), timeout=30)
-        assert load, _load(fleet, model=MODEL)
+                if stream:
+                    # the refused requests left the engine (its load is what its last step reported: poll for
+                    # the next)
+                    left = _wait_for(lambda: (lambda load: load if load["num_requests_waiting"] == 0 else None)(
+                        _load(fleet, model=MODEL)), timeout=30)
+                    assert left, _load(fleet, model=MODEL)
+
+
+def test_deadline_refusal_written_at_the_deadline(fleet):
+    """A deadline refusal is written where the server refuses it (the deadline's timer), not when the handler's
+    task next runs: on one kept-alive connection, generate_stream's, /v1/completions' (streamed) and
+    /v1/chat/completions' refusals come whole (status, Retry-After, the error in the protocol's shape), each
+    counted once as REJECTED and never as CANCELED, and the connection serves the next request after them."""
+    labels = {"model": MODEL, "version": "1"}
+
+    def failures(reason: str) -> float:
+        return metric_value(fleet.metrics(), "nv_inference_request_failure", reason=reason, **labels) or 0
+
+    with httpx.Client(base_url=fleet.base_url, timeout=60) as client:
+        with _Busy(fleet):
+            rejected, cancelled = failures("REJECTED"), failures("CANCELED")
+            streamed = client.post(f"/v2/models/{MODEL}/generate_stream",
+                                   json={"text_input": "Hello", "parameters": {"max_tokens": 4, "timeout": 200_000}})
+            assert streamed.status_code == 503 and streamed.headers["retry-after"] == "1"
+            assert streamed.text.startswith("data: {") and "deadline" in streamed.text
+            _assert_refused_after_the_deadline(streamed.headers)
+            completion = client.post("/v1/completions", headers={"x-request-timeout-ms": "200"},
+                                     json={"model": MODEL, "prompt": "Hello", "max_tokens": 4, "stream": True})
+            chat = client.post("/v1/chat/completions", headers={"x-request-timeout-ms": "200"},
+                               json={"model": MODEL, "max_tokens": 4,
+                                     "messages": [{"role": "user", "content": "Hello"}]})
+            for answer in (completion, chat):
+                assert answer.status_code == 503 and answer.headers["retry-after"] == "1", answer.text
+                assert answer.headers["content-type"] == "application/json"
+                assert "deadline" in answer.json()["error"]["message"]
+                _assert_refused_after_the_deadline(answer.headers)
+            assert failures("REJECTED") == rejected + 3
+            assert failures("CANCELED") == cancelled
+        # the same connection after the refusals: answered as usual
+        served = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 2})
+        assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 2
+    assert "Unexpected ASGI message" not in fleet.log()  # no second answer after the one written at the deadline
 
 
 def _probe_counts(server) -> dict:
