@@ -106,6 +106,11 @@ def _settle(done: asyncio.Future, answers, error: BaseException | None) -> None:
 # up to a millisecond), so a batcher that waits out a 100 us max_queue_delay with them spins through loop turns
 # for the whole delay.
 LOOP_TIMER_RESOLUTION_S = 0.001
+# A lone request (nothing else queued: low load, where its latency is the request's whole cost) waits out a delay up
+# to this long through loop turns instead of the timerfd, whose wake-up from the poll comes tens of microseconds
+# late (Triton's add_sub waits 100 us); more requests queued wait on the timerfd, and the CPU stays free for the
+# other processes. TIDESERVE_DIRECT_SPIN_US overrides it (0: never spin).
+SPIN_MAX_S = float(os.environ.get("TIDESERVE_DIRECT_SPIN_US", "100")) / 1e6
 
 
 class _Timespec(ctypes.Structure):
@@ -190,6 +195,9 @@ class _DirectBatcher(DynamicBatcher):
     async def _sleep(self, timeout: float | None) -> None:
         if timeout is None or self._fine is None or not 0 < timeout < LOOP_TIMER_RESOLUTION_S:
             await super()._sleep(timeout)
+            return
+        if timeout <= SPIN_MAX_S and self.pending() <= 1:
+            await asyncio.sleep(0)  # one loop turn (its poll takes what arrived), then the batcher looks again
             return
         waiter = self._waiter = self._fine.loop.create_future()
         self._fine.arm(timeout, waiter)

@@ -41,6 +41,9 @@ for _dt in ("UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "IN
 for _dt in ("FP16", "FP32", "FP64"):
     _ACCEPTED[_dt] = (_FLOAT_KINDS, "numbers")
 
+# Which JSON value types a flat "data" array of each non-BYTES datatype may hold (decode_request's direct path).
+_FLAT_KINDS = {datatype: kinds for datatype, (kinds, _) in _ACCEPTED.items() if datatype != "BYTES"}
+
 # Request parameters with a meaning of their own (the rest pass through to the model).
 _SEQUENCE_FLAGS = ("sequence_start", "sequence_end")
 
@@ -57,6 +60,11 @@ class OutputOptions:
 
     binary: bool | None = None  # None: the request's default (binary_data_output)
     class_count: int = 0
+
+
+_DEFAULT_OUTPUT = OutputOptions()  # shared by the outputs that ask for nothing or only binary_data (read only)
+_BINARY_OUTPUT = OutputOptions(True)
+_JSON_OUTPUT = OutputOptions(False)
 
 
 @dataclass(slots=True)
@@ -318,7 +326,19 @@ def decode_request(model_name: str, model_version: str, body: bytes, header_leng
                 array = from_raw(chunk, datatype, tuple(shape), name)
         elif has_data:
             shape = tuple(shape)
-            array = _json_tensor_data(name, datatype, shape, count, item["data"], max_json_depth)
+            data = item["data"]
+            kinds = _FLAT_KINDS.get(datatype)
+            if (kinds is not None and type(data) is list and len(data) == count
+                    and set(map(type, data)) <= kinds):  # flat numbers or booleans (the usual JSON tensor)
+                try:
+                    array = np.array(data, dtype=_NUMPY[datatype])
+                except (OverflowError, ValueError, TypeError):  # the general path says what does not fit
+                    array = _json_tensor_data(name, datatype, shape, count, data, max_json_depth)
+                else:
+                    if len(shape) != 1:
+                        array = array.reshape(shape)
+            else:
+                array = _json_tensor_data(name, datatype, shape, count, data, max_json_depth)
         else:
             raise InvalidArgument(f"input '{name}' has neither 'data' nor a 'binary_data_size' parameter")
         tensor = Tensor(name, datatype, shape if type(shape) is tuple else tuple(shape), array)
@@ -345,7 +365,7 @@ def decode_request(model_name: str, model_version: str, body: bytes, header_leng
             name = item.get("name")
             if type(name) is not str or not name:
                 raise InvalidArgument(f"outputs[{index}] needs a 'name' string")
-            options = OutputOptions()
+            options = _DEFAULT_OUTPUT
             oparams = item.get("parameters")
             if oparams is not None:
                 if type(oparams) is not dict:
@@ -359,13 +379,14 @@ def decode_request(model_name: str, model_version: str, body: bytes, header_leng
                     if type(binary) is not bool:
                         raise InvalidArgument(f"output '{name}': 'binary_data' must be a boolean, "
                                               f"got {_json_name(binary)}")
-                    options.binary = binary
+                    options = _BINARY_OUTPUT if binary else _JSON_OUTPUT
                 if classes is not None:
                     if not _is_uint(classes):
                         raise InvalidArgument(f"output '{name}': 'classification' must be a non-negative "
                                               f"integer, got {_show(classes)}")
-                    options.class_count = classes
-                    classify = classify or classes > 0
+                    if classes:
+                        options = OutputOptions(binary, classes)
+                        classify = True
             outputs[name] = options
             requested.append(RequestedOutput(name, oparams) if oparams else RequestedOutput(name))
 

@@ -127,3 +127,36 @@ def test_the_fine_timer_wakes_its_waiter_and_a_disarmed_one_stays_asleep(loop):
         uvloop.run(main())
     else:
         asyncio.run(main())
+
+
+def test_a_lone_request_waits_out_a_short_delay_through_loop_turns_more_queued_on_the_timer():
+    from tideserve.general_backends.python import direct
+
+    class FakeTimer:
+        def __init__(self, loop) -> None:
+            self.loop = loop
+            self.armed: list[float] = []
+
+        def arm(self, timeout, waiter) -> None:
+            self.armed.append(timeout)
+            waiter.set_result(None)
+
+        def disarm(self, waiter) -> None:
+            pass
+
+    async def main():
+        batcher = direct._DirectBatcher.__new__(direct._DirectBatcher)
+        batcher._fine = FakeTimer(asyncio.get_running_loop())
+        batcher._waiter = None
+        queued = [1]
+        batcher.pending = lambda: queued[0]
+        await batcher._sleep(direct.SPIN_MAX_S / 2)  # one loop turn, no timer
+        assert batcher._fine.armed == []
+        queued[0] = 3
+        await batcher._sleep(direct.SPIN_MAX_S / 2)  # more queued: the timerfd
+        assert batcher._fine.armed == [direct.SPIN_MAX_S / 2]
+        queued[0] = 1
+        await batcher._sleep(direct.LOOP_TIMER_RESOLUTION_S / 2 + direct.SPIN_MAX_S)  # too long to spin
+        assert len(batcher._fine.armed) == 2
+
+    asyncio.run(main())
