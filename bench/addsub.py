@@ -5,7 +5,7 @@ add_sub model, two FP32 [4] inputs, max_batch_size 8, dynamic batching, 2 CPU in
 ``perf_analyzer`` drives each over HTTP and gRPC at each concurrency, one server at a time.
 
     python bench/addsub.py [--concurrency 1 8 32] [--http-format json|binary]
-                           [--servers triton tideserve:w1 tideserve:w2]
+                           [--servers triton tideserve:w1 tideserve:w2] [--protocols http grpc grpc-stream]
 
 ``tideserve:wN`` runs tideserve with ``--frontend-workers N --frontend-direct off``, ``tideserve:wN:direct`` with
 ``--frontend-direct on``
@@ -187,9 +187,12 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 
 def perf_analyzer(protocol: str, port: int, concurrency: int, http_format: str, log: Path, server_pid: int) -> dict:
+    """One perf_analyzer run; ``protocol`` ``grpc-stream`` is gRPC with ``--streaming`` (ModelStreamInfer)."""
     cmd = [str(PEERS_HOME / "bin" / "perf_analyzer"), "-m", "add_sub", "-u", f"127.0.0.1:{port}",
-           "-i", protocol, "--concurrency-range", str(concurrency), "--measurement-mode", "time_windows",
-           "-p", "2000", "-s", "25", "-r", "4", "-v"]
+           "-i", "grpc" if protocol == "grpc-stream" else protocol, "--concurrency-range", str(concurrency),
+           "--measurement-mode", "time_windows", "-p", "2000", "-s", "25", "-r", "4", "-v"]
+    if protocol == "grpc-stream":
+        cmd.append("--streaming")
     if protocol == "http" and http_format == "json":
         cmd += ["--input-tensor-format", "json", "--output-tensor-format", "json"]
     cpu_before, started = tree_cpu_seconds(server_pid), time.monotonic()
@@ -216,6 +219,9 @@ def perf_analyzer(protocol: str, port: int, concurrency: int, http_format: str, 
     return result
 
 
+PROTOCOLS = ("http", "grpc", "grpc-stream")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
@@ -227,6 +233,9 @@ def main() -> None:
                         help="how many of perf_analyzer's request contexts share one gRPC channel (its client's "
                              "TRITON_CLIENT_GRPC_CHANNEL_MAX_SHARE_COUNT, 6 by default): 1 gives each context its "
                              "own connection, so that SO_REUSEPORT spreads them over several frontend workers")
+    parser.add_argument("--protocols", nargs="+", default=["http", "grpc"], choices=PROTOCOLS,
+                        help="what perf_analyzer speaks: grpc-stream is gRPC with --streaming (ModelStreamInfer, "
+                             "one response per request)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="every server is up all along; each round measures each point on each server in turn "
                              "(the others idle), so that a shared machine's load falls on all alike; medians")
@@ -248,14 +257,14 @@ def main() -> None:
                 set_instances(repo, args.instances)
             servers[kind] = start_server(kind, repo, work / f"{label}.log")
         for round_ in range(args.rounds):
-            for protocol in ("http", "grpc"):
+            for protocol in args.protocols:
                 for c in args.concurrency:
                     for kind, (proc, http, grpc) in servers.items():
                         port = http if protocol == "http" else grpc
                         r = perf_analyzer(protocol, port, c, args.http_format,
                                           work / f"pa-{kind.replace(':', '-').replace('@', '-').replace('/', '_')}-{protocol}-{c}-{round_}.txt", proc.pid)
                         results["all"].setdefault(f"{kind}/{protocol}/{c}", []).append(r)
-                        print(f"round {round_ + 1} {kind:13s} {protocol:5s} c={c:<3d} {r['infer_per_s']:9.0f} infer/s "
+                        print(f"round {round_ + 1} {kind:13s} {protocol:11s} c={c:<3d} {r['infer_per_s']:9.0f} infer/s "
                               f"p50 {r.get('p50_ms', float('nan')):.2f} ms p99 {r.get('p99_ms', float('nan')):.2f} ms "
                               f"CPU {r.get('cpu_us_per_request', float('nan')):.0f} us/req "
                               f"{r.get('cpu_us_per_request_by_role', {})}"
@@ -276,7 +285,7 @@ def main() -> None:
         print(f"\n{kind} vs {peer}\n\n| protocol | concurrency | {kind} infer/s | {peer} infer/s | ratio "
               f"| {kind} p50 / p99 ms | {peer} p50 / p99 ms | CPU us/request {kind} / {peer} |\n"
               f"|---|---|---|---|---|---|---|---|")
-        for protocol in ("http", "grpc"):
+        for protocol in args.protocols:
             for c in args.concurrency:
                 t, q = runs.get(f"{kind}/{protocol}/{c}"), runs.get(f"{peer}/{protocol}/{c}")
                 if not t or not q:
@@ -293,7 +302,7 @@ def main() -> None:
         base = next((k for k in tideserves if k.split("@")[0] == "tideserve:w1"), tideserves[0])
         print(f"\ncore CPU us/request (all processes us/request), throughput vs {base}\n\n| protocol | concurrency | "
               + " | ".join(tideserves) + " |\n|---|---|" + "---|" * len(tideserves))
-        for protocol in ("http", "grpc"):
+        for protocol in args.protocols:
             for c in args.concurrency:
                 cells, b = [], runs.get(f"{base}/{protocol}/{c}")
                 for kind in tideserves:

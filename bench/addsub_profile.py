@@ -11,7 +11,7 @@ while it runs, measures two windows of the same length:
 The profiler inflates times (every Python call is hooked), so read its µs as shares and its call counts as
 exact; the unprofiled CPU µs per request is the number to compare between trees.
 
-    python bench/addsub_profile.py [--protocol http grpc] [--concurrency 32] [--seconds 6] [--top 30]
+    python bench/addsub_profile.py [--protocol http grpc grpc-stream] [--concurrency 32] [--seconds 6] [--top 30]
                                    [--tree /tmp/other-checkout] [--save DIR]
 
 ``--tree`` runs the server from another checkout of this repository (e.g. ``git worktree add /tmp/prev
@@ -93,8 +93,10 @@ def short(func: tuple[str, int, str]) -> str:
 def load_command(port: int, protocol: str, concurrency: int) -> list[str]:
     """perf_analyzer keeping ``concurrency`` add_sub requests in flight for up to a minute (stopped by the caller)."""
     cmd = [str(addsub.PEERS_HOME / "bin" / "perf_analyzer"), "-m", "add_sub", "-u", f"127.0.0.1:{port}",
-           "-i", protocol, "--concurrency-range", str(concurrency), "--measurement-mode", "time_windows",
-           "-p", "60000", "-s", "1", "-r", "10"]
+           "-i", "grpc" if protocol == "grpc-stream" else protocol, "--concurrency-range", str(concurrency),
+           "--measurement-mode", "time_windows", "-p", "60000", "-s", "1", "-r", "10"]
+    if protocol == "grpc-stream":  # ModelStreamInfer, one response per request
+        cmd.append("--streaming")
     if protocol == "http":
         cmd += ["--input-tensor-format", "json", "--output-tensor-format", "json"]
     return cmd
@@ -173,7 +175,7 @@ def report(result: dict, top: int) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--protocol", nargs="+", default=["http", "grpc"], choices=["http", "grpc"])
+    parser.add_argument("--protocol", nargs="+", default=["http", "grpc"], choices=["http", "grpc", "grpc-stream"])
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=6.0)
     parser.add_argument("--top", type=int, default=30)

@@ -295,7 +295,8 @@ def encode_response(response: InferenceResponse, msg=None):
 
 
 # -- outputs as bytes: the serialized ModelInferResponse without a message --------------------
-def _varint(n: int) -> bytes:
+def varint(n: int) -> bytes:
+    """``n`` (>= 0) as a protobuf varint."""
     out = bytearray()
     while n > 0x7F:
         out.append(n & 0x7F | 0x80)
@@ -309,14 +310,14 @@ def _string_field(number: int, value: str) -> bytes:
     if not value:
         return b""
     data = value.encode()
-    return _varint(number << 3 | 2) + _varint(len(data)) + data
+    return varint(number << 3 | 2) + varint(len(data)) + data
 
 
 def _output_field(name: str, datatype: str, shape: tuple[int, ...]) -> bytes:
     """``outputs`` (5): one InferOutputTensor with its name (1), datatype (2) and packed shape (3)."""
-    dims = b"".join(_varint(dim) for dim in shape)
-    body = _string_field(1, name) + _string_field(2, datatype) + (b"\x1a" + _varint(len(dims)) + dims if dims else b"")
-    return b"\x2a" + _varint(len(body)) + body
+    dims = b"".join(varint(dim) for dim in shape)
+    body = _string_field(1, name) + _string_field(2, datatype) + (b"\x1a" + varint(len(dims)) + dims if dims else b"")
+    return b"\x2a" + varint(len(body)) + body
 
 
 _CACHE_MAX = 4096  # entries of each cache below; cleared when full (model names, versions and shapes are few)
@@ -358,7 +359,7 @@ def encode_response_bytes(response: InferenceResponse) -> bytes | None:
             field = _OUTPUTS[out_key] = _output_field(*out_key)
         parts.append(field)
         raw = to_raw(data, datatype)
-        raws.append(_RAW_TAG + _varint(len(raw)))
+        raws.append(_RAW_TAG + varint(len(raw)))
         raws.append(raw)
     parts += raws
     return b"".join(parts)

@@ -37,6 +37,7 @@ from .codec import (
     encode_response,
     encode_response_bytes,
     error_message,
+    varint as _varint,
     requested_classifications,
 )
 
@@ -58,6 +59,18 @@ SERVER_OPTIONS = [
 ]
 
 _FINAL = "triton_final_response"
+
+
+def _final_parameter(value: bool) -> bytes:
+    message = pb.ModelInferResponse()
+    message.parameters[_FINAL].bool_param = value
+    return message.SerializeToString()
+
+
+# the bytes of ModelInferResponse's parameters entry {triton_final_response: value}, and the tag of
+# ModelStreamInferResponse's infer_response (field 2, length-delimited)
+_FINAL_TRUE, _FINAL_FALSE = _final_parameter(True), _final_parameter(False)
+_INFER_RESPONSE_TAG = b"\x12"
 Handler = TypeVar("Handler", bound=Callable[..., Awaitable[Any]])
 
 
@@ -335,6 +348,8 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     @abort_on_error
     async def ModelStreamInfer(self, request_iterator, context):
+        """The streaming call on raw bytes (registered without (de)serializers): each request message parsed
+        here, each response written as the bytes of a ModelStreamInferResponse."""
         state = _Stream((_header(context, "triton_grpc_error") or "").lower() == "true",
                         _header(context, "traceparent"))
         reader = asyncio.get_running_loop().create_task(self._read_stream(request_iterator, state))
@@ -348,7 +363,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 if type(item) is _Failure:
                     failure = item.error
                     break
-                await context.write(item)
+                await context.write(item if type(item) is bytes else item.SerializeToString())
         finally:
             reader.cancel()
             await state.close()
@@ -357,7 +372,11 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def _read_stream(self, request_iterator, state: _Stream) -> None:
         try:
-            async for message in request_iterator:
+            async for data in request_iterator:
+                try:
+                    message = ModelInferRequest.FromString(data)
+                except DecodeError:
+                    raise InvalidArgument("failed to parse a ModelInferRequest message of the stream") from None
                 if not self._start_stream_request(message, state):
                     return
         except asyncio.CancelledError:
@@ -425,18 +444,23 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                         infer.parameters[_FINAL].bool_param = True
                         put(message)
                 else:
-                    message = pb.ModelStreamInferResponse()
                     try:
                         if counts:
                             self.classifier.apply(request, response, counts)
-                        encode_response(response, message.infer_response)
+                        encoded = encode_response_bytes(response)
+                        if encoded is None:
+                            message = pb.ModelStreamInferResponse()
+                            encode_response(response, message.infer_response)
+                            message.infer_response.parameters[_FINAL].bool_param = response.final
+                        else:  # infer_response (2): the response's bytes and its triton_final_response
+                            encoded += _FINAL_TRUE if response.final else _FINAL_FALSE
+                            message = _INFER_RESPONSE_TAG + _varint(len(encoded)) + encoded
                     except Exception as exc:  # an output the wire format cannot carry
                         if not isinstance(exc, ServerError):
                             log.exception("model '%s': failed to encode a response", request.model_name)
                         put(_Failure(exc) if state.grpc_errors
                             else _error_response(request.id, exc, request, response, True))
                         return  # the finally clause cancels the rest of the request
-                    message.infer_response.parameters[_FINAL].bool_param = response.final
                     put(message)
         except ServerError as exc:  # refused before it was scheduled (a frontend worker learns it here)
             put(_Failure(exc) if state.grpc_errors else _error_response(request.id, exc))
@@ -617,9 +641,11 @@ async def start_grpc_server(dataplane: ServingInterface, host: str, port: int, *
     channel_args.update(options or [])
     server = grpc.aio.server(options=list(channel_args.items()), interceptors=access_interceptors(access))
     servicer = InferenceServicer(dataplane, tensor_limits)
-    # ModelInfer on raw bytes: no request or response message made for grpc's (de)serializer hooks
+    # ModelInfer and ModelStreamInfer on raw bytes: no request or response message made for grpc's
+    # (de)serializer hooks
     _add_unregistered(service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server, servicer, server,
-                      {"ModelInfer": grpc.unary_unary_rpc_method_handler(servicer.ModelInferBytes)})
+                      {"ModelInfer": grpc.unary_unary_rpc_method_handler(servicer.ModelInferBytes),
+                       "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(servicer.ModelStreamInfer)})
     _add_unregistered(health_pb2_grpc.add_HealthServicer_to_server, HealthServicer(dataplane), server)
     address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
     try:

@@ -580,6 +580,33 @@ def test_bad_input_is_invalid_argument(stub, client, case):
     _assert_serving(client)
 
 
+def test_unparsable_request_bytes_are_invalid_argument(tideserve, client):
+    """ModelInfer and ModelStreamInfer read the request's bytes themselves: bytes that are no ModelInferRequest
+    end the call with INVALID_ARGUMENT, and the server goes on serving."""
+    garbage = b"\x0a\xff\xff\xff"  # model_name (1) whose length runs past the message
+    with grpc.insecure_channel(tideserve.grpc_url) as channel:
+        unary = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        with pytest.raises(grpc.RpcError) as info:
+            unary(garbage, timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+        assert "ModelInferRequest" in info.value.details()
+        stream = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")
+        with pytest.raises(grpc.RpcError) as info:
+            list(stream(iter([garbage]), timeout=10))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+        # the answers as bytes parse to the messages tritonclient reads
+        request = _raw_request()
+        answer = pb.ModelInferResponse.FromString(unary(request.SerializeToString(), timeout=10))
+        assert [o.name for o in answer.outputs] == ["OUTPUT0"] and answer.model_name == "identity_fp32"
+        assert answer.raw_output_contents == [SAMPLES["FP32"].tobytes()]
+        streamed = [pb.ModelStreamInferResponse.FromString(m) for m in stream(iter([request.SerializeToString()]),
+                                                                              timeout=10)]
+        assert len(streamed) == 1 and not streamed[0].error_message
+        assert streamed[0].infer_response.parameters["triton_final_response"].bool_param is True
+        assert streamed[0].infer_response.raw_output_contents == answer.raw_output_contents
+    _assert_serving(client)
+
+
 # -- ModelStreamInfer -----------------------------------------------------------------------------------
 class StreamCollector:
     def __init__(self) -> None:
