@@ -25,7 +25,7 @@ from tritonclient.grpc import service_pb2_grpc
 from ..access import AccessPolicy
 from ..classification import read_labels
 from ..serving import ResponseStream, ServingInterface
-from ..errors import InvalidArgument, ServerError, Unsupported
+from ..errors import InternalError, InvalidArgument, ServerError, Unsupported
 from ..limits import TensorLimits
 from ..types import InferenceRequest, InferenceResponse
 from .access import access_interceptors
@@ -71,6 +71,8 @@ def _final_parameter(value: bool) -> bytes:
 # ModelStreamInferResponse's infer_response (field 2, length-delimited)
 _FINAL_TRUE, _FINAL_FALSE = _final_parameter(True), _final_parameter(False)
 _INFER_RESPONSE_TAG = b"\x12"
+# a request message that does not parse: INTERNAL with this text, as a server built on gRPC C++ answers it
+_UNPARSABLE = "Unable to parse request"
 Handler = TypeVar("Handler", bound=Callable[..., Awaitable[Any]])
 
 
@@ -329,7 +331,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             try:
                 request = ModelInferRequest.FromString(data)
             except DecodeError:
-                raise InvalidArgument("failed to parse the ModelInferRequest message") from None
+                raise InternalError(_UNPARSABLE) from None
             infer_request = decode_request(request, limits=self.tensor_limits)
             for name, value in context.invocation_metadata() or ():
                 if name == "traceparent":
@@ -376,7 +378,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 try:
                     message = ModelInferRequest.FromString(data)
                 except DecodeError:
-                    raise InvalidArgument("failed to parse a ModelInferRequest message of the stream") from None
+                    raise InternalError(_UNPARSABLE) from None
                 if not self._start_stream_request(message, state):
                     return
         except asyncio.CancelledError:

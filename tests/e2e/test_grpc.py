@@ -582,18 +582,20 @@ def test_bad_input_is_invalid_argument(stub, client, case):
 
 def test_unparsable_request_bytes_are_invalid_argument(tideserve, client):
     """ModelInfer and ModelStreamInfer read the request's bytes themselves: bytes that are no ModelInferRequest
-    end the call with INVALID_ARGUMENT, and the server goes on serving."""
+    end the call with INTERNAL "Unable to parse request" (as gRPC C++ servers answer it), and the server goes on
+    serving."""
     garbage = b"\x0a\xff\xff\xff"  # model_name (1) whose length runs past the message
     with grpc.insecure_channel(tideserve.grpc_url) as channel:
         unary = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
         with pytest.raises(grpc.RpcError) as info:
             unary(garbage, timeout=10)
-        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
-        assert "ModelInferRequest" in info.value.details()
+        assert info.value.code() == grpc.StatusCode.INTERNAL, info.value.details()
+        assert info.value.details() == "Unable to parse request"
         stream = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")
         with pytest.raises(grpc.RpcError) as info:
             list(stream(iter([garbage]), timeout=10))
-        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+        assert info.value.code() == grpc.StatusCode.INTERNAL, info.value.details()
+        assert info.value.details() == "Unable to parse request"
         # the answers as bytes parse to the messages tritonclient reads
         request = _raw_request()
         answer = pb.ModelInferResponse.FromString(unary(request.SerializeToString(), timeout=10))
