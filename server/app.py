@@ -129,6 +129,10 @@ class Frontends:
         self.access = access
         self._uvicorns: list[_EmbeddedUvicorn] = []
         self._serving: list[asyncio.Task] = []
+        # a frontend worker's: ``http_acceptor(sock, server)`` takes the shared HTTP socket's connections for that
+        # uvicorn server (server/workers/balance.py) and returns what to close at stop; None: uvicorn accepts
+        self.http_acceptor = None
+        self._acceptors: list = []
         self._grpc = None
 
     async def start(self, http_socket=None, grpc_shared: bool = False) -> None:
@@ -161,12 +165,15 @@ class Frontends:
         opts = self.options
         limits = ConnectionLimits(opts.http_max_header_size, opts.http_max_header_count, opts.http_header_timeout_secs,
                                   opts.http_body_timeout_secs, opts.http_max_connections)
+        accept = self.http_acceptor if sock is not None else None
+        if accept is not None and not port:
+            port = sock.getsockname()[1]
         config = uvicorn.Config(app, host=host, port=port, log_level="warning",
                                 access_log=opts.log_verbose > 1, lifespan="off",
                                 timeout_graceful_shutdown=1, backlog=4096, proxy_headers=False,
                                 **limits.uvicorn_settings())
         server = _EmbeddedUvicorn(config)
-        task = asyncio.create_task(server.serve(sockets=[sock] if sock is not None else None))
+        task = asyncio.create_task(server.serve(sockets=[] if accept is not None else [sock] if sock is not None else None))
         while not server.started:
             if task.done():
                 task.result()  # re-raises the bind error
@@ -174,10 +181,14 @@ class Frontends:
             await asyncio.sleep(0.01)
         self._uvicorns.append(server)
         self._serving.append(task)
+        if accept is not None:
+            self._acceptors.append(accept(sock, server))
 
     async def stop(self) -> None:
         if self._grpc is not None:
             await self._grpc.stop(grace=1)
+        for acceptor in self._acceptors:
+            acceptor.close()
         for server in self._uvicorns:
             server.should_exit = True
         await asyncio.gather(*self._serving, return_exceptions=True)

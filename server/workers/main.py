@@ -20,7 +20,8 @@ from .remote import CoreLink, RemoteDataPlane
 log = logging.getLogger("tideserve.workers")
 
 
-async def serve(link_fd: int, http_fd: int | None, arena: tuple[int, int, int] | None = None) -> int:
+async def serve(link_fd: int, http_fd: int | None, arena: tuple[int, int, int] | None = None,
+                balance: tuple[int, int] | None = None) -> int:
     from ..access import AccessPolicy
     from ..app import Frontends
 
@@ -46,6 +47,9 @@ async def serve(link_fd: int, http_fd: int | None, arena: tuple[int, int, int] |
 
         dataplane.direct = DirectRouter(dataplane)
     frontends = Frontends(dataplane, options, access)
+    if balance is not None and http_fd is not None:  # (the table's fd, the number of workers)
+        from .balance import ConnectionTable, acceptor_for
+        frontends.http_acceptor = acceptor_for(ConnectionTable(balance[0], start.index, balance[1]))
     http = socket.socket(fileno=http_fd) if http_fd is not None else None
     await frontends.start(http_socket=http, grpc_shared=True)
     if options.freeze_heap:
@@ -72,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--link-fd", type=int, required=True)
     parser.add_argument("--http-fd", type=int, default=None)
     parser.add_argument("--arena", default=None, help="SEND_FD,RECEIVE_FD,BYTES: the link's shared-memory arenas")
+    parser.add_argument("--balance", default=None,
+                        help="FD,WORKERS: the table of each worker's open HTTP connections (workers/balance.py)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s %(levelname)s %(name)s[worker {os.getpid()}]: %(message)s")
@@ -81,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         run = asyncio.run
     arena = tuple(int(x) for x in args.arena.split(",")) if args.arena else None
-    return run(serve(args.link_fd, args.http_fd, arena))
+    balance = tuple(int(x) for x in args.balance.split(",")) if args.balance else None
+    return run(serve(args.link_fd, args.http_fd, arena, balance))
 
 
 if __name__ == "__main__":

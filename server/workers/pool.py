@@ -176,6 +176,7 @@ class FrontendWorkers:
         self.count = count
         self.links: list[_Link | None] = [None] * count
         self._http: socket.socket | None = None
+        self._balance: int | None = None  # the workers' table of open HTTP connections (workers/balance.py)
         self._grpc: socket.socket | None = None
         self._stopping = False
         self._push_scheduled = False
@@ -198,6 +199,9 @@ class FrontendWorkers:
         self._loop = asyncio.get_running_loop()
         if opts.allow_http:
             self._http = listening_socket(opts.host, opts.http_port)
+            if self.count > 1:
+                from .balance import create_table
+                self._balance = create_table(self.count)
         if opts.allow_grpc:
             self._grpc = reserved_port(opts.host, opts.grpc_port)
         self.dataplane.repository.listeners.append(self.changed)
@@ -226,6 +230,9 @@ class FrontendWorkers:
             if self._http is not None:
                 fds.append(self._http.fileno())
                 args += ["--http-fd", str(self._http.fileno())]
+                if self._balance is not None:
+                    fds.append(self._balance)
+                    args += ["--balance", f"{self._balance},{self.count}"]
             # no preexec_fn: it would run the process's at-fork handlers (gRPC's among them) in a process whose
             # gRPC threads are live; the worker ignores Ctrl-C itself, first thing (workers/main.py)
             process = subprocess.Popen(args, pass_fds=fds, start_new_session=False)
@@ -290,6 +297,9 @@ class FrontendWorkers:
         for sock in (self._http, self._grpc):
             if sock is not None:
                 sock.close()
+        if self._balance is not None:
+            os.close(self._balance)
+            self._balance = None
         if self._direct_dir is not None:
             shutil.rmtree(self._direct_dir, ignore_errors=True)
         try:
