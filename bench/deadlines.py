@@ -55,6 +55,7 @@ Reported, all rounds of a mode pooled:
 
     python bench/deadlines.py [--api both] [--size 100m] [--max-num-seqs 8] [--max-queue-size 0] [--tokens 32]
                               [--deadline-ms 1000] [--duration 15] [--rounds 2] [--loop-nice -10]
+                              [--loop-slice-us 100]
 
 About 6 minutes for ``--rounds 2`` (one engine start, 8 sides of 15 s). Writes bench/results/deadlines-<time>.json
 (the pooled summary and each side of each round, with the load average at its start).
@@ -489,6 +490,9 @@ def main() -> None:
                         help="a nice value for the server's event-loop thread alone (e.g. -10; needs the right to "
                              "raise priority): what the refusals' lateness is when the loop gets a CPU as soon as it "
                              "wants one, on a machine whose cores are shared (0: leave it)")
+    parser.add_argument("--loop-slice-us", type=int, default=None,
+                        help="the server loop thread's time slice (TIDESERVE_LOOP_SLICE_US; default: the server's, "
+                             "100 us; 0: the kernel's default), to see what it does to the lateness")
     parser.add_argument("--no-probe", dest="probe", action="store_false",
                         help="run the server without TIDESERVE_DEADLINE_PROBE=1 (its loop notes its CPU wait every "
                              "2 ms, so a refusal's header can tell the machine's share of a late timer from the "
@@ -507,6 +511,8 @@ def main() -> None:
         env["TIDESERVE_DEADLINE_PROBE"] = "1"  # refusals say how long the loop waited for a CPU (see loop_thread_use)
         # and the server counts what the engine scheduled for requests then refused (engine.DeadlineProbe)
         env["TIDESERVE_DEADLINE_PROBE_FILE"] = str(work / "deadline-probe.json")
+    if args.loop_slice_us is not None:
+        env["TIDESERVE_LOOP_SLICE_US"] = str(args.loop_slice_us)
     probe_file = work / "deadline-probe.json" if args.probe else None
     model = make_model(args.model_dir / args.size, args.size)
     repo = write_vllm_repository(work, model, args.max_num_seqs, args.max_queue_size)

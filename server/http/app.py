@@ -28,6 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from .. import load_report
 from .. import openapi as openapi_document
@@ -50,6 +51,7 @@ from .kserve import INFER_PREFIX, INFER_SUFFIX, JSON, HttpFrontend, error_respon
 log = logging.getLogger(__name__)
 # POST routes answered before routing, as infer is (their app answers every error itself): the LLM streams
 DIRECT_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
+GENERATE_SUFFIXES = (generate.GENERATE, generate.GENERATE_STREAM)
 
 
 class HttpApp(FastAPI):
@@ -58,6 +60,7 @@ class HttpApp(FastAPI):
     frontend: HttpFrontend
     infer_guard: Guard | None = None  # the access check of the inference group, None when it has none
     direct: dict = {}  # POST path -> its route's app (behind its guard), answered before routing and middleware
+    generate_routes: tuple = ()  # the generate routes (behind their guard), also answered before the middleware
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
@@ -73,6 +76,13 @@ class HttpApp(FastAPI):
             if route is not None:  # the LLM routes: each streamed chunk skips the middleware's send wrappers
                 await route(scope, receive, send)
                 return
+            if path.endswith(GENERATE_SUFFIXES):  # the same for generate's (a refusal leaves in one write, at once)
+                for route in self.generate_routes:
+                    match, child = route.matches(scope)
+                    if match is Match.FULL:
+                        scope.update(child)
+                        await route.handle(scope, receive, send)
+                        return
         await super().__call__(scope, receive, send)
 
     def infer_handler(self, path: str):
@@ -133,6 +143,8 @@ def create_app(dataplane: ServingInterface, *, max_input_size: int = DEFAULT_MAX
     app.infer_guard = policy.http_guard(INFERENCE)  # the fast path answers infer before routing
     app.direct = {route.path: route.app for route in app.router.routes
                   if getattr(route, "path", None) in DIRECT_ROUTES and "POST" in route.methods}
+    app.generate_routes = tuple(route for route in app.router.routes
+                                if getattr(route, "path", "").endswith(GENERATE_SUFFIXES) and "POST" in route.methods)
     return app
 
 
