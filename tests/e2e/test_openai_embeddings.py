@@ -273,6 +273,31 @@ def test_concurrent_single_input_requests_are_batched(server, client, tokenizer,
     assert inferences == 64 and executions < inferences  # the dynamic batcher ran several per execution
 
 
+def test_inputs_of_different_lengths_share_the_encoders_batches(server, client, tokenizer, onnx_embed):
+    """``text_encoder`` pads each batch to its longest request (``pad_batch_inputs``), so the frontend sends each
+    input's ids unpadded: concurrent requests of many lengths still run together, and each vector is the one
+    ONNX Runtime gives that input alone."""
+    stats = {}
+
+    def counts() -> tuple[int, int]:
+        found = httpx.get(f"{server.base_url}/v2/models/text_encoder/stats", timeout=10).json()["model_stats"][0]
+        return found["inference_count"], found["execution_count"]
+
+    texts = [("word " * (1 + 3 * i)).strip() for i in range(32)]
+    assert len({len(ids) for ids in _ids(tokenizer, texts)}) == 32
+    stats["before"] = counts()
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda t: client.embeddings.create(model=MODEL, input=t, encoding_format="base64"),
+                                texts))
+    stats["after"] = counts()
+    vectors = np.array([np.frombuffer(base64.b64decode(r.data[0].embedding), dtype="<f4") for r in results])
+    assert np.abs(vectors - onnx_embed(_ids(tokenizer, texts))).max() < 1e-5
+    inferences = stats["after"][0] - stats["before"][0]
+    executions = stats["after"][1] - stats["before"][1]
+    assert inferences == 32 and executions < inferences  # lengths differ, and still batched
+    assert [r.usage.prompt_tokens for r in results] == [len(ids) for ids in _ids(tokenizer, texts)]
+
+
 def test_score_and_rerank_are_cosine_similarities(server, tokenizer, onnx_embed):
     query, documents = "My package has not arrived yet.", SENTENCES[:3]
     vectors = onnx_embed(_ids(tokenizer, [query, *documents]))

@@ -105,6 +105,10 @@ class EmbeddingModel:
                     log.warning("model '%s': cannot load '%s': %s", self.name, path, exc)
         return self._tokenizer or None
 
+    def tokenizer_loaded(self) -> bool:
+        """Whether :meth:`tokenizer` answers without reading files (loaded, or known to be absent)."""
+        return self._tokenizer is not None
+
     def request(self, prompt: str | list[int], request_id: str) -> InferenceRequest:
         """The DataPlane request of one input: text to the text interface, token ids to the token one."""
         if isinstance(prompt, str):

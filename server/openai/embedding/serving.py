@@ -4,7 +4,8 @@ gathers them, with other clients' requests, into batches).
 Text goes to the model's text interface as it is; when the request changes its tokens
 (``truncate_prompt_tokens`` cuts an input, ``add_special_tokens`` false), or the model asks for it
 (``openai_tokenize_in_frontend``: no ensemble hop, no tokenizer process), the frontend's token ids go to the
-token interface, padded as the model's tokenizer step pads. The tokenizer counts ``usage`` and checks lengths on a worker thread.
+token interface, padded as the model's tokenizer step pads. The tokenizer counts ``usage`` and checks lengths, on
+the event loop for short texts (``INLINE_CHARS``), else on a worker thread.
 ``dimensions`` keeps the leading values of a Matryoshka model's vector, normalised again; ``base64`` is
 the vector's bytes (``embed_dtype``, ``endianness``), as vLLM encodes it.
 """
@@ -14,8 +15,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import sys
+import random
 import time
-import uuid
 
 import numpy as np
 import orjson
@@ -27,6 +28,9 @@ from .model import EmbeddingModel
 from .protocol import EmbeddingRequest
 
 SLICE = 64  # requests started per turn of the event loop
+# Inputs up to this many characters (or token ids) in all are tokenized on the event loop (tens of µs): the hop
+# to a worker thread and back costs more than that (measured: docs/performance.md, embeddings, session 5).
+INLINE_CHARS = 1024
 
 
 async def create_embedding(server, doc, _scope) -> bytes:
@@ -34,7 +38,7 @@ async def create_embedding(server, doc, _scope) -> bytes:
     catalog = server.embedders
     model = catalog.get(request.model) if request.model else catalog.default()
     _check(request, model)
-    request_id = f"embd-{uuid.uuid4().hex}"
+    request_id = f"embd-{random.getrandbits(128):032x}"  # uuid4's os.urandom is a system call per request
     vectors, counts = await embed(server, model, request.inputs(), request_id,
                                   truncate_prompt_tokens=request.truncate_prompt_tokens,
                                   add_special_tokens=request.add_special_tokens)
@@ -69,7 +73,11 @@ async def embed(server, model: EmbeddingModel, inputs: list[str | list[int]], re
                 truncate_prompt_tokens: int | None = None, add_special_tokens: bool = True
                 ) -> tuple[list[np.ndarray], list[int]]:
     """Each input's vector (float32) and token count; also what ``/v1/score`` and ``/v1/rerank`` compare."""
-    prompts, counts = await server.run_blocking(_prepare, model, inputs, truncate_prompt_tokens, add_special_tokens)
+    if model.tokenizer_loaded() and sum(len(i) for i in inputs) <= INLINE_CHARS:
+        prompts, counts = _prepare(model, inputs, truncate_prompt_tokens, add_special_tokens)
+    else:
+        prompts, counts = await server.run_blocking(_prepare, model, inputs, truncate_prompt_tokens,
+                                                    add_special_tokens)
     direct = [isinstance(i, str) and not isinstance(p, str) for i, p in zip(inputs, prompts)] if model.direct else None
     return await _embed(server.dataplane, model, prompts, request_id, direct), counts
 
