@@ -251,6 +251,12 @@ def decode_request(msg, options: StreamOptions | None = None,
                               f"{len(inputs)} input(s) {list(inputs)}; send one per input, in input order")
     outputs = [RequestedOutput(o.name, params_to_dict(o.parameters) if len(o.parameters) else {})
                for o in msg.outputs] if msg.outputs else None
+    if outputs is not None and len(outputs) > 1:
+        seen = set()
+        for output in outputs:
+            if output.name in seen:
+                raise InvalidArgument(f"output '{output.name}' already exists in request")
+            seen.add(output.name)
     request = InferenceRequest(model, inputs, model_version=msg.model_version, id=msg.id, outputs=outputs)
     if len(msg.parameters):
         _request_parameters(msg, request, options if options is not None else StreamOptions())

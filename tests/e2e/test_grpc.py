@@ -580,7 +580,18 @@ def test_bad_input_is_invalid_argument(stub, client, case):
     _assert_serving(client)
 
 
-def test_unparsable_request_bytes_are_invalid_argument(tideserve, client):
+def test_duplicate_requested_outputs_are_rejected(client):
+    """A request that names the same output twice is refused with INVALID_ARGUMENT, as Triton words it."""
+    _, _, inputs = _add_sub_inputs()
+    outputs = [grpcclient.InferRequestedOutput("OUTPUT0"), grpcclient.InferRequestedOutput("OUTPUT0")]
+    with pytest.raises(InferenceServerException) as info:
+        client.infer("add_sub", inputs, outputs=outputs)
+    assert info.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert "output 'OUTPUT0' already exists in request" in info.value.message()
+    _assert_serving(client)
+
+
+def test_unparsable_request_bytes_are_internal(tideserve, client):
     """ModelInfer and ModelStreamInfer read the request's bytes themselves: bytes that are no ModelInferRequest
     end the call with INTERNAL "Unable to parse request" (as gRPC C++ servers answer it), and the server goes on
     serving."""
