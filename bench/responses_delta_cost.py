@@ -9,7 +9,9 @@ makes it while the engine computes the first token, then the text deltas from th
 ``.done`` events and ``response.completed``; ``store: false``, as the bench sends it). What is timed is the process
 CPU of making each stream (the handler's work before the engine) and reading every event's bytes out of its writer
 (what the HTTP layer does, minus the socket write, which costs both sides the same per event), divided by the number
-of text deltas; the bytes per delta event are reported beside it. Rounds alternate the two sides; the medians are
+of text deltas; the bytes per delta event are reported beside it, and the CPU per request from making the stream to
+its first text's bytes (the API code's own share of a first token: chat's role chunk and first text chunk,
+Responses' opening and first delta). Rounds alternate the two sides; the medians are
 reported.
 
     python bench/responses_delta_cost.py [--streams 32] [--tokens 768] [--rounds 7] [--text " word"]
@@ -33,9 +35,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 
 import orjson
-
-from tideserve.http.body import BodyReader
 from tideserve.generation import GenerationDelta
+from tideserve.http.body import BodyReader
 from tideserve.openai.chat_completion.protocol import ChatCompletionRequest
 from tideserve.openai.chat_completion.serving import _events as chat_events
 from tideserve.openai.chat_run import ChatRun
@@ -97,21 +98,33 @@ def _responses_stream(llm: LLMModel, state: Responses, run: FakeRun, tokens: int
     return job.events(ChatRun(chat, llm, run, "prompt", {}))
 
 
-async def _drain(make: Callable, runs: list[FakeRun]) -> tuple[float, float, int, int]:
+def _has_text(chunk: bytes) -> bool:
+    """The chunk carries the stream's first text (chat: a chunk with content, not the role-only one; Responses: the
+    one with the first ``response.output_text.delta``), as bench/responses_ttft_probe.py tells them."""
+    return b"response.output_text.delta" in chunk or (
+        b'"content":"' in chunk and b'"role":"assistant","content":""' not in chunk)
+
+
+async def _drain(make: Callable, runs: list[FakeRun]) -> tuple[float, float, float, int, int]:
     """CPU seconds to make a stream per run (the handler's own work before the engine: the request validated,
     for Responses its chat request built and its opening made) and to read every event of each, one stream after
-    another; their bytes and their events."""
+    another; of that, up to the first text's bytes (the API code's share of a first token); their bytes and their
+    events."""
     size = events = 0
-    setup = 0.0
+    setup = first = 0.0
     start = time.process_time()
     for run in runs:
         before = time.process_time()
         stream = make(run)
         setup += time.process_time() - before
+        waiting = True
         async for chunk in stream:
+            if waiting and _has_text(chunk):
+                first += time.process_time() - before
+                waiting = False
             size += len(chunk)
             events += 1
-    return time.process_time() - start, setup, size, events
+    return time.process_time() - start, setup, first, size, events
 
 
 def one_round(side: str, llm: LLMModel, state: Responses, args) -> dict:
@@ -123,10 +136,11 @@ def one_round(side: str, llm: LLMModel, state: Responses, args) -> dict:
             return _responses_stream(llm, state, run, args.tokens)
     runs = [FakeRun(args.text, args.tokens) for _ in range(args.streams)]  # made before the clock starts
     gc.collect()
-    cpu, setup, size, chunks = asyncio.run(_drain(make, runs))
+    cpu, setup, first, size, chunks = asyncio.run(_drain(make, runs))
     deltas = args.streams * args.tokens
     return {"us_per_delta": cpu * 1e6 / deltas, "setup_us_per_request": setup * 1e6 / args.streams,
-            "bytes_per_delta": size / deltas, "chunks": chunks}
+            "first_text_us_per_request": first * 1e6 / args.streams, "bytes_per_delta": size / deltas,
+            "chunks": chunks}
 
 
 def main() -> None:
@@ -144,14 +158,16 @@ def main() -> None:
             results[side].append(one_round(side, llm, state, args))
     print(f"{args.streams} streams x {args.tokens} deltas of {args.text!r}, {args.rounds} rounds (medians)")
     print("| side | CPU µs / delta, all in | per round | of which the handler's setup, µs / request | "
-          "bytes / delta |")
-    print("|---|---|---|---|---|")
+          "setup to the first text's bytes, µs / request | bytes / delta |")
+    print("|---|---|---|---|---|---|")
     medians = {}
     for side, rounds in results.items():
         medians[side] = statistics.median(r["us_per_delta"] for r in rounds)
         per_round = " / ".join(f"{r['us_per_delta']:.2f}" for r in rounds)
         setup = statistics.median(r["setup_us_per_request"] for r in rounds)
-        print(f"| {side} | {medians[side]:.2f} | {per_round} | {setup:.0f} | {rounds[0]['bytes_per_delta']:.0f} |")
+        first = statistics.median(r["first_text_us_per_request"] for r in rounds)
+        print(f"| {side} | {medians[side]:.2f} | {per_round} | {setup:.0f} | {first:.0f} | "
+              f"{rounds[0]['bytes_per_delta']:.0f} |")
     print(f"responses / chat: {medians['responses'] / medians['chat']:.3f}x CPU per delta")
 
 

@@ -276,10 +276,17 @@ def phases(record: dict) -> dict[str, float]:
 
 def timeline(records: list[dict]) -> dict[str, float]:
     """Milliseconds from the round's first request's arrival to each mark, the median over the round's requests
-    (where a burst's requests stand: the phases above are each request's own)."""
+    (where a burst's requests stand: the phases above are each request's own); ``cpu_loop``: the event loop
+    thread's CPU time from the round's first route to each request's first text written, the median (the loop's
+    work that a burst's first text waits behind, whatever the load: a CPU time, not a wall time)."""
     t0 = min(r["received"] or r["route"] for r in records)
-    return {m: statistics.median((r[m] - t0) / 1e6 for r in records if r.get(m)) for m in PHASES
-            if any(r.get(m) for r in records)}
+    out = {m: statistics.median((r[m] - t0) / 1e6 for r in records if r.get(m)) for m in PHASES
+           if any(r.get(m) for r in records)}
+    c0 = min(r["cpu"]["route"] for r in records)
+    written = [(r["cpu"]["written"] - c0) / 1e6 for r in records if "written" in r["cpu"]]
+    if written:
+        out["cpu_loop"] = statistics.median(written)
+    return out
 
 
 def main() -> None:
@@ -367,13 +374,14 @@ def main() -> None:
               + " | ".join(f"{c:.2f}" for c in cells) + " |")
     print(f"\n{args.streams} streams: the round's timeline, ms from its first request's arrival to each mark (the "
           "median request's), the median over the rounds")
-    print("| API | " + " | ".join(PHASES) + " |")
-    print("|---" * (len(PHASES) + 1) + "|")
+    columns = (*PHASES, "cpu_loop")
+    print("| API | " + " | ".join(columns) + " |")
+    print("|---" * (len(columns) + 1) + "|")
     for (streams, side), rounds in lines.items():
         if streams == args.streams:
             print(f"| {side} | " + " | ".join(
                 f"{statistics.median(t[m] for t in rounds if m in t):.2f}" if any(m in t for t in rounds) else "-"
-                for m in PHASES) + " |")
+                for m in columns) + " |")
     shutil.rmtree(work, ignore_errors=True)
 
 

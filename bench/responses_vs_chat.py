@@ -22,7 +22,7 @@ phase, for both APIs. Responses are sent with ``store: false`` (chat stores noth
 true`` and so measures the SQLite store too. Each side reports the median of each measure over its rounds; the
 ratios are responses / chat, against the targets of issue 23 (>= 0.95x output tok/s, TTFT p50 <= 1.05x). Beside
 them, the throughput ratio within each round (its two sides run back to back) and their median, which what drifts
-between rounds moves less.
+between rounds moves less, and so for the TTFT p50.
 
     python bench/responses_vs_chat.py [--streams 32] [--tokens 768] [--rounds 6] [--size tiny|100m] [--store]
 
@@ -145,6 +145,8 @@ def main() -> None:
     # each round runs both sides back to back (ABBA): the ratio within a round leaves out what drifts between rounds
     paired = [r["tokens_per_s"] / c["tokens_per_s"] for c, r in zip(runs["chat"], runs["responses"])]
     ratios["tokens_per_s_paired_median"] = statistics.median(paired)
+    paired_ttft = [r["ttft_p50_s"] / c["ttft_p50_s"] for c, r in zip(runs["chat"], runs["responses"])]
+    ratios["ttft_p50_paired_median"] = statistics.median(paired_ttft)
     same_text = sum(a == b for a, b in zip(runs["chat"][0]["texts"], runs["responses"][0]["texts"]))
     print("\n| API | output tok/s | TTFT p50 (s) | ITL p50 (ms) | server CPU (us/token) | client CPU (us/token) "
           "| text events / token | tok/s per round |\n|---|---|---|---|---|---|---|---|")
@@ -160,6 +162,8 @@ def main() -> None:
           f"{ratios['client_cpu_per_token']:.3f}x")
     print(f"throughput within each round (responses / chat): {' / '.join(f'{p:.3f}' for p in paired)}, median "
           f"{ratios['tokens_per_s_paired_median']:.3f}x")
+    print(f"TTFT p50 within each round (responses / chat): {' / '.join(f'{p:.3f}' for p in paired_ttft)}, median "
+          f"{ratios['ttft_p50_paired_median']:.3f}x")
     print(f"same text for the same prompt in the first round of each side: {same_text}/{len(texts)}")
     loads = [r["load_average"] for rs in runs.values() for r in rs]
     out_dir = ROOT / "bench" / "results"
