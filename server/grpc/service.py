@@ -30,16 +30,16 @@ from ..limits import TensorLimits
 from ..types import InferenceRequest, InferenceResponse
 from .access import access_interceptors
 from .codec import (
+    ModelInferRequest,
     StreamOptions,
     apply_classification,
-    ModelInferRequest,
     decode_request,
     encode_response,
     encode_response_bytes,
     error_message,
-    varint as _varint,
     requested_classifications,
 )
+from .codec import varint as _varint
 
 log = logging.getLogger(__name__)
 
@@ -309,24 +309,10 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return pb.RepositoryModelUnloadResponse()
 
     # -- inference ---------------------------------------------------------------------------
-    async def ModelInfer(self, request, context):
-        # abort_on_error, written out: the hot path's calls resume through one coroutine fewer
-        try:
-            infer_request = decode_request(request, limits=self.tensor_limits)
-            infer_request.trace_context = _header(context, "traceparent")
-            counts = requested_classifications(infer_request) if infer_request.outputs else None
-            response = await self.dataplane.infer_unary(infer_request)
-            if counts:
-                self.classifier.apply(infer_request, response, counts)
-            return encode_response(response)
-        except grpc.aio.AbortError:
-            raise
-        except Exception as exc:
-            await abort(context, exc)
-
-    async def ModelInferBytes(self, data: bytes, context) -> bytes:
-        """ModelInfer as the server runs it: the request's bytes in (parsed here), the response's bytes out
-        (:func:`encode_response_bytes`, or the message serialized where it needs one)."""
+    async def ModelInfer(self, data: bytes, context) -> bytes:
+        """The unary call on raw bytes (registered without (de)serializers): the request's bytes in (parsed
+        here), the response's bytes out (:func:`encode_response_bytes`, or the message serialized where it
+        needs one). abort_on_error is written out: the hot path's calls resume through one coroutine fewer."""
         try:
             try:
                 request = ModelInferRequest.FromString(data)
@@ -646,7 +632,7 @@ async def start_grpc_server(dataplane: ServingInterface, host: str, port: int, *
     # ModelInfer and ModelStreamInfer on raw bytes: no request or response message made for grpc's
     # (de)serializer hooks
     _add_unregistered(service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server, servicer, server,
-                      {"ModelInfer": grpc.unary_unary_rpc_method_handler(servicer.ModelInferBytes),
+                      {"ModelInfer": grpc.unary_unary_rpc_method_handler(servicer.ModelInfer),
                        "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(servicer.ModelStreamInfer)})
     _add_unregistered(health_pb2_grpc.add_HealthServicer_to_server, HealthServicer(dataplane), server)
     address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"

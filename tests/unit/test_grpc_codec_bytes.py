@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tritonclient.grpc import service_pb2 as pb
-
 from tideserve.grpc.codec import encode_response, encode_response_bytes
 from tideserve.types import InferenceResponse, Tensor
+from tritonclient.grpc import service_pb2 as pb
 
 
 def _response(*outputs: Tensor, **fields) -> InferenceResponse:
