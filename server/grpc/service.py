@@ -71,8 +71,9 @@ def _final_parameter(value: bool) -> bytes:
 # ModelStreamInferResponse's infer_response (field 2, length-delimited)
 _FINAL_TRUE, _FINAL_FALSE = _final_parameter(True), _final_parameter(False)
 _INFER_RESPONSE_TAG = b"\x12"
-# a request message that does not parse: INTERNAL with this text, as a server built on gRPC C++ answers it
-_UNPARSABLE = "Unable to parse request"
+# a request message that does not parse: INTERNAL with grpcio's own text for a request its deserializer
+# cannot read (what this server answered while grpcio parsed the messages)
+_UNPARSABLE = "Exception deserializing request!"
 Handler = TypeVar("Handler", bound=Callable[..., Awaitable[Any]])
 
 

@@ -593,7 +593,7 @@ def test_duplicate_requested_outputs_are_rejected(client):
 
 def test_unparsable_request_bytes_are_internal(tideserve, client):
     """ModelInfer and ModelStreamInfer read the request's bytes themselves: bytes that are no ModelInferRequest
-    end the call with INTERNAL "Unable to parse request" (as gRPC C++ servers answer it), and the server goes on
+    end the call with INTERNAL "Exception deserializing request!" (grpcio's answer when it parsed them), and the server goes on
     serving."""
     garbage = b"\x0a\xff\xff\xff"  # model_name (1) whose length runs past the message
     with grpc.insecure_channel(tideserve.grpc_url) as channel:
@@ -601,12 +601,12 @@ def test_unparsable_request_bytes_are_internal(tideserve, client):
         with pytest.raises(grpc.RpcError) as info:
             unary(garbage, timeout=10)
         assert info.value.code() == grpc.StatusCode.INTERNAL, info.value.details()
-        assert info.value.details() == "Unable to parse request"
+        assert info.value.details() == "Exception deserializing request!"
         stream = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")
         with pytest.raises(grpc.RpcError) as info:
             list(stream(iter([garbage]), timeout=10))
         assert info.value.code() == grpc.StatusCode.INTERNAL, info.value.details()
-        assert info.value.details() == "Unable to parse request"
+        assert info.value.details() == "Exception deserializing request!"
         # the answers as bytes parse to the messages tritonclient reads
         request = _raw_request()
         answer = pb.ModelInferResponse.FromString(unary(request.SerializeToString(), timeout=10))
