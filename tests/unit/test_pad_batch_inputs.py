@@ -22,7 +22,8 @@ def _config(text: str) -> mc.ModelConfig:
     return text_format.Parse('name: "m" max_batch_size: 8\n' + text, mc.ModelConfig())
 
 
-IDS = 'input [ { name: "ids" data_type: TYPE_INT64 dims: [ -1 ] }, { name: "mask" data_type: TYPE_INT64 dims: [ -1 ] } ]\n'
+IDS = ('input [ { name: "ids" data_type: TYPE_INT64 dims: [ -1 ] },\n'
+       '        { name: "mask" data_type: TYPE_INT64 dims: [ -1 ] } ]\n')
 
 
 def _request(ids: list[list[int]]) -> InferenceRequest:
@@ -38,11 +39,12 @@ def test_padded_inputs_read_the_parameter():
 
 
 @pytest.mark.parametrize("extra, reason", [
-    ('parameters { key: "pad_batch_inputs" value { string_value: "ids,nope" } }', "names 'nope', which is not an input"),
-    ('input [ { name: "fixed" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
-     'parameters { key: "pad_batch_inputs" value { string_value: "fixed" } }', "must have a variable (-1) dimension"),
-    ('input [ { name: "r" data_type: TYPE_FP32 dims: [ -1 ] allow_ragged_batch: true } ]\n'
-     'parameters { key: "pad_batch_inputs" value { string_value: "r" } }', "no allow_ragged_batch"),
+    ('parameters { key: "pad_batch_inputs" value { string_value: "ids,nope" } }',
+     "names 'nope', which is not an input"),
+    (('input [ { name: "fixed" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
+      'parameters { key: "pad_batch_inputs" value { string_value: "fixed" } }'), "must have a variable (-1) dimension"),
+    (('input [ { name: "r" data_type: TYPE_FP32 dims: [ -1 ] allow_ragged_batch: true } ]\n'
+      'parameters { key: "pad_batch_inputs" value { string_value: "r" } }'), "no allow_ragged_batch"),
 ])
 def test_padded_inputs_refuse_what_cannot_be_padded(extra, reason):
     with pytest.raises(InvalidArgument, match=re.escape(reason)):

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import sys
 import random
+import sys
 import time
 
 import numpy as np
