@@ -4,7 +4,8 @@ A batch grows, highest priority level first and oldest request first, while the 
 ``max_batch_size`` and each request's non-batch shapes match the first one's (inputs with
 ``allow_ragged_batch`` may differ; those of the ``pad_batch_inputs`` parameter only in their rank).
 It runs at once when it is full, reaches the largest ``preferred_batch_size`` or cannot grow;
-otherwise it waits up to ``max_queue_delay_microseconds`` from its oldest request for more. Queue policies reject or delay requests that wait too long.
+otherwise it waits up to ``max_queue_delay_microseconds`` from its oldest request for more. Queue
+policies reject or delay requests that wait too long.
 """
 
 from __future__ import annotations
