@@ -387,6 +387,8 @@ def decode_request(model_name: str, model_version: str, body: bytes, header_leng
                     if classes:
                         options = OutputOptions(binary, classes)
                         classify = True
+            if name in outputs:  # Triton's core refuses a request that names an output twice
+                raise InvalidArgument(f"output '{name}' already exists in request")
             outputs[name] = options
             requested.append(RequestedOutput(name, oparams) if oparams else RequestedOutput(name))
 

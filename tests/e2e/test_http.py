@@ -354,6 +354,18 @@ def test_infer_requested_output_subset(client):
     np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - b)
 
 
+def test_duplicate_requested_outputs_are_rejected(client):
+    """A request that names the same output twice is refused with 400, in Triton's words (its core refuses it
+    for every protocol)."""
+    inputs, _, _ = _add_sub_inputs(False)
+    outputs = [httpclient.InferRequestedOutput("OUTPUT0"), httpclient.InferRequestedOutput("OUTPUT0")]
+    with pytest.raises(InferenceServerException) as info:
+        client.infer("add_sub", inputs, outputs=outputs)
+    assert info.value.status() == "400"
+    assert "output 'OUTPUT0' already exists in request" in info.value.message()
+    assert client.infer("add_sub", inputs).as_numpy("OUTPUT0") is not None
+
+
 def test_infer_json_only_wire_format(srv):
     """A plain JSON request (nested data) and a JSON response, no binary extension involved."""
     status, headers, body = post_json(srv, "/v2/models/add_sub/infer", {
