@@ -121,6 +121,7 @@ if _UvicornCycle is not None:
             self.expected_content_length = 0
             self._event = None
             self._woken = False
+            self.task = None  # the handler's task (the protocol cancels it when the connection is lost)
 
         @property
         def message_event(self) -> asyncio.Event:

@@ -89,24 +89,37 @@ class BodyReader:
         self.max_json_depth = max_json_depth
         """Deepest nesting of arrays and objects in a JSON body (``--http-max-json-depth``)."""
 
-    async def read(self, receive, content_length: int | None, encoding: bytes | None) -> bytes:
-        """The whole body, decompressed; ``content_length`` and ``encoding`` are the request's headers."""
-        limit = self.max_input_size
-        if content_length is not None and content_length > limit:
-            raise too_large(content_length, limit)
-        inflater = None
+    def _inflater(self, content_length: int | None, encoding: bytes | None) -> _Inflater | None:
+        """The checks before any of the body is read; the body's inflater (None: not compressed)."""
+        if content_length is not None and content_length > self.max_input_size:
+            raise too_large(content_length, self.max_input_size)
         if encoding is not None:
             encoding = encoding.strip().lower()
             if encoding not in (b"", b"identity"):
-                inflater = _Inflater(encoding, self.max_decompressed_size)
+                return _Inflater(encoding, self.max_decompressed_size)
+        return None
+
+    def whole(self, receive, content_length: int | None, encoding: bytes | None) -> bytes | None:
+        """:meth:`read` without an await where all of the body has arrived (the usual case: uvicorn's cycle holds
+        it); None, having taken nothing, where :meth:`read` must be awaited."""
+        inflater = self._inflater(content_length, encoding)
         body = whole_body(receive)
-        if body is not None:  # all of it is in (the usual case): no need to wait for it
-            if len(body) > limit:
-                raise too_large(len(body), limit)
-            if inflater is None:
-                return body
-            inflater.feed(body)
-            return inflater.finish()
+        if body is None:
+            return None
+        if len(body) > self.max_input_size:
+            raise too_large(len(body), self.max_input_size)
+        if inflater is None:
+            return body
+        inflater.feed(body)
+        return inflater.finish()
+
+    async def read(self, receive, content_length: int | None, encoding: bytes | None) -> bytes:
+        """The whole body, decompressed; ``content_length`` and ``encoding`` are the request's headers."""
+        body = self.whole(receive, content_length, encoding)
+        if body is not None:  # all of it is in: no need to wait for it
+            return body
+        limit = self.max_input_size
+        inflater = self._inflater(content_length, encoding)
         message = await receive()
         if message["type"] != "http.request":
             raise ClientGone()

@@ -12,6 +12,7 @@ Every error is ``{"error": "<message>"}`` with the status of the ServerError tha
 from __future__ import annotations
 
 import base64
+import contextlib
 import logging
 import weakref
 import zlib
@@ -22,7 +23,16 @@ from fastapi.responses import Response
 from starlette.routing import Route
 
 from .. import config as config_module
-from ..asgi import JSON_HEADER, ClientGone, cancel_on_disconnect, error_body, send_error, send_response, send_whole
+from ..asgi import (
+    JSON_HEADER,
+    ClientGone,
+    FastCycle,
+    cancel_on_disconnect,
+    error_body,
+    send_error,
+    send_response,
+    send_whole,
+)
 from ..classification import classify, read_labels
 from ..errors import InvalidArgument, ServerError, Unsupported, as_server_error
 from ..limits import TensorLimits
@@ -39,6 +49,9 @@ INFER_PREFIX = "/v2/models/"
 INFER_SUFFIX = "/infer"
 DISCONNECT_WATCH_S = 0.25  # infer requests running longer than this watch for the client going away
 MODEL_ROUTES = ("/v2/models/{model_name}", "/v2/models/{model_name}/versions/{model_version}")
+
+
+_NO_WATCH = contextlib.nullcontext()
 
 
 def error_response(status: int, message: str, headers: dict | None = None) -> Response:
@@ -109,7 +122,9 @@ class HttpFrontend:
         try:
             if content_length is not None:
                 content_length = parse_length(content_length, "Content-Length")
-            body = await self.body.read(receive, content_length, encoding)
+            body = self.body.whole(receive, content_length, encoding)
+            if body is None:  # more to come: wait for it
+                body = await self.body.read(receive, content_length, encoding)
             if header_length is not None:
                 header_length = parse_length(header_length, "Inference-Header-Content-Length")
             if header_length == 0:
@@ -128,7 +143,11 @@ class HttpFrontend:
             request.streaming = False  # one response: LLM backends send the whole result at once
             stream = self.dataplane.infer(request)
             response = None
-            with cancel_on_disconnect(receive, DISCONNECT_WATCH_S):
+            # the HTTP protocol cancels a request it handed straight to this handler when its connection is lost
+            # (server/http/limits.py): no watch of its own
+            watch = _NO_WATCH if type(getattr(receive, "__self__", None)) is FastCycle else \
+                cancel_on_disconnect(receive, DISCONNECT_WATCH_S)
+            with watch:
                 try:
                     async for answer in stream:
                         if answer.error is not None:

@@ -283,6 +283,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._timer.cancel()
             self._timer = None
         super().connection_lost(exc)
+        cycle = self.cycle
+        if type(cycle) is FastCycle and cycle.task is not None and not cycle.response_complete:
+            cycle.task.cancel()  # nobody is left to answer: the handler's request is cancelled (its model sees it)
 
     def data_received(self, data: bytes) -> None:
         # A head or a body that begins here is timed from here only if this read does not complete it (the
@@ -375,6 +378,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                                        http_version != "1.0" and parser.should_keep_alive(), self.on_response_complete)
         task = self.loop.create_task(handler(scope, cycle.receive, cycle.send, model, version))
         task.add_done_callback(functools.partial(self._direct_done, cycle))
+        cycle.task = task
         self.tasks.add(task)
         return True
 

@@ -60,9 +60,7 @@ class ConnectionTable:
         fewest = 1 << 62
         for index in range(self.count):
             if index != self.index:
-                value = _SLOT.unpack_from(self.map, index * _SLOT.size)[0]
-                if value < fewest:
-                    fewest = value
+                fewest = min(fewest, _SLOT.unpack_from(self.map, index * _SLOT.size)[0])
         return fewest
 
 
