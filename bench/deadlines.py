@@ -491,8 +491,8 @@ def main() -> None:
                              "raise priority): what the refusals' lateness is when the loop gets a CPU as soon as it "
                              "wants one, on a machine whose cores are shared (0: leave it)")
     parser.add_argument("--loop-slice-us", type=int, default=None,
-                        help="the server loop thread's time slice (TIDESERVE_LOOP_SLICE_US; default: the server's, "
-                             "100 us; 0: the kernel's default), to see what it does to the lateness")
+                        help="the server loop thread's time slice in us (TIDESERVE_LOOP_SLICE_US, e.g. 100; default: "
+                             "the server's, the kernel's default slice), to see what it does to the lateness")
     parser.add_argument("--no-probe", dest="probe", action="store_false",
                         help="run the server without TIDESERVE_DEADLINE_PROBE=1 (its loop notes its CPU wait every "
                              "2 ms, so a refusal's header can tell the machine's share of a late timer from the "
