@@ -144,7 +144,8 @@ class OpenAIRoute:
             await _send_error(send, from_server_error(exc))
         except Exception as exc:  # a bug, not bad input: say so without a stack trace
             log.exception("OpenAI request %s failed", scope["path"])
-            await _send_error(send, OpenAIError(f"internal error: {type(exc).__name__}: {exc}", 500))
+            if refusal is None or not refusal.done:  # (a refusal written at its deadline is the whole answer)
+                await _send_error(send, OpenAIError(f"internal error: {type(exc).__name__}: {exc}", 500))
         finally:
             if isinstance(reply, EventStream):
                 await reply.events.aclose()  # a generator left at a yield (client gone) ends here
