@@ -49,8 +49,9 @@ from .body import DEFAULT_MAX_INPUT_SIZE, BodyReader
 from .kserve import INFER_PREFIX, INFER_SUFFIX, JSON, HttpFrontend, error_response, infer_target
 
 log = logging.getLogger(__name__)
-# POST routes answered before routing, as infer is (their app answers every error itself): the LLM streams
-DIRECT_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
+# POST routes answered before routing, as infer is (their app answers every error itself): the LLM streams and
+# the embeddings (the router would walk past ~40 routes first)
+DIRECT_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/embeddings")
 GENERATE_SUFFIXES = (generate.GENERATE, generate.GENERATE_STREAM)
 
 
