@@ -196,13 +196,19 @@ def perf_analyzer(protocol: str, port: int, concurrency: int, http_format: str, 
     if protocol == "http" and http_format == "json":
         cmd += ["--input-tensor-format", "json", "--output-tensor-format", "json"]
     cpu_before, started = tree_cpu_seconds(server_pid), time.monotonic()
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300).stdout
+    try:
+        out, timed_out = subprocess.run(cmd, capture_output=True, text=True, timeout=300).stdout, False
+    except subprocess.TimeoutExpired as exc:  # a point that never settled: its windows so far, marked, the run goes on
+        out, timed_out = exc.stdout or "", True
+        out = out.decode(errors="replace") if isinstance(out, bytes) else out
     wall, cpu_after = time.monotonic() - started, tree_cpu_seconds(server_pid)
     roles = {role: cpu_after.get(role, 0.0) - cpu_before.get(role, 0.0) for role in cpu_after}
     cpu = sum(roles.values())
     log.write_text(out)
     result = {"command": " ".join(cmd[1:]), "server_cpu_s": cpu, "cpu_s_by_role": roles, "wall_s": wall}
-    if m := re.search(r"Throughput: ([\d.]+) infer/sec", out):
+    if timed_out:
+        result["timed_out"] = True
+    if not timed_out and (m := re.search(r"Throughput: ([\d.]+) infer/sec", out)):
         result["infer_per_s"] = float(m.group(1))
         result["stable"] = True
     else:  # unstable: mean of the last three measurement windows
@@ -268,7 +274,8 @@ def main() -> None:
                               f"p50 {r.get('p50_ms', float('nan')):.2f} ms p99 {r.get('p99_ms', float('nan')):.2f} ms "
                               f"CPU {r.get('cpu_us_per_request', float('nan')):.0f} us/req "
                               f"{r.get('cpu_us_per_request_by_role', {})}"
-                              + ("" if r["stable"] else "  (unstable)"), flush=True)
+                              + ("" if r["stable"] else "  (unstable)") + ("  (timed out)" if r.get("timed_out") else ""),
+                              flush=True)
     finally:
         for proc, _, _ in servers.values():
             stop_server(proc)
