@@ -200,8 +200,8 @@ def test_stalled_body_is_408(server):
 
 
 @pytest.mark.skipif(int(os.environ.get("TIDESERVE_TEST_FRONTEND_WORKERS") or 1) > 1,
-                    reason="with frontend workers the limit holds per worker process, and which worker accepts a "
-                           "connection is the kernel's choice (docs/architecture.md)")
+                    reason="with frontend workers the limit holds per worker process, and the connections spread over "
+                           "the workers (docs/architecture.md)")
 def test_connections_past_the_limit_are_503(server):
     held = [connect(server) for _ in range(CONNECTIONS)]
     try:
