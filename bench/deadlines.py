@@ -64,6 +64,7 @@ About 6 minutes for ``--rounds 2`` (one engine start, 8 sides of 15 s). Writes b
 from __future__ import annotations
 
 import argparse
+import functools
 import asyncio
 import itertools
 import json
@@ -468,6 +469,11 @@ def summarize(requests: list[dict], lags: list[float], load: list[tuple[int, int
     }
 
 
+def _trio(r: dict, key: str) -> str:
+    """``key``'s p50 / p99 / max (ms) of one side's pooled summary, as the tables print them."""
+    return f"{r[key + '_p50_ms']:.1f} / {r[key + '_p99_ms']:.1f} / {r[key + '_max_ms']:.1f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--api", choices=(*APIS, "both"), default="both")
@@ -610,7 +616,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for api in apis:
         r = summary[api]["flooded"]
-        trio = lambda key, r=r: f"{r[key + '_p50_ms']:.1f} / {r[key + '_p99_ms']:.1f} / {r[key + '_max_ms']:.1f}"
+        trio = functools.partial(_trio, r)
         print(f"| {api} | {r['refused_deadline']} ({r['server_reported']}) | {trio('server_timer_late')} "
               f"| {trio('server_cpu_wait')} | {trio('server_timer_own_work')} | {trio('server_timer_to_answer')} "
               f"| {trio('server_answer_late')} | {trio('client_rest')} | {trio('way_in')} | {trio('way_back')} "
@@ -623,7 +629,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for api in apis:
         r = summary[api]["flooded"]
-        trio = lambda key, r=r: f"{r[key + '_p50_ms']:.1f} / {r[key + '_p99_ms']:.1f} / {r[key + '_max_ms']:.1f}"
+        trio = functools.partial(_trio, r)
         print(f"| {api} | {trio('way_in')} | {trio('way_in_client')} | {trio('way_in_to_server')} "
               f"| {trio('way_in_client_stall')} | {trio('way_back')} | {trio('way_back_client_stall')} |")
     for api in apis:

@@ -75,12 +75,9 @@ DEFAULT_SERVERS = ["triton", "aio", "aio-generic", "sync-8", "sync-generic", "gr
 
 
 def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
+    from tideserve.grpc.codec import varint  # the frontend's own (its answers' bytes use it)
+
+    return varint(n)
 
 
 def _field(number: int, payload: bytes) -> bytes:
