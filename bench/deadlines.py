@@ -64,8 +64,8 @@ About 6 minutes for ``--rounds 2`` (one engine start, 8 sides of 15 s). Writes b
 from __future__ import annotations
 
 import argparse
-import functools
 import asyncio
+import functools
 import itertools
 import json
 import os
