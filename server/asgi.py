@@ -23,6 +23,8 @@ import time
 
 import orjson
 
+from .errors import DeadlinePassed
+
 log = logging.getLogger(__name__)
 
 JSON_HEADER = (b"content-type", b"application/json")
@@ -72,6 +74,31 @@ def send_whole(send, status: int, body: bytes, headers: list) -> bool:
     cycle = getattr(send, "__self__", None)
     kind = type(cycle)
     return (kind is _UvicornCycle or kind is FastCycle) and _write_whole(cycle, status, body, headers)
+
+
+class RefusalNow:
+    """Answers a queue-deadline refusal where the backend refuses it (the deadline's timer, on the loop), in one
+    write, not a loop turn later when the handler's task wakes and raises it (the answer is the same).
+    ``answer(error)`` gives the protocol's ``(status, body, headers)``; :meth:`watch` arms it on a stream (a frontend
+    worker's stream has no ``on_error``: it learns the refusal later, through its handler). ``armed`` is cleared
+    once the handler's own answer has started; ``done``: written here (where ``send_whole`` could not, not)."""
+
+    __slots__ = ("answer", "armed", "done", "send")
+
+    def __init__(self, send, answer) -> None:
+        self.send = send
+        self.answer = answer
+        self.armed = True
+        self.done = False
+
+    def watch(self, stream) -> None:
+        on_error = getattr(stream, "on_error", None)
+        if on_error is not None:
+            on_error(self)
+
+    def __call__(self, error: BaseException) -> None:
+        if self.armed and not self.done and isinstance(error, DeadlinePassed):
+            self.done = send_whole(self.send, *self.answer(error))
 
 
 async def send_response(send, status: int, body: bytes, headers: list) -> None:

@@ -39,16 +39,16 @@ from tritonclient.grpc import model_config_pb2 as mc
 from ..asgi import (
     JSON_HEADER,
     ClientGone,
+    RefusalNow,
     cancel_on_disconnect,
     deadline_late_header,
     error_body,
     received_ns,
     send_error,
     send_response,
-    send_whole,
 )
 from ..datatypes import config_to_datatype, element_size, numpy_dtype
-from ..errors import DeadlinePassed, InvalidArgument, ServerError, Unsupported, as_server_error
+from ..errors import InvalidArgument, ServerError, Unsupported, as_server_error
 from ..responses import content_responses
 from ..serving import ServingInterface
 from ..types import InferenceRequest, InferenceResponse, Tensor
@@ -454,32 +454,17 @@ def _error_answer(error: ServerError) -> tuple[bytes, list]:
     return _event(error_body(error.message)), headers
 
 
-class _RefusalNow:
-    """Answers a queue-deadline refusal where the backend refuses it (the deadline's timer, on the loop), in one
-    write: not a loop turn later, when the handler's task wakes (the answer is the same). Armed until the stream's
-    first response; False where the answer must wait for the handler (not uvicorn's cycle, an access log...)."""
-
-    __slots__ = ("armed", "done", "send")
-
-    def __init__(self, stream, send) -> None:
-        self.send = send
-        self.armed = True
-        self.done = False
-        on_error = getattr(stream, "on_error", None)  # (a frontend worker's stream learns the refusal later)
-        if on_error is not None:
-            on_error(self)
-
-    def __call__(self, error: BaseException) -> None:
-        if self.armed and isinstance(error, DeadlinePassed):
-            body, headers = _error_answer(error)
-            self.done = send_whole(self.send, error.http_code, body, headers)
+def _refusal_answer(error: ServerError) -> tuple[int, bytes, list]:
+    """:class:`~tideserve.asgi.RefusalNow`'s answer: the status, the one event, the headers."""
+    return (error.http_code, *_error_answer(error))
 
 
 async def _stream(stream, scope, receive, send) -> None:
     """Server-sent events, one per response; the first response decides the status (as in Triton)."""
     first: list[bytes] = []
     error: ServerError | None = None
-    refusal = _RefusalNow(stream, send)
+    refusal = RefusalNow(send, _refusal_answer)  # armed until the stream's first response
+    refusal.watch(stream)
     try:
         with cancel_on_disconnect(receive):
             async for response in stream:

@@ -19,9 +19,16 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import orjson
 
 from .. import load_report
-from ..asgi import JSON_HEADER, ClientGone, cancel_on_disconnect, deadline_late_header, send_response, send_whole
+from ..asgi import (
+    JSON_HEADER,
+    ClientGone,
+    RefusalNow,
+    cancel_on_disconnect,
+    deadline_late_header,
+    send_response,
+)
 from ..asgi import received_ns as request_received_ns  # noqa: F401 (the /v1 routes read it beside request_timeout_us)
-from ..errors import DeadlinePassed, ServerError
+from ..errors import ServerError
 from .errors import BadRequest, OpenAIError, from_server_error
 from .limits import OpenAILimits
 
@@ -115,7 +122,7 @@ class OpenAIRoute:
         except ClientGone:
             return
         reply = None
-        refusal = _RefusalNow(send) if getattr(self.handler, "answers_refusals", False) else None
+        refusal = RefusalNow(send, _refusal_answer) if getattr(self.handler, "answers_refusals", False) else None
         REFUSAL.set(refusal)  # (this request's task alone: its runs' streams answer a deadline refusal at once)
         try:
             with cancel_on_disconnect(receive):
@@ -220,30 +227,14 @@ async def _send_error(send, exc: OpenAIError) -> None:
     await send_response(send, exc.status, exc.json(), _error_headers(exc))
 
 
-class _RefusalNow:
-    """Answers a queue-deadline refusal where the backend refuses it (the deadline's timer, on the loop), in one
-    write, not a loop turn later when the handler's task wakes and raises it (the answer is the same: 503, the
-    OpenAI error, Retry-After). For the routes whose handler ``answers_refusals`` (completions, chat): each
-    :class:`~.generation.Run` arms it on its stream; disarmed once the handler returns (an answer started)."""
-
-    __slots__ = ("armed", "done", "send")
-
-    def __init__(self, send) -> None:
-        self.send = send
-        self.armed = True
-        self.done = False
-
-    def watch(self, stream) -> None:
-        on_error = getattr(stream, "on_error", None)  # (a frontend worker's stream learns the refusal later)
-        if on_error is not None:
-            on_error(self)
-
-    def __call__(self, error: BaseException) -> None:
-        if self.armed and not self.done and isinstance(error, DeadlinePassed):
-            exc = from_server_error(error)
-            self.done = send_whole(self.send, exc.status, exc.json(), _error_headers(exc))
+def _refusal_answer(error: BaseException) -> tuple[int, bytes, list]:
+    """:class:`~tideserve.asgi.RefusalNow`'s answer for the routes whose handler ``answers_refusals``
+    (completions, chat): 503, the OpenAI error, Retry-After. Each :class:`~.generation.Run` arms it on its
+    stream; it is disarmed once the handler returns (an answer started)."""
+    exc = from_server_error(error)
+    return exc.status, exc.json(), _error_headers(exc)
 
 
-REFUSAL: contextvars.ContextVar[_RefusalNow | None] = contextvars.ContextVar("tideserve_openai_refusal",
+REFUSAL: contextvars.ContextVar[RefusalNow | None] = contextvars.ContextVar("tideserve_openai_refusal",
                                                                             default=None)
-"""The request's :class:`_RefusalNow` (set by :class:`OpenAIRoute` in the request's own task)."""
+"""The request's :class:`~tideserve.asgi.RefusalNow` (set by :class:`OpenAIRoute` in the request's own task)."""

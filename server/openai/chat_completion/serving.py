@@ -97,7 +97,7 @@ async def create_chat_completion(server, body: bytes, scope) -> bytes | EventStr
 
 
 create_chat_completion.takes_bytes = True  # the body's bytes go straight into the request model
-create_chat_completion.answers_refusals = True  # a deadline refusal is answered where it is made (http._RefusalNow)
+create_chat_completion.answers_refusals = True  # a deadline refusal is answered where it is made (asgi.RefusalNow)
 
 
 def _render(request: ChatCompletionRequest, llm: LLMModel, limits: OpenAILimits) -> str:

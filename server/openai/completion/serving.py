@@ -78,7 +78,7 @@ async def create_completion(server, doc, scope) -> bytes | EventStream:
     await close_all(runs)
     return _response(request, header, llm, runs, prompts, echoes, results)
 
-create_completion.answers_refusals = True  # a deadline refusal is answered where it is made (http._RefusalNow)
+create_completion.answers_refusals = True  # a deadline refusal is answered where it is made (asgi.RefusalNow)
 
 
 async def _gather(runs: list[Run], n: int) -> list[list[Choice]]:
