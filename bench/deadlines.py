@@ -55,7 +55,7 @@ Reported, all rounds of a mode pooled:
 
     python bench/deadlines.py [--api both] [--size 100m] [--max-num-seqs 8] [--max-queue-size 0] [--tokens 32]
                               [--deadline-ms 1000] [--duration 15] [--rounds 2] [--loop-nice -10]
-                              [--loop-slice-us 100]
+                              [--loop-slice-us 100] [--engine-nice 10]
 
 About 6 minutes for ``--rounds 2`` (one engine start, 8 sides of 15 s). Writes bench/results/deadlines-<time>.json
 (the pooled summary and each side of each round, with the load average at its start).
@@ -496,6 +496,9 @@ def main() -> None:
                         help="a nice value for the server's event-loop thread alone (e.g. -10; needs the right to "
                              "raise priority): what the refusals' lateness is when the loop gets a CPU as soon as it "
                              "wants one, on a machine whose cores are shared (0: leave it)")
+    parser.add_argument("--engine-nice", type=int, default=0,
+                        help="the model's engine_nice config parameter (e.g. 10): the engine's processes at that nice "
+                             "value, below the server's loop, with no privilege needed (0: the server's own)")
     parser.add_argument("--loop-slice-us", type=int, default=None,
                         help="the server loop thread's time slice in us (TIDESERVE_LOOP_SLICE_US, e.g. 100; default: "
                              "the server's, the kernel's default slice), to see what it does to the lateness")
@@ -521,7 +524,8 @@ def main() -> None:
         env["TIDESERVE_LOOP_SLICE_US"] = str(args.loop_slice_us)
     probe_file = work / "deadline-probe.json" if args.probe else None
     model = make_model(args.model_dir / args.size, args.size)
-    repo = write_vllm_repository(work, model, args.max_num_seqs, args.max_queue_size)
+    repo = write_vllm_repository(work, model, args.max_num_seqs, args.max_queue_size,
+                                 engine_nice=args.engine_nice)
     holds = args.max_num_seqs + args.max_queue_size
     flood = args.flood_factor * holds
     apis = APIS if args.api == "both" else (args.api,)

@@ -53,15 +53,17 @@ def engine_env(work: Path) -> dict:
 
 
 def write_vllm_repository(root: Path, model: Path, max_num_seqs: int, max_queue_size: int = 0,
-                          name: str = "llm") -> Path:
+                          name: str = "llm", engine_nice: int = 0) -> Path:
     """``root/models`` with one vLLM model ``name`` on ``model`` (float32, eager, 512 tokens of context) and, when
-    given, the ``max_queue_size`` config parameter."""
+    given, the ``max_queue_size`` and ``engine_nice`` config parameters."""
     repo = root / "models"
     version = repo / name / "1"
     version.mkdir(parents=True, exist_ok=True)
     config = 'backend: "vllm"\n'
     if max_queue_size:
         config += f'parameters {{ key: "max_queue_size" value {{ string_value: "{max_queue_size}" }} }}\n'
+    if engine_nice:
+        config += f'parameters {{ key: "engine_nice" value {{ string_value: "{engine_nice}" }} }}\n'
     (repo / name / "config.pbtxt").write_text(config)
     (version / "model.json").write_text(json.dumps({
         "model": str(model), "dtype": "float32", "max_model_len": 512, "enforce_eager": True,

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry
 from tritonclient.grpc import model_config_pb2 as mc
 
-from tideserve.llm_backends.metrics import EngineFamilies, LLMMetrics
+from tideserve.llm_backends.metrics import EngineFamilies, EngineStateGauges, LLMMetrics
 from tideserve.backend_api import (
     Backend,
     EngineInfo,
@@ -78,7 +78,6 @@ class VllmModel(Model):
         super().__init__(backend, ctx)
         self.engine = None
         self.generator: Generator | None = None
-        self.state: EngineState | None = None
         self._watchdog: asyncio.Task | None = None
         self.metrics: LLMMetrics = (ctx.metrics.extension("llm", LLMMetrics) if ctx.metrics is not None
                                     else LLMMetrics(CollectorRegistry()))
@@ -86,6 +85,9 @@ class VllmModel(Model):
         self.engine_families: EngineFamilies | None = (ctx.metrics.extension("engine", EngineFamilies)
                                                        if ctx.metrics is not None else None)
         self._labels = (ctx.name, str(ctx.version))
+        # the engine's state after each step, kept and set on the gauges (not a method here: no call into this
+        # module per engine step)
+        self.engine_state = EngineStateGauges(self.metrics, *self._labels)
         self.adapters = vllm_lora.Adapters(ctx.name, enabled=False)  # set from the engine arguments
         self._declared: dict[str, str] = {}  # adapters declared with the model: name -> path
         self.options = vllm_config.BackendOptions()  # ENABLE_VLLM_HEALTH_CHECK, REPORT_CUSTOM_METRICS
@@ -112,6 +114,24 @@ class VllmModel(Model):
                                            max_model_len=model_config.max_model_len, structured_outputs=True,
                                            token_prompts=True, adapters=self.adapters.enabled)
         return self._engine_info
+
+    def generation(self, request: InferenceRequest):
+        """A typed request (the OpenAI frontend's) as the coroutine that generates it, start to end, its deltas
+        sent to the request's GenerationStream: no instance ``execute`` around it."""
+        if self.options.health_check:
+            return self._checked(request)
+        return self.generator.run(request)
+
+    async def _checked(self, request: InferenceRequest) -> None:
+        if not await self.check_health():
+            request.response_sender.send_error(Unavailable(UNHEALTHY))
+            return
+        await self.generator.run(request)
+
+    @property
+    def state(self) -> EngineState | None:
+        """The engine's state after its last step (None before the first)."""
+        return self.engine_state.state
 
     def waiting_requests(self) -> int | None:
         """The engine's waiting requests, from its last reported state."""
@@ -228,7 +248,12 @@ class VllmModel(Model):
             label = served if isinstance(served, str) else (list(served) or [self.ctx.name])[0]
             families.add(*self._labels).register(engine.ModelLabelled(registry, label))
         try:
-            return engine.start_engine(kwargs, self._on_engine_state, registry)
+            started = engine.start_engine(kwargs, self.engine_state, registry)
+            if self.options.engine_nice:
+                pids = engine.set_engine_nice(started, self.options.engine_nice)
+                log.info("model '%s' version %s: the engine's processes %s run at nice %d", self.ctx.name,
+                         self.ctx.version, pids, self.options.engine_nice)
+            return started
         except BaseException:
             if families is not None:
                 families.remove(*self._labels)
@@ -250,10 +275,6 @@ class VllmModel(Model):
 
     async def unload_lora_adapter(self, name: str) -> None:
         await self.adapters.unload(name)
-
-    def _on_engine_state(self, state: EngineState) -> None:
-        self.state = state
-        self._set_state_gauges(running=state.running, waiting=state.waiting, kv_cache_usage=state.kv_cache_usage)
 
     def _set_state_gauges(self, **values) -> None:
         self.metrics.set_engine_state(*self._labels, **values)

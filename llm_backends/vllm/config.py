@@ -58,6 +58,8 @@ HEALTH_CHECK = "ENABLE_VLLM_HEALTH_CHECK"
 REPORT_METRICS = "REPORT_CUSTOM_METRICS"
 # tideserve's own: how long a request may wait for its first token before it is refused (milliseconds, 0: no limit)
 MAX_QUEUE_DELAY = "max_queue_delay_ms"
+# tideserve's own: the nice value the engine's processes run at (0-19; 0: the server's own)
+ENGINE_NICE = "engine_nice"
 KV_EVENTS = "kv_events_config"  # vLLM's engine argument: the KV-cache event publisher
 KV_EVENTS_DEFAULT_ENDPOINT = "tcp://*:5557"  # vLLM's default
 
@@ -80,13 +82,22 @@ class BackendOptions:
     arrived is refused (503 + ``Retry-After``, gRPC UNAVAILABLE) and aborted in the engine; a request's own
     deadline (Triton's ``timeout`` parameter, ``x-request-timeout-ms`` on ``/v1``) applies when sooner. 0: none."""
 
+    engine_nice: int = 0
+    """``engine_nice``: the nice value (1-19) the engine's processes (vLLM's engine core and its workers, every
+    thread) run at, set once the engine has started; 0 (the default) leaves them at the server's. On a host whose
+    cores the engine keeps busy, the server's event loop then gets a core as soon as it wakes (a request's bytes,
+    a deadline's timer) instead of waiting for the engine's time slice: the way in and the deadline refusals come
+    sooner, at the price of the engine's steps when the frontend is busy. Raising a nice value needs no
+    privilege; lowering it below the server's is not offered."""
+
 
 def backend_options(config: mc.ModelConfig) -> BackendOptions:
     """The switches the config sets; a value other than true / false (any case) or 1 / 0 is refused."""
     defaults = BackendOptions()
     return BackendOptions(health_check=_flag(config, HEALTH_CHECK, defaults.health_check),
                           report_metrics=_flag(config, REPORT_METRICS, defaults.report_metrics),
-                          max_queue_delay_ms=_milliseconds(config, MAX_QUEUE_DELAY))
+                          max_queue_delay_ms=_milliseconds(config, MAX_QUEUE_DELAY),
+                          engine_nice=_nice(config, ENGINE_NICE))
 
 
 def exports_engine_families(options: BackendOptions, kwargs: dict) -> bool:
@@ -103,6 +114,16 @@ def _milliseconds(config: mc.ModelConfig, key: str) -> int:
     if not text.isdigit():
         raise InvalidArgument(f"model '{config.name}': config parameter '{key}' must be an integer >= 0 "
                               f"(milliseconds; 0: no limit), got '{text}'")
+    return int(text)
+
+
+def _nice(config: mc.ModelConfig, key: str) -> int:
+    if key not in config.parameters or not config.parameters[key].string_value.strip():
+        return 0
+    text = config.parameters[key].string_value.strip()
+    if not text.isdigit() or int(text) > 19:
+        raise InvalidArgument(f"model '{config.name}': config parameter '{key}' must be an integer from 0 to 19 "
+                              f"(the engine processes' nice value; 0: the server's), got '{text}'")
     return int(text)
 
 

@@ -142,6 +142,46 @@ def unhealthy_cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def engine_processes(engine: AsyncLLM) -> list[int]:
+    """The pids of the engine's processes: vLLM's engine core process(es) and everything they started (the
+    workers); empty for an engine that runs in this process."""
+    import psutil
+
+    manager = getattr(getattr(getattr(engine, "engine_core", None), "resources", None), "engine_manager", None)
+    pids: list[int] = []
+    for proc in getattr(manager, "processes", None) or ():
+        if proc.pid is None:
+            continue
+        pids.append(proc.pid)
+        try:
+            pids.extend(child.pid for child in psutil.Process(proc.pid).children(recursive=True))
+        except psutil.Error:
+            pass
+    return pids
+
+
+def set_engine_nice(engine: AsyncLLM, nice: int) -> list[int]:
+    """Run every thread of the engine's processes at ``nice`` (the config parameter ``engine_nice``); threads
+    they start later inherit it. Returns the pids changed. A thread gone meanwhile is skipped; a refusal by the
+    OS (lowering a nice value needs a privilege) is logged, not raised: the engine runs on either way."""
+    changed: list[int] = []
+    for pid in engine_processes(engine):
+        try:
+            threads = [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            threads = [pid]
+        for tid in threads:
+            try:
+                os.setpriority(os.PRIO_PROCESS, tid, nice)  # Linux: a thread's own nice value
+            except ProcessLookupError:
+                continue
+            except OSError as exc:
+                log.warning("engine process %d thread %d: could not set nice %d: %s", pid, tid, nice, exc)
+                return changed
+        changed.append(pid)
+    return changed
+
+
 def stop_engine(engine: AsyncLLM) -> None:
     """Shut the engine's processes down (blocking)."""
     engine.shutdown()

@@ -14,6 +14,7 @@ One engine for the module: ``max_num_seqs`` 2, so two long generations keep it b
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import threading
@@ -37,6 +38,7 @@ pytestmark = [
 MODEL = "llm"
 MAX_NUM_SEQS = 2
 TOPIC = "kv"
+ENGINE_NICE = 5  # the engine's processes run below the server's loop (config parameter engine_nice)
 LONG = {"max_tokens": 1950, "ignore_eos": True, "temperature": 0}  # keeps the engine busy for a while
 # The protocol's metrics: name -> (type, labels each sample carries besides model_name)
 PROTOCOL_METRICS = {
@@ -60,7 +62,8 @@ def fleet(tmp_path_factory):
     write_vllm_model(tmp / "models", MODEL, {
         "model": str(tiny), "dtype": "float32", "max_model_len": 2048, "enforce_eager": True,
         "max_num_seqs": MAX_NUM_SEQS, "enable_prefix_caching": True, "kv_events_config": kv_events,
-        "enable_lora": True, "max_loras": 1, "max_lora_rank": 8})
+        "enable_lora": True, "max_loras": 1, "max_lora_rank": 8},
+        config='backend: "vllm"\nparameters { key: "engine_nice" value { string_value: "%d" } }\n' % ENGINE_NICE)
     probe = tmp / "deadline-probe.json"  # the deadline counts the server keeps for measurements (engine.DeadlineProbe)
     server = start_server([tmp / "models"], "--allowed-model-root", str(tiny), "--exit-timeout-secs", "120",
                           tmp_dir=tmp, env={**vllm_env(tmp), "TIDESERVE_DEADLINE_PROBE_FILE": str(probe)},
@@ -277,6 +280,18 @@ def test_load_report_and_orca_header(fleet):
     assert "endpoint-load-metrics" not in raw.headers  # not asked for
     missing = httpx.get(f"{fleet.base_url}/load", params={"model": "nope"}, timeout=10)
     assert missing.status_code == 404 and "error" in missing.json()
+
+
+def test_engine_processes_run_at_the_configured_nice_value(fleet):
+    import psutil
+
+    server = psutil.Process(fleet.process.pid)
+    assert os.getpriority(os.PRIO_PROCESS, server.pid) == 0  # the server's loop keeps its priority
+    engines = [p for p in server.children(recursive=True) if "EngineCore" in " ".join(p.cmdline()) + p.name()]
+    assert engines, [(p.pid, p.name(), p.cmdline()) for p in server.children(recursive=True)]
+    for proc in engines:
+        for thread in proc.threads():
+            assert os.getpriority(os.PRIO_PROCESS, thread.id) == ENGINE_NICE, (proc.name(), thread.id)
 
 
 # -- 4. queue deadlines -----------------------------------------------------------------------------------

@@ -94,6 +94,17 @@ def test_max_queue_delay_ms_is_a_non_negative_integer():
         vllm_config.backend_options(config)
 
 
+def test_engine_nice_is_an_integer_from_0_to_19():
+    config = mc.ModelConfig(name="llm")
+    assert vllm_config.backend_options(config).engine_nice == 0
+    config.parameters["engine_nice"].string_value = "10"
+    assert vllm_config.backend_options(config).engine_nice == 10
+    for bad in ("-5", "20", "low"):
+        config.parameters["engine_nice"].string_value = bad
+        with pytest.raises(InvalidArgument, match="'engine_nice' must be an integer from 0 to 19"):
+            vllm_config.backend_options(config)
+
+
 def test_info_families_get_the_model_name_label():
     pytest.importorskip("vllm")
     from tideserve.llm_backends.vllm.prometheus import ModelLabelled
