@@ -97,6 +97,9 @@ class ServerOptions:
     # --frontend-direct: with frontend workers, eligible requests to Python models go from the worker straight to
     # the model's instance processes (server/workers/direct.py), not through the core
     frontend_direct: bool = False
+    # --grpc-frontend: what serves the gRPC port: "grpcio" (grpc.aio, in the frontend process) or "pyvoy" (Envoy's
+    # HTTP/2 with an ASGI app of ours in its embedded Python: a frontend process of its own; server/grpc/asgi_transport.py)
+    grpc_frontend: str = "grpcio"
     # Freeze the garbage collector's heap once models are loaded (the CLI does; see tideserve.heap). Off by default
     # for servers embedded in another program, whose heap is that program's business.
     freeze_heap: bool = False
@@ -135,10 +138,10 @@ class Frontends:
         self._acceptors: list = []
         self._grpc = None
 
-    async def start(self, http_socket=None, grpc_shared: bool = False) -> None:
+    async def start(self, http_socket=None, grpc_shared: bool = False, grpc: bool = True) -> None:
         opts = self.options
         tensor_limits = TensorLimits(opts.max_tensor_rank, opts.max_tensor_elements)
-        if opts.allow_grpc:
+        if opts.allow_grpc and grpc:
             from .grpc import start_grpc_server
             channel_args = [("grpc.max_receive_message_length", opts.grpc_max_receive_message_length),
                             ("grpc.max_send_message_length", opts.grpc_max_send_message_length)]
@@ -233,10 +236,14 @@ class Server:
             self._background.append(asyncio.create_task(self.repository.poll_forever(opts.repository_poll_secs)))
         if opts.allow_metrics:
             await self.frontends.serve_http(self._metrics_app(), opts.metrics_address, opts.metrics_port)
-        if opts.frontend_workers > 1 and (opts.allow_http or opts.allow_grpc):
+        pyvoy = opts.allow_grpc and opts.grpc_frontend == "pyvoy"  # the gRPC port: an Envoy process of its own
+        if (opts.frontend_workers > 1 and (opts.allow_http or opts.allow_grpc)) or pyvoy:
             from .workers.pool import FrontendWorkers
-            self.workers = FrontendWorkers(self.dataplane, opts, opts.frontend_workers)
+            http_workers = opts.frontend_workers if opts.frontend_workers > 1 else 0
+            self.workers = FrontendWorkers(self.dataplane, opts, http_workers, grpc_process=pyvoy)
             await self.workers.start()
+            if not http_workers:
+                await self.frontends.start(grpc=False)  # HTTP in this process
         else:
             await self.frontends.start()
         log.info("tideserve ready: HTTP %s:%d, gRPC %s:%d, metrics %s:%d%s", opts.host, opts.http_port,

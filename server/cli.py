@@ -300,6 +300,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "straight to the model's instance processes, which batch them with the model's "
                         "dynamic_batching settings (one queue per instance), instead of through the core process. "
                         "'auto' (default): on whenever there is more than one frontend worker")
+    p.add_argument("--grpc-frontend", choices=["grpcio", "pyvoy"], default="grpcio",
+                   help="what serves the gRPC port: 'grpcio' (default): grpc.aio in each frontend process; 'pyvoy': "
+                        "Envoy's HTTP/2 (pyvoy, the optional extra tideserve[pyvoy]) running tideserve's gRPC app in "
+                        "its embedded Python, a frontend process of its own beside the HTTP ones")
     p.add_argument("--log-verbose", type=int, default=0, help="0: info, 1 or more: debug")
     p.add_argument("--version", action="version", version=f"tideserve {__version__}")
     return p
@@ -326,6 +330,11 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
         raise ValueError(exc.message) from None
     if scope is ApiKeyScope.ALL and not args.api_key:
         raise ValueError("--api-key-scope all needs an API key (--api-key or $TIDESERVE_API_KEY)")
+    if args.grpc_frontend == "pyvoy" and args.allow_grpc:
+        from .grpc.asgi_transport import available
+        if not available():
+            raise ValueError("--grpc-frontend pyvoy needs pyvoy, which is not installed: "
+                             "pip install 'tideserve[pyvoy]'")
     return ServerOptions(
         model_repositories=args.model_repository, host=args.host, http_port=args.http_port,
         grpc_port=args.grpc_port, metrics_port=args.metrics_port, allow_http=args.allow_http,
@@ -344,7 +353,7 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
                                      args.response_store_max_bytes),
         mcp=_mcp_settings(args),
         log_verbose=args.log_verbose, api_key=args.api_key, freeze_heap=True,
-        frontend_workers=args.frontend_workers,
+        frontend_workers=args.frontend_workers, grpc_frontend=args.grpc_frontend,
         frontend_direct=args.frontend_workers > 1 if args.frontend_direct is None else args.frontend_direct,
         openapi=args.openapi if args.openapi is not None else not args.http_restricted_api,
         metrics_address=args.metrics_address, api_key_scope=scope,

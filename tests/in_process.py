@@ -38,6 +38,9 @@ class InProcessServer:
         workers = os.environ.get("TIDESERVE_TEST_FRONTEND_WORKERS")  # see tests/support.py start_server
         if workers and options.frontend_workers == 1:
             options.frontend_workers = int(workers)
+        grpc_frontend = os.environ.get("TIDESERVE_TEST_GRPC_FRONTEND")  # the gRPC port on pyvoy (support.py)
+        if grpc_frontend and options.grpc_frontend == "grpcio":
+            options.grpc_frontend = grpc_frontend
         self.options = options
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True,

@@ -102,6 +102,9 @@ def _start_server(repositories: list[Path], extra_args: tuple[str, ...], tmp_dir
     # (TIDESERVE_TEST_FRONTEND_DIRECT=1: `make test`'s third pass); a test that names neither gets the default
     if "--frontend-direct" not in extra_args and os.environ.get("TIDESERVE_TEST_FRONTEND_WORKERS"):
         args += ["--frontend-direct", "on" if os.environ.get("TIDESERVE_TEST_FRONTEND_DIRECT") == "1" else "off"]
+    # the gRPC protocol tests again with the gRPC port on pyvoy (TIDESERVE_TEST_GRPC_FRONTEND=pyvoy)
+    if "--grpc-frontend" not in extra_args and os.environ.get("TIDESERVE_TEST_GRPC_FRONTEND"):
+        args += ["--grpc-frontend", os.environ["TIDESERVE_TEST_GRPC_FRONTEND"]]
     log_path = tmp_dir / f"tideserve-{http_port}.log"
     log_file = open(log_path, "ab")  # a server restarted on the same ports logs after its predecessor
     process = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT,

@@ -10,6 +10,7 @@ on it so that a port another program uses is still a start-up error.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import pickle
@@ -170,11 +171,15 @@ class _Link(p.FramedLink):
 class FrontendWorkers:
     """``count`` frontend worker processes serving the HTTP and gRPC ports over ``dataplane``."""
 
-    def __init__(self, dataplane: "DataPlane", options: "ServerOptions", count: int) -> None:
+    def __init__(self, dataplane: "DataPlane", options: "ServerOptions", count: int,
+                 grpc_process: bool = False) -> None:
         self.dataplane = dataplane
         self.options = options
         self.count = count
-        self.links: list[_Link | None] = [None] * count
+        # --grpc-frontend pyvoy: one more worker, last, that serves the gRPC port (an Envoy process running
+        # server/grpc/asgi_transport.py); the ``count`` others then serve HTTP only (and there may be none)
+        self.grpc_index = count if grpc_process else None
+        self.links: list[_Link | None] = [None] * (count + grpc_process)
         self._http: socket.socket | None = None
         self._balance: int | None = None  # the workers' table of open HTTP connections (workers/balance.py)
         self._grpc: socket.socket | None = None
@@ -197,21 +202,22 @@ class FrontendWorkers:
     async def start(self) -> None:
         opts = self.options
         self._loop = asyncio.get_running_loop()
-        if opts.allow_http:
+        if opts.allow_http and self.count:
             self._http = listening_socket(opts.host, opts.http_port)
             if self.count > 1:
                 from .balance import create_table
                 self._balance = create_table(self.count)
-        if opts.allow_grpc:
+        if opts.allow_grpc and self.grpc_index is None:
             self._grpc = reserved_port(opts.host, opts.grpc_port)
         self.dataplane.repository.listeners.append(self.changed)
         if self._direct_dir is not None:  # the models loaded at start are reached directly from the first request
             self._open_direct()
             await asyncio.gather(*list(self._restarts), return_exceptions=True)
-        starting = [self._spawn(i) for i in range(self.count)]
+        starting = [self._spawn(i) for i in range(len(self.links))]
         links = await asyncio.gather(*starting)
         try:
             await asyncio.gather(*(link.ready for link in links))
+            await self._grpc_listening()
         except RuntimeError as exc:
             await self.stop(grace=2.0)
             raise InternalError(f"{exc} (its error is in the log above)") from None
@@ -227,7 +233,15 @@ class FrontendWorkers:
             fds = [theirs.fileno(), requests, responses]
             args = [sys.executable, "-m", "tideserve.workers.main", "--link-fd", str(theirs.fileno()),
                     "--arena", f"{requests},{responses},{p.ARENA_BYTES}"]
-            if self._http is not None:
+            options = self.options
+            if index == self.grpc_index:  # Envoy, in a session of its own: Ctrl-C is the core's to handle
+                from ..grpc.asgi_transport import envoy_process
+
+                args, env = envoy_process(options, theirs.fileno(), requests, responses, p.ARENA_BYTES)
+                process = subprocess.Popen(args, pass_fds=fds, env=env, start_new_session=True)
+            elif self.grpc_index is not None:  # HTTP only: the gRPC port is the Envoy process's
+                options = dataclasses.replace(options, allow_grpc=False)
+            if self._http is not None and index != self.grpc_index:
                 fds.append(self._http.fileno())
                 args += ["--http-fd", str(self._http.fileno())]
                 if self._balance is not None:
@@ -235,7 +249,8 @@ class FrontendWorkers:
                     args += ["--balance", f"{self._balance},{self.count}"]
             # no preexec_fn: it would run the process's at-fork handlers (gRPC's among them) in a process whose
             # gRPC threads are live; the worker ignores Ctrl-C itself, first thing (workers/main.py)
-            process = subprocess.Popen(args, pass_fds=fds, start_new_session=False)
+            if index != self.grpc_index:
+                process = subprocess.Popen(args, pass_fds=fds, start_new_session=False)
 
             def new_link() -> _Link:
                 link = _Link(self, index)
@@ -250,9 +265,18 @@ class FrontendWorkers:
                     os.close(fd)
         link.process = process
         self.links[index] = link
-        link.send(p.Start(pickle.dumps(self.options), index))
+        link.send(p.Start(pickle.dumps(options), index))
         self.push_to(link)
         return link
+
+    async def _grpc_listening(self) -> None:
+        """--grpc-frontend pyvoy: wait until Envoy's listener is open (it opens after its app said Ready)."""
+        if self.grpc_index is None:
+            return
+        from ..grpc.asgi_transport import wait_listening
+
+        link = self.links[self.grpc_index]
+        await wait_listening(self.options.host, self.options.grpc_port, link.process)
 
     def lost(self, link: _Link) -> None:
         """A worker's connection closed: expected while stopping, else the worker died: start another."""
@@ -275,6 +299,8 @@ class FrontendWorkers:
         try:
             link = await self._spawn(index)
             await link.ready
+            if index == self.grpc_index:
+                await self._grpc_listening()
         except Exception:
             log.exception("frontend worker %d failed to restart", index)
 
