@@ -92,7 +92,7 @@ def _responses_stream(llm: LLMModel, state: Responses, run: FakeRun, tokens: int
     request.check()
     items = input_items(request)
     conversation = to_messages(items, {})
-    chat = chat_request(request, doc, conversation, True)
+    chat = chat_request(request, conversation, True)
     job = _Job(SimpleNamespace(), state, request, MODEL, new_id("resp"), int(time.time()), items, conversation)
     job.prepare(chat, llm)  # the server makes the opening while the engine computes the first token
     return job.events(ChatRun(chat, llm, run, "prompt", {}))

@@ -229,6 +229,25 @@ def test_function_call_round_trip_with_previous_response(client):
     assert info.value.body["param"] == "previous_response_id"
 
 
+def test_extensions_and_tool_outputs_validated_once(client):
+    """vLLM's extensions (sent through the client's ``extra_body``) are validated with the Responses request: a bad
+    one is a 400 naming it; a good one reaches the generation; a function call's output given as text parts is joined
+    (the chat request is built from the validated request, not validated again)."""
+    for field, value in (("top_k", -5), ("stop", 3), ("seed", "x"), ("chat_template_kwargs", [1])):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.responses.create(model="agent", input="x", extra_body={field: value})
+        assert info.value.body["param"] == field, (field, info.value.body)
+    with pytest.raises(openai.BadRequestError) as info:  # a good one reaches the model (this one takes no seed)
+        client.responses.create(model="agent", input="x", store=False, extra_body={"seed": 3})
+    assert "'seed'" in info.value.body["message"]
+    items = [{"type": "function_call", "call_id": "call_9", "name": "get_time", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "call_9",
+              "output": [{"type": "input_text", "text": "no"}, {"type": "input_text", "text": "on"}]},
+             {"role": "user", "content": "LIST_TOOLS"}]
+    shown = client.responses.create(model="agent", input=items, tools=TOOLS, store=False).output_text
+    assert shown == "<assistant><call call_9 get_time {}><tool>noon<for call_9><user>LIST_TOOLS[get_weather][get_time]"
+
+
 def test_previous_response_after_a_restart(repository, store_path, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("restart")
     running = _start(repository, store_path, tmp)

@@ -53,7 +53,7 @@ def _stream(steps: list[GenerationDelta], fail: bool = False, ahead: bool = True
     doc = {"model": "m", "input": "hi", "stream": True, "store": False}
     request = parse(ResponsesRequest, doc)
     messages = [{"role": "user", "content": "hi"}]
-    chat = chat_request(request, doc, messages, True)
+    chat = chat_request(request, messages, True)
     llm = _llm()
     job = _Job(SimpleNamespace(), Responses(store=None), request, "m", new_id("resp"), int(time.time()), [], messages)
     if ahead:  # the opening made while the engine computes the first token, as the server makes it

@@ -392,7 +392,7 @@ class ToolRounds:
         if remaining is not None and self.usage is not None:
             remaining -= self.usage["output_tokens"]
         copy = request.model_copy(update={"tools": tools, "tool_choice": choice, "max_output_tokens": remaining})
-        return chat_request(copy, self.doc, self.messages, True)
+        return chat_request(copy, self.messages, True)
 
     async def _start(self) -> ChatRun:
         request_id = self.response_id if self._round == 0 else f"{self.response_id}-{self._round}"

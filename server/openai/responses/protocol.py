@@ -6,7 +6,9 @@ string (one user message) or a list of items: messages (``role`` user / system /
 ``function_call_output`` items, and ``reasoning`` items (kept in the stored conversation, not shown to
 the template: chat templates drop earlier turns' reasoning). The request becomes a
 :class:`~..chat_completion.protocol.ChatCompletionRequest` (:func:`chat_request`), which decides the
-sampling, tools and structured output exactly as ``/v1/chat/completions`` does.
+sampling, tools and structured output exactly as ``/v1/chat/completions`` does. The request is validated once,
+here: vLLM's extensions it passes on are typed as the chat request types them, and the chat request is built from
+the validated values (:func:`chat_request`) without a second validation.
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ import json
 from os import urandom
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import BaseModel, Field
 
-from ..chat_completion.protocol import ChatCompletionRequest
+from ..chat_completion.protocol import (ChatCompletionRequest, FunctionCall, FunctionDefinition, Message,
+                                        NamedFunction, NamedToolChoice, Tool, ToolCall)
 from ..errors import BadRequest, OpenAIError
-from ..protocol import OpenAIModel, parse
+from ..protocol import INT64_MAX, INT64_MIN, JsonSchema, OpenAIModel, ResponseFormat, parse
 
 # vLLM's extensions passed on to the chat request as they are
 _PASSED_ON = ("top_k", "min_p", "repetition_penalty", "seed", "stop", "min_tokens", "priority", "ignore_eos",
@@ -86,6 +89,21 @@ class ResponsesRequest(OpenAIModel):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     max_tool_calls: int | None = Field(None, ge=1)
+    # vLLM's extensions passed on to the generation (_PASSED_ON), typed as ChatCompletionRequest types them
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    stop: str | list[str] | None = None
+    min_tokens: int = Field(0, ge=0)
+    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
+    ignore_eos: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    structured_outputs: dict[str, Any] | None = None
 
     def check(self) -> None:
         """What tideserve refuses (a 400 naming the field)."""
@@ -156,7 +174,7 @@ def input_items(request: ResponsesRequest) -> list[dict]:
             items.append({"id": item.get("id") or new_id("fc"), "type": "function_call", "call_id": item["call_id"],
                           "name": item["name"], "arguments": item["arguments"], "status": "completed"})
         elif kind == "function_call_output":
-            _need(i, item, ("call_id", "output"))
+            _need(i, item, ("call_id",))  # (output: a string or text parts, _output_text)
             items.append({"id": item.get("id") or new_id("fco"), "type": "function_call_output",
                           "call_id": item["call_id"], "output": _output_text(i, item["output"]),
                           "status": "completed"})
@@ -292,17 +310,33 @@ def _error_text(error: Any) -> str:
 
 
 # -- the chat request ---------------------------------------------------------------------------------------
-def chat_request(request: ResponsesRequest, doc: dict, messages: list[dict], stream: bool) -> ChatCompletionRequest:
-    """The chat completions request that generates this response."""
+def chat_request(request: ResponsesRequest, messages: list[dict], stream: bool) -> ChatCompletionRequest:
+    """The chat completions request that generates this response, built from the validated request's values
+    (:func:`_built`) without validating them again; a message of another shape than :func:`to_messages` writes (a
+    stored conversation from elsewhere) sends the whole request through the chat request's validation instead."""
+    chat = chat_doc(request, messages, stream)
+    built = _trusted(chat)
+    if built is not None:
+        return built
+    try:
+        return parse(ChatCompletionRequest, chat)
+    except OpenAIError as exc:
+        raise renamed(exc) from None
+
+
+def chat_doc(request: ResponsesRequest, messages: list[dict], stream: bool) -> dict[str, Any]:
+    """The chat completions request of :func:`chat_request` as its JSON object."""
     chat: dict[str, Any] = {"model": request.model, "messages": messages, "stream": stream}
     if request.max_output_tokens is not None:
         chat["max_completion_tokens"] = request.max_output_tokens
-    for name in ("temperature", "top_p"):
-        if getattr(request, name) is not None:
-            chat[name] = getattr(request, name)
+    if request.temperature is not None:
+        chat["temperature"] = request.temperature
+    if request.top_p is not None:
+        chat["top_p"] = request.top_p
+    given = request.model_fields_set
     for name in _PASSED_ON:
-        if name in doc:
-            chat[name] = doc[name]
+        if name in given:
+            chat[name] = getattr(request, name)
     fmt = request.text.format if request.text is not None else None
     if fmt is not None and fmt.type != "text":
         chat["response_format"] = {"type": fmt.type} if fmt.type == "json_object" else {
@@ -315,10 +349,87 @@ def chat_request(request: ResponsesRequest, doc: dict, messages: list[dict], str
         chat["parallel_tool_calls"] = request.parallel_tool_calls
     elif request.tool_choice not in ("auto", "none"):
         raise BadRequest("When using `tool_choice`, `tools` must be set.", "tool_choice")
-    try:
-        return parse(ChatCompletionRequest, chat)
-    except OpenAIError as exc:
-        raise renamed(exc) from None
+    return chat
+
+
+_DEFAULTS: dict[type, tuple[dict[str, Any], dict | None]] = {}  # model class -> its defaults, extra (for _built)
+_IMMUTABLE = (type(None), bool, int, float, str)
+_set = object.__setattr__
+
+
+def _built(cls: type[BaseModel], values: dict[str, Any]) -> BaseModel:
+    """An instance of ``cls`` holding ``values``, which are valid for it (checked by the Responses request's own
+    validation, or made here): what ``cls.model_validate`` makes of them, without validating them again
+    (``model_construct`` would skip it too, but costs more than the validation). Unset fields take their defaults,
+    and ``values``' keys are the fields set, as validation leaves them."""
+    known = _DEFAULTS.get(cls)
+    if known is None:
+        defaults = {}
+        for name, info in cls.model_fields.items():
+            if not info.is_required():
+                default = info.get_default(call_default_factory=True)
+                if not isinstance(default, _IMMUTABLE):
+                    raise TypeError(f"{cls.__name__}.{name}: a mutable default, which _built would share")
+                defaults[name] = default
+        known = _DEFAULTS[cls] = (defaults, {} if cls.model_config.get("extra") == "allow" else None)
+    defaults, extra = known
+    made = cls.__new__(cls)
+    _set(made, "__dict__", {**defaults, **values})
+    _set(made, "__pydantic_fields_set__", set(values))
+    _set(made, "__pydantic_extra__", None if extra is None else {})
+    _set(made, "__pydantic_private__", None)
+    return made
+
+
+_MESSAGE_KEYS = frozenset({"role", "content", "tool_calls", "tool_call_id"})
+_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+
+def _trusted(chat: dict[str, Any]) -> ChatCompletionRequest | None:
+    """``chat`` (:func:`chat_doc`) as the chat request, its parts built (:func:`_built`); None when a message is
+    not of a shape :func:`to_messages` writes, or a tool has no name (validation then answers)."""
+    messages = []
+    for message in chat["messages"]:
+        if not message.keys() <= _MESSAGE_KEYS or message.get("role") not in _ROLES:
+            return None
+        content = message.get("content")
+        if content is not None and type(content) is not str:
+            return None
+        if "tool_call_id" in message and type(message["tool_call_id"]) is not str:
+            return None
+        values = message
+        if "tool_calls" in message:
+            calls = []
+            for call in message["tool_calls"]:
+                function = call.get("function")
+                if call.keys() != {"id", "type", "function"} or type(call["id"]) is not str or call["type"] != \
+                        "function" or type(function) is not dict or function.keys() != {"name", "arguments"} or \
+                        type(function["name"]) is not str or type(function["arguments"]) is not str:
+                    return None
+                calls.append(_built(ToolCall, {"id": call["id"], "type": "function",
+                                               "function": _built(FunctionCall, function)}))
+            values = {**message, "tool_calls": calls}
+        messages.append(_built(Message, values))
+    if not messages:
+        return None
+    values = dict(chat)
+    values["messages"] = messages
+    if "tools" in chat:
+        if any(type(t["function"]["name"]) is not str for t in chat["tools"]):
+            return None
+        values["tools"] = [_built(Tool, {"type": "function", "function": _built(FunctionDefinition, t["function"])})
+                           for t in chat["tools"]]
+        choice = chat["tool_choice"]
+        if isinstance(choice, dict):
+            values["tool_choice"] = _built(NamedToolChoice, {"type": "function", "function": _built(
+                NamedFunction, {"name": choice["function"]["name"]})})
+    fmt = chat.get("response_format")
+    if fmt is not None:
+        schema = fmt.get("json_schema")
+        values["response_format"] = _built(ResponseFormat, {"type": fmt["type"]} if schema is None else {
+            "type": fmt["type"], "json_schema": _built(JsonSchema, {"name": schema["name"], "json_schema": schema["schema"],
+                                                                    "strict": schema["strict"]})})
+    return _built(ChatCompletionRequest, values)
 
 
 def _tool_choice(choice: Any) -> Any:

@@ -56,9 +56,9 @@ def _responses(server) -> Responses:
 
 
 # -- create -------------------------------------------------------------------------------------------
-async def create_response(server, doc, scope) -> bytes | EventStream:
+async def create_response(server, body: bytes, scope) -> bytes | EventStream:
     timeout_us = request_timeout_us(scope)  # x-request-timeout-ms: refused (503) if not generating by then
-    request: ResponsesRequest = parse(ResponsesRequest, doc)
+    request: ResponsesRequest = parse(ResponsesRequest, body, server.body)
     request.check()
     state = _responses(server)
     catalog = server.catalog
@@ -73,6 +73,8 @@ async def create_response(server, doc, scope) -> bytes | EventStream:
         history = previous.conversation + to_messages(earlier)
     approvals = {item["id"]: item for item in earlier + items if item["type"] == "mcp_approval_request"}
     conversation = history + to_messages(items, approvals)
+    # the MCP tools' settings are read from the body's JSON (only a request that has such tools parses it)
+    doc = _json(server, body) if any(tool.type == "mcp" for tool in request.tools) else {}
     servers = mcp.servers_of(doc.get("tools"), state.mcp)
     approved = mcp.approved_calls(items, approvals, servers)
     messages = ([{"role": "system", "content": request.instructions}] if request.instructions else []) + conversation
@@ -84,7 +86,7 @@ async def create_response(server, doc, scope) -> bytes | EventStream:
     if servers:
         return await _with_mcp(job, mcp.ToolRounds(server, request, doc, llm, messages, servers, state.mcp,
                                                    response_id, timeout_us, approved))
-    chat = chat_request(request, doc, messages, request.stream)
+    chat = chat_request(request, messages, request.stream)
     if request.background:
         async def launch():
             run = await start(server, chat, llm, stream=True, request_id=response_id,
@@ -105,6 +107,14 @@ async def create_response(server, doc, scope) -> bytes | EventStream:
     answer = job.answer(output.items_of(message, reason), reason, output.usage_doc(run, usage, message.get("reasoning")))
     await job.save(answer)
     return orjson.dumps(answer)
+
+
+create_response.takes_bytes = True  # the body's bytes go straight into the request model (validated once)
+
+
+def _json(server, body: bytes | dict) -> dict:
+    """The body as its JSON object (already read as valid JSON into the request model)."""
+    return body if isinstance(body, dict) else server.body.parse_json(body, "request body")
 
 
 async def _with_mcp(job: _Job, rounds: mcp.ToolRounds) -> bytes | EventStream:
