@@ -31,7 +31,8 @@ Reported, all rounds of a mode pooled:
 
 1. refusal lateness: the time the 503 arrives (its status line, at the client) minus the request's deadline
    counted from the client's send time, p50 / p99 / max, over the deadline refusals (503s whose error names the
-   deadline); target p99 <= 10 ms. The server counts the deadline from the request's arrival, a little after
+   deadline); target p99 <= 10 ms; also counted from the moment the request's bytes left the client (aiohttp's
+   trace), without the client's own time before that. The server counts the deadline from the request's arrival, a little after
    the send, so this includes the request's way in and the answer's way out. Split with the server's own
    account (each refusal's ``tideserve-deadline-late-us`` header, in the server's time after the deadline it
    counted): (a) its timer, and of that, with the server run under ``TIDESERVE_DEADLINE_PROBE=1`` (the default
@@ -395,6 +396,10 @@ def summarize(requests: list[dict], lags: list[float], load: list[tuple[int, int
     refused = [r for r in requests if r["status"] == 503]
     at_deadline = [r for r in refused if "deadline" in (r["error"] or "")]
     late_ms = [(r["answered"] - r["sent"]) * 1000 - deadline_ms for r in at_deadline]
+    # the same from the moment the request's bytes left the client (aiohttp's trace): the client's own time before
+    # that (building the request, its loop busy with the flood's other clients) is not on the server's clock at all
+    late_written_ms = [(r["answered"] - r["written"]) * 1000 - deadline_ms for r in at_deadline
+                       if r.get("written") is not None]
     # the server's account (its header): (a) its timer after the deadline, (b) the timer to the answer's bytes;
     # (c) the rest of what the client saw: the request's way in (the client counts from its send, the server from
     # the first byte it parsed), the answer's way back and the client's own loop
@@ -446,6 +451,7 @@ def summarize(requests: list[dict], lags: list[float], load: list[tuple[int, int
                       or (r["status"] == 200 and not r["complete"])),
         "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
         **spread_ms("lateness", late_ms),
+        **spread_ms("lateness_from_written", late_written_ms),
         "early_refusals": sum(1 for ms in late_ms if ms < 0),
         "server_reported": len(told),
         **spread_ms("server_timer_late", timer_ms),
@@ -657,7 +663,9 @@ def main() -> None:
     for api in apis:
         s = summary[api]
         print(f"{api}: goodput flooded / unflooded {s['goodput_ratio']:.2f}x (steady clients alone "
-              f"{s['goodput_steady_ratio']:.2f}x); refusal lateness p99 {s['flooded']['lateness_p99_ms']:.1f} ms; "
+              f"{s['goodput_steady_ratio']:.2f}x); refusal lateness p99 {s['flooded']['lateness_p99_ms']:.1f} ms "
+              f"(from the request's bytes written {s['flooded']['lateness_from_written_p99_ms']:.1f} ms; the server's "
+              f"own {s['flooded']['server_answer_late_p99_ms']:.1f} ms); "
               f"503s with Retry-After {s['flooded']['refused_with_retry_after']} of "
               f"{s['flooded']['refused_deadline'] + s['flooded']['refused_busy']}; the client's own loop lag "
               f"p50 / p99 {s['flooded']['client_lag_p50_ms']:.1f} / {s['flooded']['client_lag_p99_ms']:.1f} ms flooded, "
