@@ -7,7 +7,11 @@ template) records every Python function call. Counted: the distinct files of tid
 (``tideserve``, ``tideserve.llm_backends``, ...; not ``tideserve.bench``) whose functions ran:
 
 * ``request``: from the request's first byte to its first content chunk (the way in, and the first delta);
-* ``delta``: from the client's third chunk to the one that finishes (the token deltas: the way out);
+* ``delta``: the steady state of the token deltas (the way out): from the client's third chunk to the third
+  before the one that finishes. The server runs on the client's loop up to an engine step ahead of it, so the
+  request's end (the last output, statistics, usage, closing) runs while the client still reads the last
+  chunks but one or two: those intervals count for the whole request, not for a delta. ``delta_to_finish``
+  is the older count, to the chunk that finishes (end work included);
 * ``total``: the whole request.
 
     python bench/llm_path.py [--tokens 32] [--json]
@@ -91,11 +95,15 @@ async def trace(tokens: int = 32, model_dir: Path | None = None) -> dict:
     await server.start()
     roots = package_roots()
     own = os.path.realpath(__file__)
-    phase = [""]  # nothing is recorded until the request is sent
-    seen: dict[str, set[str]] = {"": set(), "request": set(), "delta": set(), "end": set()}
+    # the files seen before the request is sent ("": not recorded), before its third chunk ("request"), then
+    # between one chunk and the next (the index of the chunk the interval starts at), after the finishing one
+    # ("end")
+    phase: list = [""]
+    seen: dict = {"": set(), "request": set(), "end": set()}
+    finishing = [0]  # the index of the chunk that finishes
 
     def profile(frame, event, arg):
-        if event == "call" and phase[0]:
+        if event == "call" and phase[0] != "":
             name = frame.f_code.co_filename
             if name.startswith(roots) and name != own:
                 seen[phase[0]].add(name)
@@ -106,10 +114,14 @@ async def trace(tokens: int = 32, model_dir: Path | None = None) -> dict:
 
         def on_chunk(index: int, event: bytes) -> None:
             # chunk 0 is the role; 1 the first content delta; the middle ones are the steady state
-            if index == 2:
-                phase[0] = "delta"
+            if phase[0] == "end":
+                return
             if b'"finish_reason":"' in event:  # the last delta (and what follows it)
+                finishing[0] = index
                 phase[0] = "end"
+            elif index >= 2:
+                phase[0] = index
+                seen.setdefault(index, set())
 
         phase[0] = "request"
         sys.setprofile(profile)
@@ -126,9 +138,13 @@ async def trace(tokens: int = 32, model_dir: Path | None = None) -> dict:
     def names(files) -> list[str]:
         return sorted(os.path.relpath(f, base) for f in files)
 
-    total = seen["request"] | seen["delta"] | seen["end"]
-    return {"chunks": len(events), "request": names(seen["request"]), "delta": names(seen["delta"]),
-            "total": names(total)}
+    intervals = {key: files for key, files in seen.items() if isinstance(key, int)}
+    steady = set().union(*(files for key, files in intervals.items() if key < finishing[0] - 2))
+    to_finish = set().union(*intervals.values())
+    total = seen["request"] | to_finish | seen["end"]
+    return {"chunks": len(events), "steady_chunks": sum(1 for key in intervals if key < finishing[0] - 2),
+            "request": names(seen["request"]), "delta": names(steady),
+            "delta_to_finish": names(to_finish), "total": names(total)}
 
 
 def main() -> None:
@@ -140,7 +156,7 @@ def main() -> None:
     if args.json:
         print(json.dumps(result, indent=2))
         return
-    for key in ("request", "delta", "total"):
+    for key in ("request", "delta", "delta_to_finish", "total"):
         print(f"{key}: {len(result[key])} files")
         for name in result[key]:
             print(f"  {name}")

@@ -97,6 +97,23 @@ def _bulk_observe_works() -> bool:
 _BULK_OBSERVE = _bulk_observe_works()
 
 
+class EngineStateGauges:
+    """Where an engine's stat logger hands its scheduler's state after each step (on the server's loop): kept as
+    ``state`` (the model's pending count, GET /load, deadlines) and set on the LLM metrics' gauges."""
+
+    __slots__ = ("_labels", "_metrics", "state")
+
+    def __init__(self, metrics: LLMMetrics, model: str, version: str) -> None:
+        self._metrics = metrics
+        self._labels = (model, version)
+        self.state = None  # the engine's last EngineState (running, waiting, kv_cache_usage); None before a step
+
+    def __call__(self, state) -> None:
+        self.state = state
+        self._metrics.set_engine_state(*self._labels, running=state.running, waiting=state.waiting,
+                                       kv_cache_usage=state.kv_cache_usage)
+
+
 class GenerationTracker:
     """Timings of one generation; call :meth:`tokens` as increments arrive, :meth:`finish` at the end."""
 

@@ -210,6 +210,13 @@ class Model:
         typed requests, tokenizer files, context length, structured outputs); None for other models."""
         return None
 
+    def generation(self, request: "InferenceRequest"):
+        """A typed LLM generation (``request.generation``; ``engine_info().typed_requests``) as one coroutine that
+        runs it to its end, answering through ``request.response_sender`` (a ``GenerationStream``:
+        ``send_delta``); the pass-through scheduler runs it as a task of its own, with no instance ``execute``
+        around it. None: the model takes typed requests through ``execute`` like any other."""
+        return None
+
     def waiting_requests(self) -> int | None:
         """Requests waiting in the model's own engine (a backend that batches continuously), or None
         when the model does not know; the pass-through scheduler reports it as the pending count."""

@@ -7,6 +7,8 @@ failure, and hands back an async iterator of responses. Frontends only translate
 from __future__ import annotations
 
 import asyncio
+import collections
+import threading
 import time
 from typing import Any
 
@@ -15,7 +17,8 @@ from tritonclient.grpc import model_config_pb2 as mc
 from . import __version__, load_report
 from .backend import ServerHandles
 from .datatypes import config_to_datatype
-from .errors import InvalidArgument, NotFound, ServerError, Status, Unavailable, Unsupported
+from .errors import InternalError, InvalidArgument, NotFound, ServerError, Status, Unavailable, Unsupported
+from .generation import GenerationDelta
 from .repository import ModelRepository
 from .response_cache import ResponseCache, request_key
 from .responses import ResponseSender, ResponseStream
@@ -160,6 +163,169 @@ class InferenceStream:
         """End the stream with ``error`` now (server shutdown) and cancel the backend's work."""
         self.request.cancellation.cancel()
         self._stream.put(InferenceResponse(error=error, final=True))
+
+
+class GenerationStream:
+    """The typed deltas of one LLM generation (:meth:`DataPlane.generate`), handed by the backend's generation task
+    straight to the reader: no response objects, sender, scheduler queue or per-response bookkeeping between them.
+    What :class:`InferenceStream` records is recorded here once, at the first delta and at the end (statistics,
+    tracing, the model's requests in flight); closing it early cancels the request.
+
+    The backend's side is the sender's (``request.response_sender`` is this stream): :meth:`send_delta` per engine
+    step, :meth:`send` for a whole answer, :meth:`send_error`; deltas the reader has not taken yet join into one
+    (one chunk and one write for them, as vLLM's output collector merges the outputs of a slow reader)."""
+
+    __slots__ = ("_dataplane", "runtime", "request", "_items", "_waiter", "_loop", "_loop_thread", "_closed",
+                 "_done", "_first", "_error", "_on_error")
+
+    def __init__(self, dataplane: "DataPlane", runtime: ModelRuntime, request: InferenceRequest,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self._dataplane = dataplane
+        self.runtime = runtime
+        self.request = request
+        self._items: collections.deque[GenerationDelta] = collections.deque()
+        self._waiter: asyncio.Future | None = None
+        self._loop = loop
+        self._loop_thread = threading.get_ident()
+        self._closed = False  # the backend has sent its last delta or its error
+        self._done = False  # the reader has seen the end (or closed the stream)
+        self._first = True
+        self._error: ServerError | None = None
+        self._on_error = None
+
+    # -- the backend's side -------------------------------------------------------------------------------------
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
+
+    def send_delta(self, delta: GenerationDelta | None, final: bool = False) -> None:
+        """What one engine step added (``final``: the last); ignored once the request has ended."""
+        if threading.get_ident() != self._loop_thread:
+            self._loop.call_soon_threadsafe(self.send_delta, delta, final)
+            return
+        if self._closed:
+            return
+        if final:
+            self._closed = True
+        items = self._items
+        if delta is not None:
+            if items:  # not taken yet: the new delta joins it
+                items[-1].extend(delta)
+                if not final:
+                    return
+            else:
+                items.append(delta)
+        self._wake()
+
+    def send(self, response=None, final: bool = False) -> None:
+        """A sender's ``send``: an InferenceResponse carrying ``generation`` (a whole answer)."""
+        if response is not None and response.error is not None:
+            self.send_error(response.error)
+            return
+        if response is not None and response.generation is None and not final:
+            raise InternalError(f"model '{self.runtime.name}' answered a typed generation request with tensors")
+        self.send_delta(response.generation if response is not None else None, final)
+
+    def send_error(self, error: ServerError) -> None:
+        """End the request with ``error`` (ignored once it has ended)."""
+        if threading.get_ident() != self._loop_thread:
+            self._loop.call_soon_threadsafe(self.send_error, error)
+            return
+        if self._closed:
+            return
+        self._closed = True
+        self._error = error
+        self._wake()
+        if self._on_error is not None:
+            hook, self._on_error = self._on_error, None
+            hook(error)
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    # -- the reader's side --------------------------------------------------------------------------------------
+    def __aiter__(self) -> "GenerationStream":
+        return self
+
+    async def __anext__(self) -> GenerationDelta:
+        items = self._items
+        while not items:
+            if self._closed:
+                if self._done:
+                    raise StopAsyncIteration
+                self._end()
+                if self._error is not None:
+                    raise self._error
+                raise StopAsyncIteration
+            if self._done:  # cancelled by the reader
+                raise StopAsyncIteration
+            waiter = self._waiter = self._loop.create_future()
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                self.cancel()
+                raise
+        if self._first:
+            self._first = False
+            request = self.request
+            now = time.monotonic_ns()
+            self.runtime.stats.record_first_response(now - request.arrival_ns)
+            if request.trace is not None:
+                request.trace.first_response(now)
+        return items.popleft()
+
+    def _end(self) -> None:
+        """The backend has ended the request and the reader has taken everything: record it."""
+        self._done = True
+        request, runtime = self.request, self.runtime
+        now = time.monotonic_ns()
+        elapsed = now - request.arrival_ns
+        dataplane = self._dataplane
+        dataplane.active.discard(self)
+        runtime.request_finished()
+        error = self._error
+        stats = runtime.stats
+        if error is None:
+            stats.record_success(elapsed, self._first)  # (with no delta, the first response is the end)
+            self._first = False
+        else:
+            if self._first:
+                self._first = False
+                stats.record_first_response(elapsed)
+            stats.record_failure(elapsed, _FAILURE_REASON.get(error.status, "BACKEND"))
+        if request.trace is not None:
+            dataplane.tracer.finish(request.trace, request, now)
+
+    def cancel(self) -> None:
+        """The client went away: the backend aborts the engine request."""
+        if self._done:
+            return
+        self._done = True
+        request = self.request
+        now = time.monotonic_ns()
+        self._dataplane.active.discard(self)
+        request.cancellation.cancel()
+        self.runtime.request_finished()
+        self.runtime.stats.record_failure(now - request.arrival_ns, "CANCELED")
+        if request.trace is not None:
+            self._dataplane.tracer.finish(request.trace, request, now)
+
+    async def aclose(self) -> None:
+        self.cancel()
+
+    def on_error(self, hook) -> None:
+        """As :meth:`InferenceStream.on_error`: ``hook(error)`` once, when the backend ends the request with an
+        error, before the reader takes it."""
+        self._on_error = hook
+
+    def abort(self, error: ServerError) -> None:
+        """End the stream with ``error`` now (server shutdown) and cancel the backend's work."""
+        self.request.cancellation.cancel()
+        self.send_error(error)
 
 
 class _Infer:
@@ -445,6 +611,33 @@ class DataPlane(ServingInterface):
         inference = InferenceStream(self, runtime, request, stream, cache_key, lookup_ns, shm_outputs, shm_held or None)
         self.active.add(inference)
         return inference
+
+    def generate(self, request: InferenceRequest) -> GenerationStream:
+        """A typed LLM generation (``request.generation``): the model's backend runs it as a task of its own and
+        hands its deltas to the returned stream (no validation of tensors, no response cache, no shared memory:
+        a typed request has no tensors). Raises a ServerError if it cannot be accepted."""
+        if not self.accepting:
+            raise Unavailable("the server is shutting down and accepts no new requests")
+        runtime = self.repository.get(request.model_name, request.model_version)
+        engine = runtime.engine
+        if request.generation is None or request.inputs or engine is None or not engine.typed_requests:
+            runtime.stats.record_failure(time.monotonic_ns() - request.arrival_ns, "OTHER")
+            raise InvalidArgument("a typed generation request carries no input tensors" if request.inputs else
+                                  f"model '{runtime.name}' takes no typed generation requests; send its input "
+                                  "tensors")
+        stream = GenerationStream(self, runtime, request, asyncio.get_running_loop())
+        request.response_sender = stream
+        if self.tracer.active:
+            request.trace = self.tracer.begin(request, runtime)
+        try:
+            runtime.generate(request)
+        except ServerError as exc:
+            runtime.stats.record_failure(time.monotonic_ns() - request.arrival_ns,
+                                         _FAILURE_REASON.get(exc.status, "OTHER"))
+            raise
+        runtime.request_started()
+        self.active.add(stream)
+        return stream
 
     def abort_all(self, message: str) -> None:
         """Answer every unfinished request with UNAVAILABLE (used when the exit timeout runs out)."""

@@ -122,6 +122,10 @@ class ResponseSender:
         if final:
             self.request = None  # request <-> sender: freed by reference counting, not left to the collector
 
+    def send_delta(self, delta, final: bool = False) -> None:
+        """Send a typed LLM delta (a GenerationDelta) as a response (what a GenerationStream takes as it is)."""
+        self.send(InferenceResponse(generation=delta), final)
+
     def send_error(self, error: ServerError) -> None:
         """End the request with ``error`` (ignored if the request is already complete)."""
         with self._lock:

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from tritonclient.grpc import model_config_pb2 as mc
 
     from .backend import ModelContext
-    from .generation import EngineInfo
+    from .generation import EngineInfo, GenerationDelta
     from .types import InferenceRequest, InferenceResponse
 
 
@@ -44,6 +44,23 @@ class ResponseStream(Protocol):
     def __aiter__(self) -> AsyncIterator[InferenceResponse]: ...
 
     async def __anext__(self) -> InferenceResponse: ...
+
+    def cancel(self) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+class GenerationStream(Protocol):
+    """The typed deltas of one LLM generation (:meth:`ServingInterface.generate`) as the engine makes them (deltas
+    the reader has not taken yet join into one); a model's error is raised as a ServerError, the end is
+    ``StopAsyncIteration``. Closing it early (``cancel()`` or ``aclose()``) cancels the request (the engine aborts
+    it)."""
+
+    request: InferenceRequest
+
+    def __aiter__(self) -> AsyncIterator[GenerationDelta]: ...
+
+    async def __anext__(self) -> GenerationDelta: ...
 
     def cancel(self) -> None: ...
 
@@ -127,6 +144,14 @@ class ServingInterface(abc.ABC):
         raises here (in the core) or from the stream's first step (in a worker)."""
 
     @abc.abstractmethod
+    def generate(self, request: InferenceRequest) -> GenerationStream:
+        """A typed LLM generation (``request.generation``, a :class:`tideserve.generation.GenerationRequest`; no
+        input tensors) for a model whose engine takes them (``ServedModel.engine.typed_requests``): its
+        :class:`~tideserve.generation.GenerationDelta` s as they come, what vLLM's ``EngineClient.generate`` is.
+        Statistics, metrics, tracing, deadlines and cancellation are those of :meth:`infer`. A request refused
+        before it is scheduled raises here (in the core) or from the stream's first step (in a worker)."""
+
+    @abc.abstractmethod
     async def infer_unary(self, request: InferenceRequest) -> InferenceResponse:
         """One request, one response (its model's error raised): for protocols without streaming. Unsupported
         when a decoupled model sends none or several."""
@@ -192,4 +217,4 @@ def interface_methods() -> dict[str, Any]:
     return {name: getattr(ServingInterface, name) for name in sorted(ServingInterface.__abstractmethods__)}
 
 
-__all__ = ["ResponseStream", "ServedModel", "ServingInterface", "interface_methods"]
+__all__ = ["GenerationStream", "ResponseStream", "ServedModel", "ServingInterface", "interface_methods"]

@@ -51,16 +51,18 @@ log = logging.getLogger(__name__)
 class _Abort:
     """Aborts one engine request once, from a cancellation callback on any thread or from the loop."""
 
-    __slots__ = ("done", "engine", "loop", "request_id", "task")
+    __slots__ = ("done", "engine", "loop", "request_id", "requested", "task")
 
     def __init__(self, engine: AsyncLLM, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
         self.engine = engine
         self.request_id = request_id
         self.loop = loop
         self.done = False
+        self.requested = False  # the request was cancelled (read per step: a flag, no call)
         self.task: asyncio.Task | None = None
 
     def on_cancel(self) -> None:
+        self.requested = True
         try:
             self.loop.call_soon_threadsafe(self._start)
         except RuntimeError:  # the loop is closed: the engine is gone with it
@@ -443,6 +445,7 @@ class Generator:
             return
         tracker = GenerationTracker(self.metrics, self.model_name, self.version, arrival=request.arrival_ns / 1e9)
         request.cancellation.add_callback(abort.on_cancel)
+        typed = builder.typed  # its deltas go to the sender as they are (GenerationStream.send_delta)
         last = None
         priority = request.priority if self.priority_scheduling else 0
         cached = cached or request.parameters.get(RETURN_CACHED_TOKENS) is True
@@ -465,11 +468,16 @@ class Generator:
                     deadline.started = True
                     deadline.cancel()
                     DeadlineProbe.count("started")
-                if request.is_cancelled():
+                if abort.requested:
                     if not output.finished:
                         await abort.now()  # the engine answers with a final 'abort' output
                     continue
-                if streaming:
+                if streaming and typed:
+                    delta = builder.step(output)
+                    if cached and output.finished and output.num_cached_tokens is not None:
+                        delta.cached_tokens = int(output.num_cached_tokens)
+                    sender.send_delta(delta, output.finished)
+                elif streaming:
                     response = builder.delta(output)
                     if cached and output.finished:
                         _note_cached_tokens(response, output)

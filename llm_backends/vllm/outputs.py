@@ -93,6 +93,7 @@ class ResponseBuilder:
         self.dtypes = output_dtypes
         self.want = _typed_fields(inputs) if self.typed else inputs.outputs
         self.want_logprobs = "logprobs" in self.want
+        self.want_prompt_logprobs = "prompt_logprobs" in self.want
         if "output_ids" in self.want and n != 1:
             raise InvalidArgument("output 'output_ids' needs sampling parameter n = 1")
         self.total = [Completion() for _ in range(n)]
@@ -107,6 +108,14 @@ class ResponseBuilder:
         if self.typed:  # straight from the engine's output: one representation per step
             return InferenceResponse(generation=self._step_delta(output))
         return self._response(completions(output, self.n, self.want_logprobs), prepend=False, whole=False)
+
+    def step(self, output: Any) -> GenerationDelta:
+        """A typed request's delta of one streamed step (no response around it)."""
+        if not self.prompt_ids:
+            self._note_prompt(output)
+        elif self.prompt_logprobs is None and self.want_prompt_logprobs:
+            self._note_prompt(output)
+        return self._step_delta(output)
 
     def _step_delta(self, output: Any) -> GenerationDelta:
         n = self.n

@@ -1,7 +1,8 @@
 """One prompt's generation through the DataPlane (a :class:`Run`), several runs merged, totals per choice.
 
-A run is started with :meth:`DataPlane.infer`; its responses become :class:`~.llm.Step` s. Closing a
-run (or cancelling the task awaiting it: the client went away) closes its InferenceStream, which
+A run of a typed request (a model whose engine takes them) is started with :meth:`DataPlane.generate` and its
+deltas are its :class:`~.llm.Step` s as they come; any other with :meth:`DataPlane.infer`, its responses read
+into Steps. Closing a run (or cancelling the task awaiting it: the client went away) closes its stream, which
 cancels the request: an LLM backend aborts the engine request and frees its KV cache.
 """
 
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 
 import orjson
 
-from ..errors import as_server_error
+from ..errors import ServerError, as_server_error
 from .http import REFUSAL, event
 from .llm import LLMModel, Step, StepReader
 
@@ -22,10 +23,12 @@ class Run:
     """The responses of one prompt, as Steps; ``index`` places its choices among the request's."""
 
     __slots__ = ("_done", "_pending", "cached_tokens", "index", "prompt_logprobs", "prompt_tokens", "reader",
-                 "stream")
+                 "stream", "typed")
 
     def __init__(self, dataplane, llm: LLMModel, request, n: int, index: int = 0) -> None:
-        self.stream = dataplane.infer(request)  # raises ServerError when the request is refused
+        # raises ServerError when the request is refused; a typed request's deltas come as they are
+        self.typed = request.generation is not None
+        self.stream = dataplane.generate(request) if self.typed else dataplane.infer(request)
         if (refusal := REFUSAL.get()) is not None:  # a deadline refusal is answered where it is made
             refusal.watch(self.stream)
         self.reader = StepReader(llm, n)
@@ -40,6 +43,24 @@ class Run:
         """The next Step (None after the last); a model error raises it as a ServerError."""
         if self._pending is not None:
             step, self._pending = self._pending, None
+            return step
+        if self.typed:
+            if self._done:
+                return None
+            try:
+                step = await self.stream.__anext__()
+            except StopAsyncIteration:
+                self._done = True
+                return None
+            except ServerError:
+                self._done = True
+                raise
+            if step.cached_tokens is not None:
+                self.cached_tokens = step.cached_tokens
+            if step.prompt_tokens is not None:
+                self.prompt_tokens = step.prompt_tokens
+            if step.prompt_logprobs is not None:
+                self.prompt_logprobs = step.prompt_logprobs
             return step
         while not self._done:
             try:

@@ -45,6 +45,11 @@ class Scheduler:
         """Queue ``request``; raise a ServerError to reject it at once."""
         raise NotImplementedError
 
+    def generate(self, request: InferenceRequest) -> None:
+        """Start a typed LLM generation (``DataPlane.generate``): scheduled as any request here; the pass-through
+        scheduler runs the model's own generation coroutine instead."""
+        self.enqueue(request)
+
     async def next_batch(self) -> list[InferenceRequest]:
         """Wait for the next batch an idle instance should run."""
         raise NotImplementedError

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import TYPE_CHECKING
 
 from ..errors import InternalError, InvalidArgument, QueueFull, Unavailable
@@ -63,6 +64,44 @@ class PassThroughScheduler(Scheduler):
             return
         if self.max_queue_size:
             self._admit()
+        self._execute(request)
+
+    def generate(self, request: InferenceRequest) -> None:
+        """A typed LLM generation: the model's own generation coroutine (``Model.generation``) as the request's
+        task, with no instance ``execute`` around it; the statistics' execution and compute time are recorded when
+        it ends, as ``execute`` records them."""
+        if drop_cancelled(request):
+            return
+        if self.max_queue_size:
+            self._admit()
+        coroutine = self.runtime.model.generation(request)
+        if coroutine is None:
+            self._execute(request)
+            return
+        if request.trace is not None:
+            request.trace.compute = (time.monotonic_ns(), 0)
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._running[task] = request
+        task.add_done_callback(self._generated)
+
+    def _generated(self, task: asyncio.Task) -> None:
+        request = self._running.pop(task, None)
+        if request is None:
+            return
+        end = time.monotonic_ns()
+        stats = self.runtime.stats
+        stats.record_queue(0, 1)
+        stats.record_execution(1, 1, 0, end - request.queue_start_ns, 0, 1)
+        if request.trace is not None:
+            request.trace.compute_done(end)
+        sender = request.response_sender
+        if task.cancelled():
+            sender.send_error(self._stopped_error())  # a no-op when the request is answered already
+        elif (exc := task.exception()) is not None:
+            log.error("model '%s': request generation failed", self.runtime.name, exc_info=exc)
+            sender.send_error(InternalError(f"model '{self.runtime.name}' failed to run the request"))
+
+    def _execute(self, request: InferenceRequest) -> None:
         slots = self.runtime.slots
         slot = slots[self._next % len(slots)]
         self._next += 1

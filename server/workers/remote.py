@@ -17,7 +17,8 @@ from tritonclient.grpc import model_config_pb2 as mc
 from .. import wire
 from ..backend import ModelContext
 from ..dataplane import DataPlane, model_metadata, server_metadata
-from ..errors import InvalidArgument, NotFound, ServerError, Unavailable
+from ..errors import InvalidArgument, NotFound, ServerError, Unavailable, as_server_error
+from ..generation import GenerationDelta
 from ..serving import ServingInterface
 from ..types import InferenceRequest, InferenceResponse
 from . import protocol as p
@@ -92,6 +93,40 @@ class RemoteInferenceStream(p.PendingResponses):
             self._link.send(wire.Cancel(self.rid))
         except ServerError:  # the core is gone: nothing left to cancel
             pass
+
+    async def aclose(self) -> None:
+        self.cancel()
+
+
+class RemoteGenerationStream:
+    """A typed generation through the core (:meth:`RemoteDataPlane.generate`): the deltas its responses carry, a
+    model's error raised. Closing it early cancels the request."""
+
+    __slots__ = ("_done", "_stream", "request")
+
+    def __init__(self, stream: RemoteInferenceStream) -> None:
+        self._stream = stream
+        self.request = stream.request
+        self._done = False
+
+    def __aiter__(self) -> "RemoteGenerationStream":
+        return self
+
+    async def __anext__(self) -> GenerationDelta:
+        while not self._done:
+            response = await self._stream.__anext__()
+            if response.final:
+                self._done = True
+            if response.error is not None:
+                self._done = True
+                raise as_server_error(response.error)
+            if response.generation is not None:
+                return response.generation
+        raise StopAsyncIteration
+
+    def cancel(self) -> None:
+        self._done = True
+        self._stream.cancel()
 
     async def aclose(self) -> None:
         self.cancel()
@@ -273,6 +308,13 @@ class RemoteDataPlane(ServingInterface):
             link.streams.pop(rid, None)
             raise
         return stream
+
+    def generate(self, request: InferenceRequest) -> RemoteGenerationStream:
+        """A typed LLM generation through the core (whose DataPlane runs it); a refusal is raised by the stream's
+        first step."""
+        if not self.accepting:
+            raise Unavailable("the server is shutting down and accepts no new requests")
+        return RemoteGenerationStream(self._submit(request, False))
 
     async def infer_unary(self, request: InferenceRequest) -> InferenceResponse:
         if not self.accepting:

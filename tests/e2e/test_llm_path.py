@@ -10,15 +10,22 @@ import asyncio
 
 from tideserve.bench.llm_path import trace
 
-MAX_FILES = 30  # the whole request (docs/architecture.md)
-MAX_DELTA_FILES = 20  # while the token deltas stream
+MAX_FILES = 28  # the whole request (docs/architecture.md)
+MAX_DELTA_FILES = 10  # while the token deltas stream (the steady state)
+MAX_DELTA_TO_FINISH_FILES = 16  # from the third chunk to the finishing one (the request's end work included)
 
 
 def test_streaming_chat_completion_path():
-    result = asyncio.run(trace(16))
+    result = asyncio.run(trace(32))
     assert result["chunks"] >= 5, result["chunks"]  # role, deltas (steps the reader had not taken yet join), usage, [DONE]
+    assert result["steady_chunks"] >= 3, result  # the steady state was seen (not all joined into a few chunks)
     assert len(result["total"]) <= MAX_FILES, result["total"]
     assert len(result["delta"]) <= MAX_DELTA_FILES, result["delta"]
+    assert len(result["delta_to_finish"]) <= MAX_DELTA_TO_FINISH_FILES, result["delta_to_finish"]
+    # a typed generation stream: no scheduler, runtime, response objects or statistics per token delta
+    for name in ("server/schedulers/passthrough.py", "server/runtime.py", "server/responses.py", "server/types.py",
+                 "server/stats.py", "server/backend.py", "llm_backends/vllm/backend.py", "server/openai/llm.py"):
+        assert name not in result["delta"], result["delta"]
     # the request path: the HTTP frontend, the OpenAI route, the DataPlane, the vLLM backend
     for name in ("server/openai/chat_completion/serving.py", "server/dataplane.py", "llm_backends/vllm/generation.py"):
         assert name in result["total"]
