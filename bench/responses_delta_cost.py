@@ -5,7 +5,8 @@ Each side's real stream writer runs over the same fake generation: ``--streams``
 text delta each (as a typed LLM backend hands them to the frontend, ``GenerationDelta``), the last one with finish
 reason ``length``. Chat: ``chat_completion.serving._events`` (the chunks of one choice, its text written around the
 header made once per request). Responses: ``responses.serving._Job.events`` (its opening made ahead as the server
-makes it while the engine computes the first token, then the text deltas from the message item's template, the
+makes it while the engine computes the first token, the request validated once: its bytes into the Responses
+request, the chat request built from it, then the text deltas from the message item's template, the
 ``.done`` events and ``response.completed``; ``store: false``, as the bench sends it). What is timed is the process
 CPU of making each stream (the handler's work before the engine) and reading every event's bytes out of its writer
 (what the HTTP layer does, minus the socket write, which costs both sides the same per event), divided by the number
@@ -87,8 +88,7 @@ def _chat_stream(llm: LLMModel, run: FakeRun, tokens: int):
 def _responses_stream(llm: LLMModel, state: Responses, run: FakeRun, tokens: int):
     body = orjson.dumps({"model": MODEL, "input": PROMPT, "max_output_tokens": tokens, "stream": True,
                          "store": False, "temperature": 0, "ignore_eos": True})
-    doc = READER.parse_json(body, "request body")  # the route parses the body, the handler validates the dict
-    request = parse(ResponsesRequest, doc)
+    request = parse(ResponsesRequest, body, READER)  # the handler validates the body's bytes, as chat's
     request.check()
     items = input_items(request)
     conversation = to_messages(items, {})
