@@ -456,7 +456,8 @@ class Generator:
             async for output in self.engine.generate(prompt, params, request_id, lora_request=lora,
                                                      priority=priority):
                 last = output
-                tracker.tokens(sum(len(c.token_ids) for c in output.outputs))
+                outs = output.outputs
+                tracker.tokens(len(outs[0].token_ids) if len(outs) == 1 else sum(len(c.token_ids) for c in outs))
                 if deadline is not None and not deadline.started:
                     if deadline.expired:  # answered already; abort again in case it came before the engine had it
                         if not deadline.reaborted and any(c.token_ids for c in output.outputs):

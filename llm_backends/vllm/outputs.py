@@ -131,7 +131,8 @@ class ResponseBuilder:
             tokens[i] = len(item.token_ids)
             if logprobs is not None and item.logprobs is not None:
                 logprobs[i] = _logprobs(item.logprobs)
-        return GenerationDelta(texts, finish, tokens, len(self.prompt_ids), logprobs, self._prompt_logprobs_once(False))
+        return GenerationDelta(texts, finish, tokens, len(self.prompt_ids), logprobs,
+                               self._prompt_logprobs_once(False) if self.want_prompt_logprobs else None)
 
     def add(self, output: Any) -> None:
         """Keep one step for the whole (non-streamed) response."""
