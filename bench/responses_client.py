@@ -15,17 +15,26 @@ The measures are those of tideserve-bench (``vllm bench serve``'s definitions): 
 read holding its first text event, inter-token latency between text events (the events of one read share its
 time), output tokens/s over the round's wall time. Plain answers only (the bench's model has no reasoning or tool
 parser): reasoning and tool-call events are not counted.
+
+``python bench/responses_client.py [--streams 32] [--tokens 768] [--rounds 7]`` measures the client's own CPU per text
+event for both APIs, this reader's and tideserve-bench's targets', over the bytes tideserve's writers make (no
+server, no socket).
 """
 
 from __future__ import annotations
 
 import asyncio
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 import orjson
+
+if __name__ == "__main__":  # run as a script: the repository's tideserve
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 CHAT_TEXT = b'"delta":{"content":"'
 RESPONSES_TEXT = b"event: response.output_text.delta\n"
@@ -154,3 +163,106 @@ def summary(streams: list[Stream], wall: float, tokens: int) -> dict:
             "ttft_s": statistics.median(ttfts) if ttfts else float("nan"),
             "itl_s": statistics.median(itls) if itls else float("nan"),
             "text_events": sum(len(s.times) for s in streams)}
+
+
+# -- the client's own cost: python bench/responses_client.py ------------------------------------------------------
+def _writes(side: str, streams: int, tokens: int, text: str) -> list[list[bytes]]:
+    """``streams`` streams of ``side`` as tideserve's writers make them (one write per model step,
+    ``bench/responses_delta_cost.py``'s fake generation), chat's ending with its usage chunk and ``[DONE]``."""
+    from tideserve.bench.responses_delta_cost import FakeRun, _chat_stream, _responses_stream, fake_llm
+    from tideserve.openai.responses.serving import Responses
+
+    llm, state = fake_llm(), Responses(store=None)
+
+    async def one() -> list[bytes]:
+        run = FakeRun(text, tokens)
+        stream = _chat_stream(llm, run, tokens) if side == "chat" else _responses_stream(llm, state, run, tokens)
+        chunks = [chunk async for chunk in stream]
+        if side == "chat":
+            usage = {"prompt_tokens": 16, "completion_tokens": tokens, "total_tokens": 16 + tokens}
+            chunks[-1:] = [b"data: " + orjson.dumps({"id": "c", "object": "chat.completion.chunk", "created": 0,
+                                                     "model": "llm", "choices": [], "usage": usage}) + b"\n\n",
+                           chunks[-1]]
+        return chunks
+
+    async def all_of() -> list[list[bytes]]:
+        return [await one() for _ in range(streams)]
+
+    return asyncio.run(all_of())
+
+
+def _read_lean(side: str, writes: list[list[bytes]]) -> int:
+    events = 0
+    for chunks in writes:
+        stream = Stream(sent=time.perf_counter())
+        reader = Reader(side, stream)
+        for chunk in chunks:
+            reader.feed(chunk, time.perf_counter())
+        reader.close()
+        events += len(stream.times)
+    return events
+
+
+def _read_tideserve_bench(side: str, writes: list[list[bytes]]) -> int:
+    """What tideserve-bench's ``openai-chat`` (``--ttft-from content``) / ``openai-responses`` target does with the
+    same bytes: its SSE parser and its per-event reading (the socket left out)."""
+    from tideserve.bench.tideserve_bench.records import RequestInput, RequestRecord, SSEParser
+    from tideserve.bench.tideserve_bench.targets import TargetOptions, make_target
+
+    target = make_target("openai-chat" if side == "chat" else "openai-responses",
+                         TargetOptions(url="http://127.0.0.1:1", model="llm", role_chunk_is_token=False))
+    current: list[list[bytes]] = []
+
+    async def post_stream(url, body, record, on_event) -> None:  # the target's reading of one stream
+        parser = SSEParser()
+        record.start = time.perf_counter()
+        for chunk in current[0]:
+            now = time.perf_counter()
+            for data in parser.feed(chunk):
+                if on_event(data, now):
+                    return
+
+    target.post_stream = post_stream
+
+    async def read() -> int:
+        events = 0
+        for i, chunks in enumerate(writes):
+            current[:] = [chunks]
+            record = RequestRecord(i, f"r{i}", None, 0)
+            await target._send(RequestInput(i, "prompt", None, 0), record)
+            events += len(record.chunk_times)
+        return events
+
+    return asyncio.run(read())
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="The client's CPU per text event, chat vs Responses, for the lean "
+                                                 "reader and tideserve-bench's targets, over tideserve's writers' bytes")
+    parser.add_argument("--streams", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=768)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--text", default=" word")
+    args = parser.parse_args()
+    writes = {side: _writes(side, args.streams, args.tokens, args.text) for side in PATHS}
+    readers = {"lean": _read_lean, "tideserve-bench": _read_tideserve_bench}
+    cost: dict[tuple[str, str], list[float]] = {(c, s): [] for c in readers for s in PATHS}
+    for r in range(args.rounds):
+        for client, read in readers.items():
+            for side in (("chat", "responses") if r % 2 == 0 else ("responses", "chat")):
+                start = time.process_time()
+                events = read(side, writes[side])
+                cost[client, side].append((time.process_time() - start) * 1e6 / events)
+                assert events == args.streams * args.tokens, (client, side, events)
+    print(f"{args.streams} streams x {args.tokens} text events of {args.text!r}, {args.rounds} rounds (medians): "
+          "client CPU µs per text event")
+    print("| client | chat | responses | responses / chat |\n|---|---|---|---|")
+    for client in readers:
+        chat, responses = (statistics.median(cost[client, side]) for side in PATHS)
+        print(f"| {client} | {chat:.2f} | {responses:.2f} | {responses / chat:.3f}x |")
+
+
+if __name__ == "__main__":
+    main()

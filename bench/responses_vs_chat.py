@@ -5,8 +5,8 @@ engine arguments, the tiny random Llama of ``tideserve.bench.examples.tiny_llama
 ~100M-parameter one instead), so both APIs run on the same engine in the same run. Each round sends
 ``--streams`` concurrent streaming requests of ``--tokens`` tokens each (greedy, ``ignore_eos``, the same
 prompts) through one API, then through the other; the order alternates from round to round (ABBA...), after
-``--pause`` seconds of rest. tideserve-bench sends and measures them (``bench.tideserve_bench.api``: its
-``openai-chat`` and ``openai-responses`` targets, the definitions of ``vllm bench serve``): output tokens/s
+``--pause`` seconds of rest. The client (below: the lean reader, or tideserve-bench's ``openai-chat`` and
+``openai-responses`` targets) sends and measures them with the definitions of ``vllm bench serve``: output tokens/s
 (the server's usage counts over the round's duration), TTFT p50 (request sent to its first text: the chat
 stream's first chunk with content, its role-only chunk left out as ``--ttft-from content`` does, and the
 first ``response.output_text.delta``; both sides alike, and the Responses target leaves the announcements before
@@ -27,10 +27,12 @@ quartiles, highest): many short rounds (``--rounds 12 --tokens 256``) settle the
 better than a few long ones, as what disturbs one round moves both of its sides alike.
 
 The client: by default (``--client lean``) both APIs are read by one lean SSE reader (``bench/responses_client.py``)
-that parses no JSON while a stream runs, so both sides' client costs the same CPU per token (tideserve-bench's
-targets parse every event's JSON, and a Responses event is bigger than a chat chunk, so its client cost more: 0.96-
-1.61x chat's per token, median 1.12x, over session 5's runs, on the cores the server and engine share). ``--client tideserve-bench``
-measures with tideserve-bench's ``openai-chat`` / ``openai-responses`` targets as before (and compares the texts).
+that parses no JSON while a stream runs: the same work per event for both APIs, and ~0.9 µs of CPU per text event
+against ~6.7 for tideserve-bench's targets, which parse every event's JSON (``python bench/responses_client.py``;
+the targets cost about the same per event for both APIs there, 0.98x, but in session 5's runs the client's CPU per
+token measured 0.96-1.61x, median 1.12x, chat's). The client shares the 2 cores with the server and its engine, so
+a client that costs less disturbs the measured sides less. ``--client tideserve-bench`` measures with
+tideserve-bench's ``openai-chat`` / ``openai-responses`` targets as before (and compares the two sides' texts).
 
     python bench/responses_vs_chat.py [--streams 32] [--tokens 768] [--rounds 6] [--size tiny|100m] [--store]
                                       [--client lean|tideserve-bench]

@@ -88,8 +88,8 @@ def test_usage_and_done_in_separate_reads():
     ("chat", [b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"a"}}]}\n\n',
               b'data: {"error":{"message":"boom","type":"InternalServerError","code":500}}\n\ndata: [DONE]\n\n']),
     ("responses", [b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","delta":"a"}\n\n',
-                   b'event: response.failed\ndata: {"type":"response.failed","response":{"error":{"message":"boom"}}}'
-                   b'\n\n']),
+                   (b'event: response.failed\ndata: {"type":"response.failed","response":{"error":{"message":"boom"}}}'
+                    b'\n\n')]),
 ])
 def test_an_error_event_fails_the_stream(side, events):
     stream = _lean(side, events)

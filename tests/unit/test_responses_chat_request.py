@@ -7,7 +7,6 @@ so a bad one is refused by the Responses request's validation, naming the field.
 from __future__ import annotations
 
 import pytest
-
 from tideserve.openai.chat_completion.protocol import ChatCompletionRequest
 from tideserve.openai.errors import OpenAIError
 from tideserve.openai.limits import OpenAILimits

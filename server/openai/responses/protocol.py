@@ -19,8 +19,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from ..chat_completion.protocol import (ChatCompletionRequest, FunctionCall, FunctionDefinition, Message,
-                                        NamedFunction, NamedToolChoice, Tool, ToolCall)
+from ..chat_completion.protocol import (
+    ChatCompletionRequest,
+    FunctionCall,
+    FunctionDefinition,
+    Message,
+    NamedFunction,
+    NamedToolChoice,
+    Tool,
+    ToolCall,
+)
 from ..errors import BadRequest, OpenAIError
 from ..protocol import INT64_MAX, INT64_MIN, JsonSchema, OpenAIModel, ResponseFormat, parse
 
@@ -448,7 +456,7 @@ def renamed(exc: OpenAIError) -> OpenAIError:
     param = exc.param
     if param:
         for chat_name, name in _FIELD_NAMES.items():
-            if param == chat_name or param.startswith(chat_name + "[") or param.startswith(chat_name + "."):
+            if param == chat_name or param.startswith((chat_name + "[", chat_name + ".")):
                 exc.message = exc.message.replace(chat_name, name)
                 exc.param = name + param[len(chat_name):] if chat_name != "messages" else "input"
                 break
