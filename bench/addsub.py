@@ -9,7 +9,9 @@ add_sub model, two FP32 [4] inputs, max_batch_size 8, dynamic batching, 2 CPU in
 
 ``tideserve:wN`` runs tideserve with ``--frontend-workers N --frontend-direct off``, ``tideserve:wN:direct`` with
 ``--frontend-direct on``
-(the workers send add_sub's requests straight to its instance processes); ``tideserve:wN@PATH`` runs it from another
+(the workers send add_sub's requests straight to its instance processes), ``tideserve:wN:pyvoy`` with
+``--grpc-frontend pyvoy`` (the gRPC port on Envoy; needs ``pip install 'tideserve[pyvoy]'``; the modes combine:
+``tideserve:w1:pyvoy:direct``); ``tideserve:wN@PATH`` runs it from another
 checkout of this repository at PATH (an A/B of two commits in one run: ``git worktree add /tmp/prev HEAD~``,
 then ``--servers tideserve:w1@/tmp/prev tideserve:w1``). Besides throughput and latency it reports
 the server's CPU time per request: the server process and all its descendants (core, frontend workers,
@@ -102,6 +104,8 @@ def _role(pid: str) -> str:
         return "other"
     if b"tideserve.workers.main" in cmdline:
         return "frontend workers"
+    if b"envoy" in cmdline:
+        return "grpc frontend (pyvoy)"
     if b"tideserve.cli" in cmdline:
         return "core"
     if b"tritonserver" in cmdline:
@@ -143,8 +147,10 @@ def start_server(kind: str, repo: Path, log: Path, model: str = "add_sub",
     env = dict(os.environ, **tree_env(tree))
     if kind.startswith("tideserve"):
         _, _, workers = kind.partition(":w")
-        workers, _, mode = workers.partition(":")
-        args = (*args, "--frontend-direct", "on" if mode == "direct" else "off")
+        workers, *modes = workers.split(":")
+        args = (*args, "--frontend-direct", "on" if "direct" in modes else "off")
+        if "pyvoy" in modes:
+            args = (*args, "--grpc-frontend", "pyvoy")
         cmd = [sys.executable, "-m", "tideserve.cli", "--model-repository", str(repo), *ports,
                "--frontend-workers", workers or "1", *args]
     else:

@@ -122,9 +122,11 @@ class CallContext:
             self._metadata = tuple(pairs)
         return self._metadata
 
-    def header(self, name: bytes) -> bytes | None:
-        for key, value in self._headers:
-            if key == name:
+    def header(self, name: str) -> bytes | None:
+        """A request header's value (what the access checks of server/access.py read)."""
+        key = name.encode("latin-1")
+        for header, value in self._headers:
+            if header == key:
                 return value
         return None
 
@@ -475,6 +477,19 @@ def envoy_process(options, link_fd: int, send_fd: int, receive_fd: int, size: in
             "--use-dynamic-base-id", "--log-level", "debug" if options.log_verbose > 1 else "error",
             "--disable-hot-restart"]
     return args, env
+
+
+def check_port(host: str, port: int) -> None:
+    """OSError if ``host:port`` cannot be bound (another program listens there). Envoy reports a failed bind
+    only after its app said Ready, and a connection test would reach the other program: so check first."""
+    family, kind, proto, _, address = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Envoy binds: TIME_WAIT is no obstacle
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            raise OSError(exc.errno, f"gRPC server failed to bind {host}:{port}: {exc.strerror}") from None
 
 
 async def wait_listening(host: str, port: int, process, timeout: float = 30.0) -> None:

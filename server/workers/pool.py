@@ -209,6 +209,9 @@ class FrontendWorkers:
                 self._balance = create_table(self.count)
         if opts.allow_grpc and self.grpc_index is None:
             self._grpc = reserved_port(opts.host, opts.grpc_port)
+        elif opts.allow_grpc:  # Envoy binds it itself
+            from ..grpc.asgi_transport import check_port
+            check_port(opts.host, opts.grpc_port)
         self.dataplane.repository.listeners.append(self.changed)
         if self._direct_dir is not None:  # the models loaded at start are reached directly from the first request
             self._open_direct()

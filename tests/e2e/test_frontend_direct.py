@@ -380,7 +380,8 @@ def _worker_pids(server) -> list[int]:
             cmdline = Path(entry, "cmdline").read_bytes()
         except OSError:
             continue
-        if ppid == server.process.pid and b"tideserve.workers.main" in cmdline:
+        # a frontend worker, or the gRPC frontend's Envoy (TIDESERVE_TEST_GRPC_FRONTEND=pyvoy)
+        if ppid == server.process.pid and (b"tideserve.workers.main" in cmdline or b"envoy" in cmdline):
             found.append(int(entry.name))
     return found
 
