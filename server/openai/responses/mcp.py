@@ -323,12 +323,11 @@ class ToolRounds:
     the output in :attr:`items`, the summed token counts in :attr:`usage` and the finish in :attr:`reason`
     (``stop``, ``length``, or ``max_tool_calls`` when a limit left calls unrun)."""
 
-    def __init__(self, server, request: ResponsesRequest, doc: dict, llm, messages: list[dict],
+    def __init__(self, server, request: ResponsesRequest, llm, messages: list[dict],
                  servers: list[McpServer], settings: McpSettings, response_id: str, timeout_us: int = 0,
                  approved: list[dict] | None = None) -> None:
         self.server = server
         self.request = request
-        self.doc = doc
         self.llm = llm
         self.messages = list(messages)
         self.servers = servers

@@ -84,7 +84,7 @@ async def create_response(server, body: bytes, scope) -> bytes | EventStream:
     created = int(time.time())
     job = _Job(server, state, request, llm.name, response_id, created, items, conversation)
     if servers:
-        return await _with_mcp(job, mcp.ToolRounds(server, request, doc, llm, messages, servers, state.mcp,
+        return await _with_mcp(job, mcp.ToolRounds(server, request, llm, messages, servers, state.mcp,
                                                    response_id, timeout_us, approved))
     chat = chat_request(request, messages, request.stream)
     if request.background:
