@@ -90,3 +90,26 @@ def test_string_input_is_its_message_item(text):
     assert item["id"].startswith("msg_") and listed["id"].startswith("msg_")
     assert {**item, "id": None} == {**listed, "id": None}
     assert list(item) == list(listed)
+
+
+def test_started_from_kept_settings_json():
+    """The settings' JSON kept per distinct settings (``ResponsesRequest.echo_json``) is each request's own: the same
+    settings again give the same bytes, any setting changed gives its own, and requests with tools, metadata,
+    reasoning or a text format (not kept) or long instructions are written afresh."""
+    base = {"model": "m", "input": "hi", "stream": True, "store": False}
+    variants = [base, {**base, "temperature": 0}, {**base, "temperature": 1}, {**base, "top_p": 0.5},
+                {**base, "instructions": "Be brief."}, {**base, "instructions": "x" * 5000}, {**base, "user": "u"},
+                {**base, "max_output_tokens": 1}, {**base, "parallel_tool_calls": False}, {**base, "store": True},
+                {**base, "previous_response_id": "resp_2"}, {**base, "tool_choice": "none"},
+                {**base, "truncation": "auto"}, {**base, "service_tier": "flex"}, {**base, "max_tool_calls": 1},
+                {**base, "text": {"format": {"type": "text"}}}, {**base, "metadata": {}}] + REQUESTS
+    seen = set()
+    for _ in range(2):  # the second time from the kept JSON
+        for doc in variants:
+            job = _job(doc)
+            assert job.started() == orjson.dumps(job.response("in_progress", [])), doc
+            assert job.request.echo_json() == orjson.dumps(job.request.echo())
+            seen.add(job.request.echo_json())
+    # as many distinct as the settings' own JSON (a text format of "text", empty metadata and temperature 1 echo as
+    # none given; REQUESTS[0] has the base's settings)
+    assert len(seen) == len({orjson.dumps(_job(doc).request.echo()) for doc in variants}) == len(variants) - 4

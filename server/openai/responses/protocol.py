@@ -17,6 +17,7 @@ import json
 from os import urandom
 from typing import Any, Literal
 
+import orjson
 from pydantic import BaseModel, Field
 
 from ..chat_completion.protocol import (
@@ -151,6 +152,30 @@ class ResponsesRequest(OpenAIModel):
                 "user": self.user, "store": self.store, "background": self.background,
                 "max_tool_calls": self.max_tool_calls, "service_tier": self.service_tier or "auto",
                 "top_logprobs": self.top_logprobs}
+
+
+    def echo_json(self) -> bytes:
+        """``orjson.dumps(self.echo())``; for a request with no tools, metadata, reasoning or text format (nearly
+        every one, with instructions of at most :data:`_ECHOED_TEXT` characters) kept per distinct settings
+        (:data:`_ECHOED`, at most :data:`_ECHOED_MAX`), so a stream's opening costs no echo dict."""
+        if self.tools or self.metadata is not None or self.reasoning is not None or self.text is not None \
+                or not isinstance(self.tool_choice, str) or len(self.instructions or "") > _ECHOED_TEXT:
+            return orjson.dumps(self.echo())
+        # the settings echo() reads, each field's value of one type after validation (floats stay floats)
+        key = (self.model, self.instructions, self.max_output_tokens, self.parallel_tool_calls,
+               self.previous_response_id, self.temperature, self.tool_choice, self.top_p, self.truncation, self.user,
+               self.store, self.background, self.max_tool_calls, self.service_tier, self.top_logprobs)
+        found = _ECHOED.get(key)
+        if found is None:
+            if len(_ECHOED) >= _ECHOED_MAX:
+                _ECHOED.clear()
+            found = _ECHOED[key] = orjson.dumps(self.echo())
+        return found
+
+
+_ECHOED: dict[tuple, bytes] = {}  # the settings of ResponsesRequest.echo_json -> their JSON
+_ECHOED_MAX = 256
+_ECHOED_TEXT = 4096
 
 
 def _echoed(tool: FunctionTool) -> dict:

@@ -172,12 +172,12 @@ class _Job:
 
     def started(self) -> bytes:
         """The JSON of :meth:`response` ``in_progress`` with no output (``response.created`` and
-        ``response.in_progress`` carry it): its fixed head written around the JSON of the request's settings, the
-        bytes ``orjson.dumps(self.response("in_progress", []))`` gives, without the merged dict."""
-        echo = self._echo or self._echoed()
-        if echo.get("model") != self.model:  # (the model is set on the request before its settings are echoed)
+        ``response.in_progress`` carry it): its fixed head written around the JSON of the request's settings
+        (:meth:`ResponsesRequest.echo_json`), the bytes ``orjson.dumps(self.response("in_progress", []))`` gives,
+        without the merged dict."""
+        if self.request.model != self.model:  # (the model is set on the request before its settings are echoed)
             return orjson.dumps(self.response("in_progress", []))
-        return _STARTED % (orjson.dumps(self.id), self.created, orjson.dumps(echo)[1:])
+        return _STARTED % (orjson.dumps(self.id), self.created, self.request.echo_json()[1:])
 
     def answer(self, items: list[dict], reason: str, usage: dict) -> dict:
         if reason == "length":
