@@ -99,9 +99,12 @@ def test_a_conversation_of_another_shape_is_validated():
     assert protocol._trusted(chat_doc(request, odd, False)) is None
     built = chat_request(request, odd, False)
     _same(built, parse(ChatCompletionRequest, chat_doc(request, odd, False)))
-    with pytest.raises(OpenAIError) as caught:
-        chat_request(request, [{"role": "robot", "content": "hi"}], False)
-    assert caught.value.status == 400 and caught.value.param == "input"
+    for bad in ([{"role": "robot", "content": "hi"}], ["hi"], [{"role": "assistant", "tool_calls": "x"}],
+                [{"role": "assistant", "tool_calls": ["x"]}], [{"role": "user", "content": 3}]):
+        assert protocol._trusted(chat_doc(request, bad, False)) is None
+        with pytest.raises(OpenAIError) as caught:
+            chat_request(request, bad, False)
+        assert caught.value.status == 400 and caught.value.param.startswith("input"), bad
 
 
 def test_passed_on_extensions_are_typed_as_chat_types_them():

@@ -153,7 +153,6 @@ class ResponsesRequest(OpenAIModel):
                 "max_tool_calls": self.max_tool_calls, "service_tier": self.service_tier or "auto",
                 "top_logprobs": self.top_logprobs}
 
-
     def echo_json(self) -> bytes:
         """``orjson.dumps(self.echo())``; for a request with no tools, metadata, reasoning or text format (nearly
         every one, with instructions of at most :data:`_ECHOED_TEXT` characters) kept per distinct settings
@@ -423,7 +422,7 @@ def _trusted(chat: dict[str, Any]) -> ChatCompletionRequest | None:
     not of a shape :func:`to_messages` writes, or a tool has no name (validation then answers)."""
     messages = []
     for message in chat["messages"]:
-        if not message.keys() <= _MESSAGE_KEYS or message.get("role") not in _ROLES:
+        if type(message) is not dict or not message.keys() <= _MESSAGE_KEYS or message.get("role") not in _ROLES:
             return None
         content = message.get("content")
         if content is not None and type(content) is not str:
@@ -432,10 +431,12 @@ def _trusted(chat: dict[str, Any]) -> ChatCompletionRequest | None:
             return None
         values = message
         if "tool_calls" in message:
+            if type(message["tool_calls"]) is not list:
+                return None
             calls = []
             for call in message["tool_calls"]:
-                function = call.get("function")
-                if call.keys() != {"id", "type", "function"} or type(call["id"]) is not str or call["type"] != \
+                function = call.get("function") if type(call) is dict else None
+                if function is None or call.keys() != {"id", "type", "function"} or type(call["id"]) is not str or call["type"] != \
                         "function" or type(function) is not dict or function.keys() != {"name", "arguments"} or \
                         type(function["name"]) is not str or type(function["arguments"]) is not str:
                     return None
