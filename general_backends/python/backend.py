@@ -66,22 +66,43 @@ class ModelExit(InternalError):
 
 class InstanceThread:
     """The one thread that runs a model instance's code; a daemon, so a model stuck in ``execute``
-    cannot keep the server process from exiting (Triton would kill its stub process)."""
+    cannot keep the server process from exiting (Triton would kill its stub process).
+
+    Work comes through a queue, or, while the thread runs an event loop of its own (:meth:`serve`: a model
+    process's direct links, ``direct.py``), through that loop: the loop's callbacks and the work posted to the
+    thread then take turns on it."""
 
     def __init__(self, name: str, scope: ModelScope) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()  # the switch to and from a loop against posts from other threads
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.busy = False
         self._thread = threading.Thread(target=self._run, args=(scope,), name=name, daemon=True)
         self._thread.start()
 
     def submit(self, fn, *args) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._queue.put((future, fn, args))
+        self._put((future, fn, args))
         return future
 
     def post(self, fn, *args) -> None:
         """Run ``fn(*args)`` on the thread with no future to wait on (``fn`` answers for itself)."""
-        self._queue.put((None, fn, args))
+        self._put((None, fn, args))
+
+    def _put(self, item) -> None:
+        loop = self._loop
+        if loop is not None:
+            try:
+                loop.call_soon_threadsafe(self._call, item)
+                return
+            except RuntimeError:  # the loop closed in the meantime: the queue takes it
+                pass
+        with self._lock:
+            loop = self._loop
+            if loop is None:
+                self._queue.put(item)
+                return
+        loop.call_soon_threadsafe(self._call, item)
 
     def _run(self, scope: ModelScope) -> None:
         set_scope(scope)
@@ -89,26 +110,66 @@ class InstanceThread:
             item = self._queue.get()
             if item is None:
                 return
-            future, fn, args = item
-            if future is not None and not future.set_running_or_notify_cancel():
-                continue
-            self.busy = True
-            try:
-                result = fn(*args)
-            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
-                if future is None:
-                    log.exception("instance thread: %s failed", getattr(fn, "__qualname__", fn))
-                else:
-                    future.set_exception(exc)
+            self._call(item)
+            del item
+
+    def _call(self, item) -> None:
+        future, fn, args = item
+        if future is not None and not future.set_running_or_notify_cancel():
+            return
+        running = asyncio.events._get_running_loop()
+        if running is not None:  # inside serve's loop: model code sees no running loop, as on the plain thread
+            asyncio.events._set_running_loop(None)
+        self.busy = True
+        try:
+            result = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            if future is None:
+                log.exception("instance thread: %s failed", getattr(fn, "__qualname__", fn))
             else:
-                if future is not None:
-                    future.set_result(result)
-            finally:
-                self.busy = False
-                del future, fn, args, item
+                future.set_exception(exc)
+        else:
+            if future is not None:
+                future.set_result(result)
+        finally:
+            self.busy = False
+            if running is not None:
+                asyncio.events._set_running_loop(running)
+
+    def serve(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On the thread: run ``loop`` until :meth:`stop`; what is posted to the thread meanwhile runs as its
+        callbacks, in order."""
+        with self._lock:
+            self._loop = loop
+            held = []
+            while True:
+                try:
+                    held.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+        for item in held:
+            if item is None:  # stopped before the loop ran
+                self._queue.put(None)
+                loop.call_soon(loop.stop)
+                break
+            loop.call_soon(self._call, item)
+        busy, self.busy = self.busy, False
+        try:
+            loop.run_forever()
+        finally:
+            with self._lock:
+                self._loop = None
+            self.busy = busy
 
     def stop(self) -> None:
-        self._queue.put(None)
+        with self._lock:
+            loop = self._loop
+            self._queue.put(None)
+        if loop is not None:
+            try:
+                loop.call_soon_threadsafe(loop.stop)
+            except RuntimeError:
+                pass
 
 
 class PythonModel(Model):

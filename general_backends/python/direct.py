@@ -7,6 +7,13 @@ that way meet a scheduler here, the one the core would use for the model (the dy
 the batches the core sends (BLS calls, ensembles, requests that are not eligible). Its queue is this instance's
 own, where Triton keeps one per model.
 
+All of it lives on the instance's thread: that thread runs an event loop of its own (``InstanceThread.serve``)
+with the links, the scheduler and its timers, and runs each batch inline, so a batch costs no hand-over between
+threads (no wake-up of the instance's thread and none back, no contention for the GIL); the work the core posts to
+the thread runs between the loop's callbacks. A decoupled model's links stay on the process's main loop, which
+hands each batch to the instance's thread: what such a model sends while it executes, or from threads of its own,
+leaves at once instead of after the batch.
+
 What this process runs for direct requests it counts in a ``ModelStats`` of its own, as the core would count
 them (success, failure and its reason, queue, compute, batches, executions, latency histograms); the core asks
 for those counters (``DirectStats``) before it answers statistics or ``/metrics``, and adds them. An unload
@@ -17,6 +24,7 @@ the core) while those in flight finish. A worker whose link closes has its reque
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import ctypes
 import logging
 import os
@@ -53,17 +61,58 @@ class _Runtime:
     _send_returned = ModelRuntime._send_returned
     rate_limiter = None
 
-    def __init__(self, name: str, config, instance, stats: ModelStats) -> None:
+    def __init__(self, name: str, config, instance, stats: ModelStats, server: DirectServer) -> None:
         self.name = name
         self.config = config
         self.stats = stats
         self.decoupled = config.model_transaction_policy.decoupled
-        self.slots = [InstanceSlot(_Instance(instance, asyncio.get_running_loop()))]
+        loop = asyncio.get_running_loop()
+        self.slots = [InstanceSlot(_HandOff(instance, loop) if self.decoupled else _Inline(instance, server))]
 
 
-class _Instance:
-    """The instance as the direct scheduler runs it: ``execute`` hands the batch to the instance's thread and
-    is woken by one callback when it is done (no executor future chained to a loop future per batch)."""
+class _Inline:
+    """The instance as the direct scheduler runs it on the instance's own thread (the loop's): a batch runs inline,
+    the loop waiting for it as the instance's thread would. What arrived meanwhile is read before the next batch
+    forms (as a queue would have held it), and counts as queued from no later than the batch's start."""
+
+    __slots__ = ("instance", "ctx", "server")
+
+    def __init__(self, instance: PythonInstance, server: DirectServer) -> None:
+        self.instance = instance
+        self.ctx = instance.ctx
+        self.server = server
+
+    async def execute(self, requests) -> None:
+        instance, server = self.instance, self.server
+        thread = instance.thread
+        server.held_from = time.monotonic_ns()
+        loop = asyncio.events._get_running_loop()
+        asyncio.events._set_running_loop(None)  # model code sees no running loop, as on the plain thread
+        thread.busy = True
+        try:
+            answers = instance.run_execute(requests)
+        except ModelExit as exc:
+            instance.on_exit(exc)  # in a model process: it ends here
+            raise
+        finally:
+            thread.busy = False
+            asyncio.events._set_running_loop(loop)
+            server.held_until = time.monotonic_ns()
+        PythonInstance.answer(answers)
+        # a turn of the loop, whose poll reads what the links delivered during the batch, before the batcher looks
+        # at its queue again; after a long batch a few (a link that connected meanwhile is accepted in one turn,
+        # made in the next, read in the third)
+        await asyncio.sleep(0)
+        if server.held_until - server.held_from > LONG_BATCH_NS:
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+
+
+class _HandOff:
+    """A decoupled model's instance, whose loop runs on the process's main thread: each batch is handed to the
+    instance's thread, which wakes the loop with one callback when it is done. (A decoupled model sends its
+    responses while it executes, and from threads of its own: the loop writes them at once, never held behind the
+    batch that runs.)"""
 
     __slots__ = ("instance", "ctx", "loop")
 
@@ -102,6 +151,8 @@ def _settle(done: asyncio.Future, answers, error: BaseException | None) -> None:
         done.set_exception(error)
 
 
+LONG_BATCH_NS = 1_000_000  # an inline batch this long is followed by a few loop turns (see _Inline), not one
+
 # The event loop's timers run no finer than this: uvloop rounds a shorter delay to "at once" (asyncio's own loop
 # up to a millisecond), so a batcher that waits out a 100 us max_queue_delay with them spins through loop turns
 # for the whole delay.
@@ -111,6 +162,16 @@ LOOP_TIMER_RESOLUTION_S = 0.001
 # late (Triton's add_sub waits 100 us); more requests queued wait on the timerfd, and the CPU stays free for the
 # other processes. TIDESERVE_DIRECT_SPIN_US overrides it (0: never spin).
 SPIN_MAX_S = float(os.environ.get("TIDESERVE_DIRECT_SPIN_US", "100")) / 1e6
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's loop where it is installed (its timers fire on the loop's next turn for delays under a
+    millisecond), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
 
 
 class _Timespec(ctypes.Structure):
@@ -289,30 +350,96 @@ class DirectServer:
         model = stub.model
         config = model.config
         self.stats = ModelStats(model.ctx.name, str(model.ctx.version), metrics=True)  # with its histograms
-        self.runtime = _Runtime(model.ctx.name, config, stub.instance, self.stats)
+        self.runtime = _Runtime(model.ctx.name, config, stub.instance, self.stats, self)
         self.scheduler = (_DirectBatcher(self.runtime) if config.HasField("dynamic_batching")
                           else DirectScheduler(self.runtime))
         self.max_batch_size = config.max_batch_size
         self.connections: set[_Connection] = set()
         self.inflight = 0
         self.draining = False
+        self.held_from = self.held_until = 0  # the last batch that ran inline, which held the links unread
         self._idle = asyncio.Event()
         self._idle.set()
         self._server: asyncio.AbstractServer | None = None
 
-    async def start(self) -> None:
-        await self.scheduler.start()
-        self._server = await self.loop.create_unix_server(lambda: _Connection(self), self.path)
+    @classmethod
+    async def open(cls, stub, path: str) -> DirectServer:
+        """(On the process's main loop.) A server listening at ``path``, run by an event loop on the instance's
+        thread, which serves that loop from now on (until the thread stops); a decoupled model's on this loop."""
+        if stub.model.config.model_transaction_policy.decoupled:  # its loop stays on the main thread (_HandOff)
+            return await cls._start(stub, path)
+        opened: concurrent.futures.Future = concurrent.futures.Future()
+        stub.instance.thread.post(cls._serve, stub, path, opened)
+        return await asyncio.wrap_future(opened)
+
+    @classmethod
+    def _serve(cls, stub, path: str, opened: concurrent.futures.Future) -> None:
+        """On the instance's thread: make the server, then run its loop (and the thread's other work) on it."""
+        loop = new_event_loop()
+        try:
+            server = loop.run_until_complete(cls._start(stub, path))
+        except BaseException as exc:  # noqa: BLE001 - OpenDirect's failure
+            loop.close()
+            opened.set_exception(exc)
+            return
+        opened.set_result(server)
+        try:
+            stub.instance.thread.serve(loop)
+        finally:
+            server._close_loop()
+
+    @classmethod
+    async def _start(cls, stub, path: str) -> DirectServer:
+        server = cls(stub, path)
+        await server.scheduler.start()
+        server._server = await server.loop.create_unix_server(lambda: _Connection(server), path)
+        return server
+
+    def _close_loop(self) -> None:
+        """The thread stopped serving the loop (the instance is finalized): end what runs on it."""
+        loop = self.loop
+        try:
+            tasks = asyncio.all_tasks(loop)
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            if self._server is not None:
+                self._server.close()
+            for connection in list(self.connections):
+                if connection.transport is not None:
+                    connection.transport.abort()
+        except Exception:  # noqa: BLE001 - the process is ending
+            log.debug("instance '%s': closing the direct links' loop", self.stub.spec.label, exc_info=True)
+        finally:
+            loop.close()
 
     def counters(self) -> dict:
-        counters = self.stats.export()
-        counters["pending"] = self.scheduler.pending()  # nv_inference_pending_request_count, as of now
-        counters["inflight"] = self.inflight  # GET /load's server_load, as of now
+        """(From any thread: the process's main loop asks while the instance's runs its batches.)"""
+        for _ in range(10):
+            try:
+                counters = self.stats.export()
+                counters["pending"] = self.scheduler.pending()  # nv_inference_pending_request_count, as of now
+                counters["inflight"] = self.inflight  # GET /load's server_load, as of now
+                return counters
+            except RuntimeError:  # a counter's dictionary grew while it was read: read again
+                continue
         return counters
 
     async def drain(self, timeout: float) -> dict:
-        """Take no new request (the workers send them through the core), wait for those in flight."""
-        self.draining = True
+        """(On the process's main loop.) Take no new request (the workers send them through the core), wait for
+        those in flight."""
+        self.draining = True  # read where a request arrives: no hop needed to refuse the next ones
+        if self.loop is asyncio.get_running_loop():
+            return await self._drain(timeout)
+        waited = asyncio.run_coroutine_threadsafe(self._drain(timeout), self.loop)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(waited), timeout + 1.0)
+        except TimeoutError:  # a batch holds the instance's thread past the drain's time
+            log.warning("instance '%s': direct requests still running after %.0fs", self.stub.spec.label, timeout)
+            return self.counters()
+
+    async def _drain(self, timeout: float) -> dict:
         if self._server is not None:
             self._server.close()
         try:
@@ -337,7 +464,10 @@ class DirectServer:
         entry = _Entry(request)
         request.response_sender = ResponseSender(request, lambda response: self._respond(connection, rid, entry,
                                                                                           response))
-        request.queue_start_ns = time.monotonic_ns()
+        now = time.monotonic_ns()
+        arrived = request.arrival_ns
+        # sent while a batch held the links unread: queued since it arrived, no earlier than that batch's start
+        request.queue_start_ns = max(arrived, self.held_from) if arrived < self.held_until else now
         try:
             self.scheduler.enqueue(request)
         except ServerError as exc:

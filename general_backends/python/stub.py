@@ -341,9 +341,7 @@ class Stub:
         if self.direct is None:
             from .direct import DirectServer
 
-            direct = DirectServer(self, path)
-            await direct.start()
-            self.direct = direct
+            self.direct = await DirectServer.open(self, path)
 
     def _direct_counters(self, call: int) -> None:
         counters = self.direct.counters() if self.direct is not None else {}
