@@ -66,8 +66,9 @@ class RpcAbort(grpc.aio.AbortError):
         self.details = details
 
 
-class _Disconnected(Exception):
-    """The client reset the stream or closed its connection."""
+class _Disconnected(grpc.aio.AbortError):
+    """The client reset the stream or closed its connection (an AbortError: the servicers let it through, as
+    grpc.aio's own, unlogged)."""
 
 
 def _percent_encoded(text: str) -> bytes:
@@ -151,6 +152,8 @@ class CallContext:
         if len(data) > self._send_limit:
             raise RpcAbort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                            f"Sent message larger than max ({len(data)} vs. {self._send_limit})")
+        # not shielded (pyvoy's send from another task stalled under a deadline): a writer cancelled mid-send
+        # (deadline, client gone) may have asyncio log pyvoy's completion of that send as an InvalidStateError
         if not self.started:
             self.started = True
             await self._send(_START)
@@ -160,10 +163,13 @@ class CallContext:
 class _Messages:
     """The request messages of one call as they arrive in the body's chunks (an async iterator of bytes)."""
 
-    __slots__ = ("_receive", "_buffer", "_more", "_encoding", "_limit")
+    __slots__ = ("_receive", "_buffer", "_more", "_encoding", "_limit", "shielded")
 
     def __init__(self, receive, encoding: bytes | None, limit: int) -> None:
         self._receive = receive
+        # a stream's reader may be cancelled mid-read (the call ended first): pyvoy's receive then completes
+        # into a future nobody waits on, not into a cancelled one (which it reports as an error)
+        self.shielded = False
         self._buffer = b""
         self._more = True
         self._encoding = encoding
@@ -196,7 +202,7 @@ class _Messages:
                 if buffer:
                     raise RpcAbort(grpc.StatusCode.INTERNAL, "the request ended inside a message")
                 return None
-            event = await self._receive()
+            event = await (asyncio.shield(self._receive()) if self.shielded else self._receive())
             if event["type"] != "http.request":
                 raise _Disconnected()
             body = event.get("body", b"")
@@ -278,15 +284,13 @@ class GrpcAsgiApp:
         context = None
         try:
             method = self.methods.get(path)
-            deadline = None
-            timeout = encoding = None
+            deadline = encoding = None
             for name, value in headers:
                 if name == b"grpc-timeout":
                     timeout = _timeout_seconds(value)
+                    deadline = None if timeout is None else time.monotonic() + timeout
                 elif name == b"grpc-encoding":
                     encoding = value
-            if timeout is not None:
-                deadline = time.monotonic() + timeout
             context = CallContext(headers, send, self.send_limit, deadline)
             if method is None:
                 if not self.methods:
@@ -301,11 +305,7 @@ class GrpcAsgiApp:
             kind, handler, message_class = method
             messages = _Messages(receive, encoding if encoding not in (None, b"identity") else None,
                                  self.receive_limit)
-            if timeout is None:
-                await self._run(kind, handler, message_class, messages, context, receive)
-            else:
-                await asyncio.wait_for(self._run(kind, handler, message_class, messages, context, receive),
-                                       timeout)
+            await self._run(kind, handler, message_class, messages, context, receive)
         except RpcAbort as exc:
             await self._finish(send, context, exc.code, exc.details)
         except asyncio.TimeoutError:
@@ -316,9 +316,19 @@ class GrpcAsgiApp:
             log.error("gRPC call %s failed", path, exc_info=exc)
             await self._finish(send, context, grpc.StatusCode.UNKNOWN, f"Exception calling application: {exc}")
 
+    @staticmethod
+    async def _until(deadline: float | None, call):
+        """``call`` awaited, cancelled at ``deadline`` (TimeoutError)."""
+        if deadline is None:
+            return await call
+        return await asyncio.wait_for(call, max(deadline - time.monotonic(), 0.0))
+
     async def _run(self, kind: str, handler, message_class, messages: _Messages, context: CallContext,
                    receive) -> None:
+        """One call. The deadline covers the handler; a unary call's message is read before it (pyvoy's
+        ``receive`` is never cancelled: a stream's reads go through a shield)."""
         send = context._send
+        deadline = context.deadline
         if kind is RAW_UNARY or kind is UNARY:
             data = await messages.next()
             if data is None:
@@ -328,7 +338,8 @@ class GrpcAsgiApp:
                     data = message_class.FromString(data)
                 except Exception:
                     raise RpcAbort(grpc.StatusCode.INTERNAL, "Exception deserializing request!") from None
-            response = await handler(data, context)
+            response = await (handler(data, context) if deadline is None
+                              else self._until(deadline, handler(data, context)))
             if response is None:  # a handler that ended the call without raising
                 raise RpcAbort(grpc.StatusCode.UNKNOWN, "the handler returned no response")
             if type(response) is not bytes:
@@ -341,17 +352,15 @@ class GrpcAsgiApp:
             await send({"type": "http.response.body", "body": frame(response), "more_body": False})
             await send(_OK)
             return
+        messages.shielded = True
         if kind is STREAM:
-            await handler(messages, context)
+            await self._until(deadline, handler(messages, context))
         else:  # UNARY_STREAM: the request, then writes until the handler returns or the client goes away
             data = await messages.next()
             request = message_class.FromString(data or b"")
-            task = asyncio.ensure_future(handler(request, context))
-            gone = asyncio.ensure_future(receive())
-            try:
-                await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                gone.cancel()
+            task = asyncio.ensure_future(self._until(deadline, handler(request, context)))
+            gone = asyncio.ensure_future(receive())  # left pending when the handler ends first: pyvoy drops it
+            await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
             if not task.done():
                 task.cancel()
                 raise _Disconnected()
