@@ -478,6 +478,39 @@ def test_openai_traffic_shows_in_the_llm_metrics(llm_server, client):
     assert metric_value(text, "nv_inference_request_success", model=MODEL, version="1") > 0
 
 
+def test_typed_streams_count_in_the_model_statistics(llm_server, client):
+    """The OpenAI frontend's generation stream (no instance execute, no response per delta) keeps Triton's
+    statistics: a finished stream is a success and an execution, one closed early a failure."""
+    def stats() -> dict:
+        doc = httpx.get(f"{llm_server.base_url}/v2/models/{MODEL}/stats", timeout=30).json()
+        row = doc["model_stats"][0]
+        inference = row["inference_stats"]
+        return {"success": inference["success"]["count"], "fail": inference["fail"]["count"],
+                "executions": row["execution_count"], "inferences": row["inference_count"]}
+
+    def settled(expected: dict) -> dict:  # the generation task's end is recorded once it has returned
+        deadline = time.monotonic() + 30
+        while (now := stats()) != expected and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return now
+
+    before = stats()
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, stream=True,
+                                                 **GREEDY, **IGNORE_EOS))
+    assert chunks[-1].choices[0].finish_reason == "length"
+    after = {**before, "success": before["success"] + 1, "executions": before["executions"] + 1,
+             "inferences": before["inferences"] + 1}
+    assert settled(after) == after
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": MAX_MODEL_LEN - 64, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{llm_server.base_url}/v1/chat/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        for _ in range(4):
+            next(lines)
+    closed = {**after, "fail": after["fail"] + 1, "executions": after["executions"] + 1,
+              "inferences": after["inferences"] + 1}
+    assert settled(closed) == closed
+
+
 # -- the Responses and Messages APIs over the engine --------------------------------------------
 def test_responses_api_over_the_engine(client):
     """``/v1/responses`` (whole and streamed) generates what chat completions does for the same conversation."""
