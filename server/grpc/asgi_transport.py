@@ -325,8 +325,8 @@ class GrpcAsgiApp:
 
     async def _run(self, kind: str, handler, message_class, messages: _Messages, context: CallContext,
                    receive) -> None:
-        """One call. The deadline covers the handler; a unary call's message is read before it (pyvoy's
-        ``receive`` is never cancelled: a stream's reads go through a shield)."""
+        """One call. The deadline covers the handler; a unary call's message is read before it, so that pyvoy's
+        ``receive`` is not cancelled mid-read (pyvoy logs that as an error)."""
         send = context._send
         deadline = context.deadline
         if kind is RAW_UNARY or kind is UNARY:
@@ -352,7 +352,9 @@ class GrpcAsgiApp:
             await send({"type": "http.response.body", "body": frame(response), "more_body": False})
             await send(_OK)
             return
-        messages.shielded = True
+        # a stream whose handler may end while the client still sends (a deadline, triton_grpc_error's first error)
+        # reads through a shield (a task per read); others need none: they end on the client's half-close
+        messages.shielded = deadline is not None or context.header("triton_grpc_error") is not None
         if kind is STREAM:
             await self._until(deadline, handler(messages, context))
         else:  # UNARY_STREAM: the request, then writes until the handler returns or the client goes away
