@@ -248,7 +248,8 @@ class Server:
             await self.frontends.start()
         log.info("tideserve ready: HTTP %s:%d, gRPC %s:%d, metrics %s:%d%s", opts.host, opts.http_port,
                  opts.host, opts.grpc_port, opts.metrics_address, opts.metrics_port,
-                 f"; {opts.frontend_workers} frontend worker processes" if self.workers is not None else "")
+                 (f"; {opts.frontend_workers} frontend worker processes" if opts.frontend_workers > 1 else "")
+                 + ("; gRPC on pyvoy (Envoy)" if pyvoy else ""))
 
     def _metrics_app(self) -> Starlette:
         render = self.dataplane.metrics_text
