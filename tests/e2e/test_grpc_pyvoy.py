@@ -136,3 +136,16 @@ def test_stop_ends_envoy_and_a_taken_port_fails_the_start(tmp_path):
     assert running.stop() == 0
     for pid in envoys:
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+def test_envoy_exits_when_the_core_dies(tmp_path):
+    running = start_server([TEST_MODELS], "--grpc-frontend", "pyvoy", "--model-control-mode", "explicit",
+                           tmp_dir=tmp_path)
+    envoys = _envoys(running)
+    assert envoys
+    running.stop(signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while any(Path(f"/proc/{pid}").exists() for pid in envoys):
+        assert time.monotonic() < deadline, "Envoy outlived the core"
+        time.sleep(0.1)
+    assert "the core process is gone; exiting" in running.log()
