@@ -32,6 +32,7 @@ import zlib
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 from tritonclient.grpc import service_pb2 as pb
 
@@ -98,7 +99,7 @@ def frame(payload: bytes) -> bytes:
 class CallContext:
     """What a servicer method uses of grpc.aio's ServicerContext, over one ASGI request."""
 
-    __slots__ = ("_headers", "_send", "_send_limit", "started", "deadline", "_metadata")
+    __slots__ = ("_headers", "_metadata", "_send", "_send_limit", "deadline", "started")
 
     def __init__(self, headers: list, send, send_limit: int, deadline: float | None) -> None:
         self._headers = headers
@@ -163,7 +164,7 @@ class CallContext:
 class _Messages:
     """The request messages of one call as they arrive in the body's chunks (an async iterator of bytes)."""
 
-    __slots__ = ("_receive", "_buffer", "_more", "_encoding", "_limit", "shielded")
+    __slots__ = ("_buffer", "_encoding", "_limit", "_more", "_receive", "shielded")
 
     def __init__(self, receive, encoding: bytes | None, limit: int) -> None:
         self._receive = receive
@@ -175,7 +176,7 @@ class _Messages:
         self._encoding = encoding
         self._limit = limit
 
-    def __aiter__(self) -> "_Messages":
+    def __aiter__(self) -> _Messages:
         return self
 
     async def __anext__(self) -> bytes:
@@ -308,7 +309,7 @@ class GrpcAsgiApp:
             await self._run(kind, handler, message_class, messages, context, receive)
         except RpcAbort as exc:
             await self._finish(send, context, exc.code, exc.details)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             await self._finish(send, context, grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
         except _Disconnected:
             return
@@ -336,7 +337,7 @@ class GrpcAsgiApp:
             if kind is UNARY:
                 try:
                     data = message_class.FromString(data)
-                except Exception:
+                except DecodeError:
                     raise RpcAbort(grpc.StatusCode.INTERNAL, "Exception deserializing request!") from None
             response = await (handler(data, context) if deadline is None
                               else self._until(deadline, handler(data, context)))
@@ -384,8 +385,8 @@ class GrpcAsgiApp:
                 await send(_START)
             await send(_END)
             await send({"type": "http.response.trailers", "headers": trailers, "more_trailers": False})
-        except Exception:  # the client is gone
-            pass
+        except Exception:  # noqa: BLE001 - the client is gone: nobody to tell
+            log.debug("gRPC call ended without its status: the client is gone")
 
     # -- lifespan: the link to the core ----------------------------------------------------------------------------
     async def _lifespan(self, receive, send) -> None:

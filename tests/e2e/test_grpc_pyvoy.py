@@ -16,9 +16,8 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from tritonclient.utils import InferenceServerException
-
 from support import TEST_MODELS, PortTaken, free_port, start_server
+from tritonclient.utils import InferenceServerException
 
 
 @pytest.fixture(scope="module")

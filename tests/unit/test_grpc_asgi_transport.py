@@ -9,14 +9,21 @@ import zlib
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
-from tritonclient.grpc import service_pb2 as pb
-
 from tideserve.access import AccessPolicy, parse_restrictions
 from tideserve.app import ServerOptions
 from tideserve.cli import build_parser, options_from_args
 from tideserve.grpc import asgi_transport
-from tideserve.grpc.asgi_transport import (CallContext, GrpcAsgiApp, RpcAbort, _Messages, _percent_encoded,
-                                           _timeout_seconds, envoy_config, frame)
+from tideserve.grpc.asgi_transport import (
+    CallContext,
+    GrpcAsgiApp,
+    RpcAbort,
+    _Messages,
+    _percent_encoded,
+    _timeout_seconds,
+    envoy_config,
+    frame,
+)
+from tritonclient.grpc import service_pb2 as pb
 
 SERVICE = "/inference.GRPCInferenceService"
 
