@@ -416,14 +416,17 @@ class DirectServer:
 
     def counters(self) -> dict:
         """(From any thread: the process's main loop asks while the instance's runs its batches.)"""
-        for _ in range(10):
+        for _ in range(9):
             try:
-                counters = self.stats.export()
-                counters["pending"] = self.scheduler.pending()  # nv_inference_pending_request_count, as of now
-                counters["inflight"] = self.inflight  # GET /load's server_load, as of now
-                return counters
+                return self._counters()
             except RuntimeError:  # a counter's dictionary grew while it was read: read again
                 continue
+        return self._counters()
+
+    def _counters(self) -> dict:
+        counters = self.stats.export()
+        counters["pending"] = self.scheduler.pending()  # nv_inference_pending_request_count, as of now
+        counters["inflight"] = self.inflight  # GET /load's server_load, as of now
         return counters
 
     async def drain(self, timeout: float) -> dict:
