@@ -120,12 +120,31 @@ class _Link(p.FramedLink):
             request = p.request_of(message, self.inbox)
             if message.unary:
                 request.streaming = False
-            stream = self.pool.dataplane.infer(request)
+            typed = request.generation is not None and not message.unary  # a worker's RemoteDataPlane.generate
+            stream = self.pool.dataplane.generate(request) if typed else self.pool.dataplane.infer(request)
         except Exception as exc:
             self.send(p.error_respond(rid, exc, rejected=True))
             return
-        task = asyncio.get_running_loop().create_task(self._relay(rid, stream, message.unary))
+        relay = self._relay_generation(rid, stream) if typed else self._relay(rid, stream, message.unary)
+        task = asyncio.get_running_loop().create_task(relay)
         self.tasks[rid] = (task, stream)
+
+    async def _relay_generation(self, rid: int, stream) -> None:
+        """A typed generation's deltas, one message each as the stream hands them out (deltas not sent yet join
+        there), then a bare FINAL flag; a model's error as the final answer."""
+        send = self.send
+        uid = self.pool.describe(self, stream.runtime)
+        try:
+            async for delta in stream:
+                send(p.Respond(rid, wire.Response(final=False, generation=delta), uid))
+            send(p.Respond(rid, wire.Response(final=True, empty=True), uid))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            send(p.error_respond(rid, exc, uid))
+        finally:
+            self.tasks.pop(rid, None)
+            await stream.aclose()
 
     async def _relay(self, rid: int, stream: "InferenceStream", unary: bool) -> None:
         send, outbox = self.send, self.outbox
