@@ -35,7 +35,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from .errors import ServerError, Status, as_server_error, error_of_status
+from .errors import DeadlinePassed, ServerError, Status, as_server_error, error_of_status
 from .generation import GenerationDelta, GenerationRequest
 from .types import InferenceRequest, InferenceResponse, RequestedOutput
 from .types import Tensor as CoreTensor
@@ -64,6 +64,11 @@ class Error(msgspec.Struct, array_like=True, omit_defaults=True):
     message: str
     retry_after_s: int | None = None  # ServerError.retry_after_s (a queue at its bound: Retry-After)
     http_code: int = 0  # where the error's class answers another HTTP status than its status's (e.g. 415)
+    # a refusal at a queue deadline (DeadlinePassed): the deadline, when the server refused, and the loop's wait for
+    # a CPU meanwhile where measured (time.monotonic_ns: one clock for every process of the host)
+    deadline_ns: int = 0
+    fired_ns: int = 0
+    cpu_wait_ns: int | None = None
 
 
 class Output(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -131,6 +136,10 @@ def error_data(error: BaseException) -> Error:
     HTTP code."""
     error = as_server_error(error)
     code = error.http_code
+    if isinstance(error, DeadlinePassed):
+        return Error(error.status.value, error.message, error.retry_after_s,
+                     0 if code == error.status.http_code else code, error.deadline_ns, error.fired_ns,
+                     error.cpu_wait_ns)
     return Error(error.status.value, error.message, error.retry_after_s,
                  0 if code == error.status.http_code else code)
 
@@ -142,6 +151,12 @@ def server_error(error: Error) -> ServerError:
     """The ServerError ``error`` describes: of its status's class (ALREADY_EXISTS: the base class), answering the
     HTTP code and Retry-After the original did."""
     status = Status(error.status)
+    if error.deadline_ns:  # a refusal at a queue deadline: its answer says how late the server was
+        found = DeadlinePassed(error.message, error.deadline_ns, error.fired_ns)
+        found.cpu_wait_ns = error.cpu_wait_ns
+        if error.retry_after_s is not None:
+            found.retry_after_s = error.retry_after_s
+        return found
     found = error_of_status(status, error.message)
     if error.http_code:  # a class of its own that answers that HTTP status, as the original's did
         kind = type(found)

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from tideserve import arena, wire
-from tideserve.errors import QueueFull, Unavailable, UnsupportedMediaType
+from tideserve.asgi import deadline_late_header
+from tideserve.errors import DeadlinePassed, QueueFull, Unavailable, UnsupportedMediaType
 from tideserve.general_backends.python import protocol as model_link
 from tideserve.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 from tideserve.workers import protocol as worker_link
@@ -47,6 +48,21 @@ def test_an_error_keeps_status_http_code_and_retry_after_on_the_model_link(error
     assert isinstance(rebuilt, Unavailable if isinstance(error, QueueFull) else type(error).__mro__[1])
     assert (rebuilt.status, rebuilt.message, rebuilt.http_code, rebuilt.retry_after_s) == \
         (error.status, error.message, error.http_code, error.retry_after_s)
+
+
+def test_a_deadline_refusal_keeps_its_times_on_the_worker_link():
+    """A worker answers a refusal at a queue deadline with the core's timing header (tideserve-deadline-late-us)."""
+    refusal = DeadlinePassed("did not start generating within its deadline of 200 ms", 1_000_000_000, 1_001_500_000)
+    refusal.cpu_wait_ns = 700_000
+    reader = wire.FrameReader(worker_link.ToWorker)
+    (got,) = reader.feed(wire.frame(worker_link.Respond(5, wire.response_message(InferenceResponse(error=refusal)))))
+    error = wire.core_response(got.response).error
+    assert isinstance(error, DeadlinePassed)
+    assert (error.status, error.message, error.retry_after_s) == (refusal.status, refusal.message, 1)
+    assert (error.deadline_ns, error.fired_ns, error.cpu_wait_ns) == (1_000_000_000, 1_001_500_000, 700_000)
+    assert deadline_late_header(error)[1].startswith(b"timer=1500, answer=")
+    plain = wire.server_error(wire.error_data(QueueFull("full")))
+    assert not isinstance(plain, DeadlinePassed) and deadline_late_header(plain) is None
 
 
 ARRAYS = [
