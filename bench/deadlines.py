@@ -56,7 +56,7 @@ Reported, all rounds of a mode pooled:
 
     python bench/deadlines.py [--api both] [--size 100m] [--max-num-seqs 8] [--max-queue-size 0] [--tokens 32]
                               [--deadline-ms 1000] [--duration 15] [--rounds 2] [--loop-nice -10]
-                              [--loop-slice-us 100] [--engine-nice 10]
+                              [--loop-slice-us 100] [--engine-nice 10] [--same-session]
 
 About 6 minutes for ``--rounds 2`` (one engine start, 8 sides of 15 s). Writes bench/results/deadlines-<time>.json
 (the pooled summary and each side of each round, with the load average at its start).
@@ -505,6 +505,12 @@ def main() -> None:
     parser.add_argument("--engine-nice", type=int, default=0,
                         help="the model's engine_nice config parameter (e.g. 10): the engine's processes at that nice "
                              "value, below the server's loop, with no privilege needed (0: the server's own)")
+    parser.add_argument("--same-session", action="store_true",
+                        help="run the server in this process's session (one autogroup with the clients) instead of a "
+                             "session of its own: with Linux's autogroup scheduling each session gets an equal share "
+                             "of a busy machine, so nice values (--engine-nice) order the clients, the server's loop "
+                             "and the engine on one scale only then (as if the clients ran on another machine, "
+                             "not starved by the engine)")
     parser.add_argument("--loop-slice-us", type=int, default=None,
                         help="the server loop thread's time slice in us (TIDESERVE_LOOP_SLICE_US, e.g. 100; default: "
                              "the server's, the kernel's default slice), to see what it does to the lateness")
@@ -539,7 +545,8 @@ def main() -> None:
           f"steady: {args.max_num_seqs} closed-loop clients; flood: {flood} more; {args.tokens} tokens per request, "
           f"deadline {args.deadline_ms:g} ms, TTFT SLO {args.ttft_slo:g} s, {args.duration:g} s per side; "
           f"modes {', '.join(apis)}", flush=True)
-    proc, http, _ = start_tideserve(repo, work / "tideserve.log", env, MODEL, weights=model)
+    proc, http, _ = start_tideserve(repo, work / "tideserve.log", env, MODEL, weights=model,
+                                   new_session=not args.same_session)
     base = f"http://127.0.0.1:{http}"
     if args.loop_nice:  # the loop thread only (Linux: a thread's own nice value), not the engine's process
         os.setpriority(os.PRIO_PROCESS, proc.pid, args.loop_nice)
