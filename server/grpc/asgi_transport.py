@@ -23,7 +23,6 @@ import base64
 import json
 import logging
 import os
-import pickle
 import shutil
 import socket
 import sys
@@ -408,9 +407,8 @@ class GrpcAsgiApp:
     async def connect_core(self, spec: str) -> None:
         """Connect to the core over the inherited link (as a frontend worker: server/workers/main.py), serve its
         repository, say Ready; exit when the core stops this process or goes away."""
-        from ..access import AccessPolicy
         from ..workers.protocol import Ready
-        from ..workers.remote import CoreLink, RemoteDataPlane
+        from ..workers.remote import CoreLink, open_frontend
 
         link_fd, send_fd, receive_fd, size = (int(x) for x in spec.split(","))
         loop = asyncio.get_running_loop()
@@ -418,19 +416,9 @@ class GrpcAsgiApp:
         link.attach(send_fd, receive_fd, size)
         os.close(send_fd)
         os.close(receive_fd)
-        start = await link.started
-        options = pickle.loads(start.options)
         logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                             format=f"%(asctime)s %(levelname)s %(name)s[grpc frontend {os.getpid()}]: %(message)s")
-        logging.getLogger().setLevel(logging.DEBUG if options.log_verbose > 0 else logging.INFO)
-        await link.first_snapshot
-        access = AccessPolicy(options.http_restricted_apis, options.grpc_restricted_protocols, options.api_key,
-                              options.api_key_scope)
-        dataplane = RemoteDataPlane(link)
-        if getattr(options, "frontend_direct", False):
-            from ..workers.direct import DirectRouter
-
-            dataplane.direct = DirectRouter(dataplane)
+        start, options, dataplane, access = await open_frontend(link)
         self.configure(dataplane, options, access)
         self.link = link
         link.send(Ready(os.getpid()))

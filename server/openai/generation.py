@@ -55,12 +55,7 @@ class Run:
             except ServerError:
                 self._done = True
                 raise
-            if step.cached_tokens is not None:
-                self.cached_tokens = step.cached_tokens
-            if step.prompt_tokens is not None:
-                self.prompt_tokens = step.prompt_tokens
-            if step.prompt_logprobs is not None:
-                self.prompt_logprobs = step.prompt_logprobs
+            self._keep(step)
             return step
         while not self._done:
             try:
@@ -76,14 +71,18 @@ class Run:
             if response.empty:
                 continue
             step = self.reader.read(response)
-            if step.cached_tokens is not None:
-                self.cached_tokens = step.cached_tokens
-            if step.prompt_tokens is not None:
-                self.prompt_tokens = step.prompt_tokens
-            if step.prompt_logprobs is not None:
-                self.prompt_logprobs = step.prompt_logprobs
+            self._keep(step)
             return step
         return None
+
+    def _keep(self, step) -> None:
+        """What a step tells of the whole request (cached and prompt tokens, prompt logprobs), kept as it comes."""
+        if step.cached_tokens is not None:
+            self.cached_tokens = step.cached_tokens
+        if step.prompt_tokens is not None:
+            self.prompt_tokens = step.prompt_tokens
+        if step.prompt_logprobs is not None:
+            self.prompt_logprobs = step.prompt_logprobs
 
     async def peek(self) -> None:
         """Wait for the first Step (keeping it for :meth:`step`): an error the model raises at once

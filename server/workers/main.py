@@ -10,19 +10,17 @@ import argparse
 import asyncio
 import logging
 import os
-import pickle
 import signal
 import socket
 import sys
 
-from .remote import CoreLink, RemoteDataPlane
+from .remote import CoreLink, open_frontend
 
 log = logging.getLogger("tideserve.workers")
 
 
 async def serve(link_fd: int, http_fd: int | None, arena: tuple[int, int, int] | None = None,
                 balance: tuple[int, int] | None = None) -> int:
-    from ..access import AccessPolicy
     from ..app import Frontends
 
     loop = asyncio.get_running_loop()
@@ -35,17 +33,7 @@ async def serve(link_fd: int, http_fd: int | None, arena: tuple[int, int, int] |
         link.attach(send_fd, receive_fd, size)
         os.close(send_fd)
         os.close(receive_fd)
-    start = await link.started
-    options = pickle.loads(start.options)
-    logging.getLogger().setLevel(logging.DEBUG if options.log_verbose > 0 else logging.INFO)
-    await link.first_snapshot
-    access = AccessPolicy(options.http_restricted_apis, options.grpc_restricted_protocols, options.api_key,
-                          options.api_key_scope)
-    dataplane = RemoteDataPlane(link)
-    if getattr(options, "frontend_direct", False):
-        from .direct import DirectRouter
-
-        dataplane.direct = DirectRouter(dataplane)
+    start, options, dataplane, access = await open_frontend(link)
     frontends = Frontends(dataplane, options, access)
     if balance is not None and http_fd is not None:  # (the table's fd, the number of workers)
         from .balance import ConnectionTable, acceptor_for

@@ -376,3 +376,27 @@ class RemoteDataPlane(ServingInterface):
 
 
 __all__ = ["CoreLink", "RemoteDataPlane", "RemoteInferenceStream", "RemoteRuntime"]
+
+
+async def open_frontend(link: CoreLink):
+    """A frontend process's side once its link is attached: the core's start message and options (the log level
+    set from them), then, after the first snapshot, the frontends' access policy and the worker-side interface
+    (with the direct path to the models' processes where the server runs with ``--frontend-direct on``).
+    Returns ``(start, options, dataplane, access)``."""
+    import logging
+    import pickle
+
+    from ..access import AccessPolicy
+
+    start = await link.started
+    options = pickle.loads(start.options)
+    logging.getLogger().setLevel(logging.DEBUG if options.log_verbose > 0 else logging.INFO)
+    await link.first_snapshot
+    access = AccessPolicy(options.http_restricted_apis, options.grpc_restricted_protocols, options.api_key,
+                          options.api_key_scope)
+    dataplane = RemoteDataPlane(link)
+    if getattr(options, "frontend_direct", False):
+        from .direct import DirectRouter
+
+        dataplane.direct = DirectRouter(dataplane)
+    return start, options, dataplane, access
