@@ -25,6 +25,9 @@ class EngineInfo(msgspec.Struct, array_like=True, omit_defaults=True):
     structured_outputs: bool = False  # ``sampling["structured_outputs"]`` (JSON schema, regex, choice, grammar)
     token_prompts: bool = False  # prompts given as token ids
     adapters: bool = False  # it takes LoRA adapters (``Model.lora_adapters`` is a list, not None)
+    # --frontend-workers N with --frontend-direct on: what frontend worker i (client index i, 1..N) needs to reach
+    # the engine core through an engine client of its own (opaque to frontends; workers/engines.py reads it)
+    engine_clients: bytes | None = None
 
 
 class GenerationRequest(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -38,6 +41,7 @@ class GenerationRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     logprobs: bool = False  # the log probabilities of the output tokens (``sampling["logprobs"]`` says how many)
     prompt_logprobs: bool = False  # the prompt tokens' log probabilities (``echo`` with ``logprobs``)
     cached_tokens: bool = False  # report how many prompt tokens the prefix cache served
+    cumulative_logprob: bool = False  # each choice's cumulative log probability so far (Triton's output of the name)
 
 
 class GenerationDelta(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -50,6 +54,7 @@ class GenerationDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     logprobs: list[list[dict] | None] | None = None  # vLLM's entries: {token_id: {logprob, rank, decoded_token}}
     prompt_logprobs: list[dict] | None = None  # the prompt's, once (the first token's logprob is null)
     cached_tokens: int | None = None  # prompt tokens the prefix cache served (when asked for), on the last
+    cumulative_logprobs: list[float | None] | None = None  # per choice, so far (when asked for; None: none yet)
 
     def extend(self, later: GenerationDelta) -> None:
         """Add what the next delta of the same request added (two engine steps as one, as vLLM's output collector
@@ -74,6 +79,12 @@ class GenerationDelta(msgspec.Struct, array_like=True, omit_defaults=True):
             self.prompt_logprobs = later.prompt_logprobs
         if later.cached_tokens is not None:
             self.cached_tokens = later.cached_tokens
+        if later.cumulative_logprobs is not None:
+            if self.cumulative_logprobs is None:
+                self.cumulative_logprobs = later.cumulative_logprobs
+            else:
+                self.cumulative_logprobs = [a if b is None else b
+                                            for a, b in zip(self.cumulative_logprobs, later.cumulative_logprobs)]
 
 
 __all__ = ["EngineInfo", "GenerationDelta", "GenerationRequest"]

@@ -94,6 +94,7 @@ class ResponseBuilder:
         self.want = _typed_fields(inputs) if self.typed else inputs.outputs
         self.want_logprobs = "logprobs" in self.want
         self.want_prompt_logprobs = "prompt_logprobs" in self.want
+        self.want_cumulative = self.typed and "cumulative_logprob" in self.want  # (a typed delta's field)
         if "output_ids" in self.want and n != 1:
             raise InvalidArgument("output 'output_ids' needs sampling parameter n = 1")
         self.total = [Completion() for _ in range(n)]
@@ -121,6 +122,7 @@ class ResponseBuilder:
         n = self.n
         texts, finish, tokens = [""] * n, [None] * n, [0] * n
         logprobs = [None] * n if self.want_logprobs else None
+        cumulative = [None] * n if self.want_cumulative else None
         for item in output.outputs:
             i = item.index
             if i >= n:
@@ -131,8 +133,11 @@ class ResponseBuilder:
             tokens[i] = len(item.token_ids)
             if logprobs is not None and item.logprobs is not None:
                 logprobs[i] = _logprobs(item.logprobs)
+            if cumulative is not None:
+                cumulative[i] = item.cumulative_logprob
         return GenerationDelta(texts, finish, tokens, len(self.prompt_ids), logprobs,
-                               self._prompt_logprobs_once(False) if self.want_prompt_logprobs else None)
+                               self._prompt_logprobs_once(False) if self.want_prompt_logprobs else None,
+                               cumulative_logprobs=cumulative)
 
     def add(self, output: Any) -> None:
         """Keep one step for the whole (non-streamed) response."""
@@ -184,7 +189,9 @@ class ResponseBuilder:
         return GenerationDelta([p.text for p in parts], [p.finish_reason for p in parts],
                                [len(p.token_ids) for p in parts], len(self.prompt_ids),
                                [p.logprobs for p in parts] if self.want_logprobs else None,
-                               self._prompt_logprobs_once(whole))
+                               self._prompt_logprobs_once(whole),
+                               cumulative_logprobs=[p.cumulative_logprob for p in parts] if self.want_cumulative
+                               else None)
 
     def _prompt_logprobs_once(self, whole: bool) -> list[dict] | None:
         """The prompt's log probabilities with the first response that has them (a whole answer: always)."""
@@ -202,6 +209,8 @@ def _typed_fields(generation: GenerationRequest) -> set[str]:
         want.add("logprobs")
     if generation.prompt_logprobs:
         want.add("prompt_logprobs")
+    if generation.cumulative_logprob:
+        want.add("cumulative_logprob")
     return want
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +50,7 @@ from ..asgi import (
 )
 from ..datatypes import config_to_datatype, element_size, numpy_dtype
 from ..errors import InvalidArgument, ServerError, Unsupported, as_server_error
+from ..generation import GenerationDelta, GenerationRequest
 from ..responses import content_responses
 from ..serving import ServingInterface
 from ..types import InferenceRequest, InferenceResponse, Tensor
@@ -65,6 +67,8 @@ SSE_PING_S = 0  # keep-alive comments between events; Triton sends none, so neit
 
 _PARAMETERS = "parameters"
 _SEQUENCE_FLAGS = ("sequence_start", "sequence_end")
+# Requests to a model that takes typed LLM requests go as one (see "the typed path"); false: every request's tensors
+TYPED_PATH = os.environ.get("TIDESERVE_GENERATE_TENSORS", "") not in ("1", "true")
 _INT_TYPES = frozenset({"UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64"})
 _FLOAT_TYPES = frozenset({"FP16", "FP32", "FP64"})
 
@@ -255,10 +259,16 @@ class _RequestBuilder:
             self.parameters[key] = value
 
 
+def parse_generate_body(body: bytes, max_json_depth: int = codec.MAX_JSON_DEPTH) -> Any:
+    return codec.parse_json(body, "generate request", max_json_depth) if body.strip() else {}
+
+
 def decode_generate_request(model_name: str, model_version: str, body: bytes, config: mc.ModelConfig,
-                            max_input_size: int, max_json_depth: int = codec.MAX_JSON_DEPTH) -> InferenceRequest:
-    """Parse a generate request body into an InferenceRequest for ``config``'s model."""
-    doc = codec.parse_json(body, "generate request", max_json_depth) if body.strip() else {}
+                            max_input_size: int, max_json_depth: int = codec.MAX_JSON_DEPTH,
+                            doc: Any = None) -> InferenceRequest:
+    """Parse a generate request body (``doc``: parsed already) into an InferenceRequest for ``config``'s model."""
+    if doc is None:
+        doc = parse_generate_body(body, max_json_depth)
     if type(doc) is not dict:
         raise InvalidArgument(f"the generate request must be a JSON object, got {codec._json_name(doc)}")
     duplicate = _duplicate_key(body, doc)
@@ -375,6 +385,196 @@ class _EventStream(EventSourceResponse):
         await asyncio.Event().wait()
 
 
+# -- the typed path ----------------------------------------------------------------------------
+# A request to a model whose engine takes typed requests (``ServedModel.engine.typed_requests``) and that has
+# Triton's LLM tensor interface (the vllm backend's, ``llm_backends/vllm/inputs.py``) becomes one GenerationRequest
+# here, with no tensors: no tensor decode, validation or instance execute, and the model's sampling parameters read
+# once. Its deltas are written as the JSON events the tensor path writes for the same request (the same fields, in
+# the same order, with the same values). A request that uses anything a GenerationRequest does not carry (token ids,
+# images, prompt log probabilities, sequence parameters, a value in an unusual form such as a flag given as an
+# array or a string) takes the tensor path, which also words every malformed request's error.
+_TEXT_INPUT = "text_input"
+_SAMPLING_INPUT = "sampling_parameters"
+_STREAM = "stream"
+_EXCLUDE = "exclude_input_in_output"
+_ADD_SPECIAL_TOKENS = "add_special_tokens"
+_LORA_NAME = "lora_name"
+# the return flags, in the order the tensor path writes their outputs
+_RETURNS = (("return_finish_reason", "finish_reason"), ("return_cumulative_logprob", "cumulative_logprob"),
+            ("return_logprobs", "logprobs"), ("return_num_input_tokens", "num_input_tokens"),
+            ("return_num_output_tokens", "num_output_tokens"))
+_RETURN_FLAGS = frozenset(flag for flag, _ in _RETURNS)
+_FLAGS = frozenset({_STREAM, _EXCLUDE, _ADD_SPECIAL_TOKENS, *_RETURN_FLAGS})
+_TYPED_INPUTS = frozenset({_TEXT_INPUT, _SAMPLING_INPUT, _STREAM, _EXCLUDE, *_RETURN_FLAGS})
+_TENSOR_ONLY = frozenset({"return_num_cached_tokens", "return_prompt_logprobs", "sequence_id", *_SEQUENCE_FLAGS})
+_SCALARS = (str, int, float, bool)
+_NAN = float("nan")
+
+
+class _Fallback(Exception):
+    """The request needs the tensor path."""
+
+
+@dataclass(slots=True)
+class TypedGenerate:
+    """A generate request on the typed path: the request and what its answers carry."""
+
+    request: InferenceRequest
+    model_version: str
+    prefix: str  # the whole answer starts with the prompt (``exclude_input_in_output`` false, not streamed)
+    returns: tuple[str, ...]  # the extra outputs asked for, in the tensor path's order
+
+    def doc(self, delta: GenerationDelta) -> dict[str, Any]:
+        """One answer's JSON object, as :func:`generate_response_doc` writes the tensor path's response."""
+        doc: dict[str, Any] = {}
+        if self.request.id:
+            doc["id"] = self.request.id
+        doc["model_name"] = self.request.model_name
+        doc["model_version"] = self.model_version
+        texts = delta.texts
+        if self.prefix:
+            texts = [self.prefix + text for text in texts]
+        doc["text_output"] = _bare(texts)
+        n = len(texts)
+        for name in self.returns:
+            if name == "finish_reason":
+                doc[name] = _bare([str(reason) for reason in delta.finish])
+            elif name == "cumulative_logprob":  # FP32, as the tensor (null for none yet, as NaN is written)
+                values = delta.cumulative_logprobs or [None] * n
+                doc[name] = _bare([_NAN if v is None else float(np.float32(v)) for v in values])
+            elif name == "logprobs":  # a JSON string per choice
+                doc[name] = _bare([json.dumps(entries) for entries in (delta.logprobs or [None] * n)])
+            elif name == "num_input_tokens":
+                doc[name] = delta.prompt_tokens or 0
+            else:  # num_output_tokens
+                doc[name] = _bare(delta.tokens if delta.tokens is not None else [0] * n)
+        return doc
+
+    def event(self, delta: GenerationDelta) -> bytes:
+        return _event(codec.dumps(self.doc(delta)))
+
+
+def _bare(values: list) -> Any:
+    return values[0] if len(values) == 1 else values
+
+
+def typed_generate_request(served, model_name: str, model_version: str, body: bytes, doc: Any,
+                           max_input_size: int) -> TypedGenerate | None:
+    """The typed request for a generate request, or None when it takes the tensor path (see above)."""
+    engine = getattr(served, "engine", None)
+    if engine is None or not engine.typed_requests or type(doc) is not dict:
+        return None
+    names = {t.name for t in served.config.input}
+    if _TEXT_INPUT not in names or _duplicate_key(body, doc) is not None:
+        return None
+    fields = _TypedFields(names, max_input_size)
+    try:
+        for key, value in doc.items():
+            if key == _PARAMETERS:
+                if key in names or type(value) is not dict:
+                    raise _Fallback
+                for inner_key, inner_value in value.items():
+                    fields.field(inner_key, inner_value)
+            elif key == "id":
+                if type(value) is not str or key in names:
+                    raise _Fallback
+                fields.request_id = value
+            else:
+                fields.field(key, value)
+        return fields.build(model_name, model_version, str(served.version))
+    except _Fallback:
+        return None
+
+
+class _TypedFields:
+    __slots__ = ("consumed", "flags", "max_input_size", "names", "priority", "prompt", "request_id", "sampling",
+                 "sampling_json", "seen", "timeout_us")
+
+    def __init__(self, names: set[str], max_input_size: int) -> None:
+        self.names = names
+        self.max_input_size = max_input_size
+        self.consumed = 0  # the input tensors' bytes, as the tensor path counts them against max_input_size
+        self.prompt: str | None = None
+        self.sampling_json: dict | None = None
+        self.flags: dict[str, bool] = {}
+        self.sampling: dict[str, Any] = {}
+        self.request_id = ""
+        self.priority = 0
+        self.timeout_us = 0
+        self.seen: set[str] = set()
+
+    def field(self, key: str, value: Any) -> None:
+        if key in self.seen:
+            raise _Fallback
+        self.seen.add(key)
+        if key in self.names:
+            if key not in _TYPED_INPUTS:
+                raise _Fallback  # token ids, an image, prompt log probabilities...
+            self.consumed += 4 + len(value.encode("utf-8")) if type(value) is str else 1
+            if self.consumed > self.max_input_size:
+                raise _Fallback
+            if key == _TEXT_INPUT:
+                if type(value) is not str:
+                    raise _Fallback
+                self.prompt = value
+            elif key == _SAMPLING_INPUT:
+                if type(value) is not str:
+                    raise _Fallback
+                try:
+                    parsed = json.loads(value)
+                except ValueError:
+                    raise _Fallback from None
+                if type(parsed) is not dict:
+                    raise _Fallback
+                self.sampling_json = parsed
+            elif type(value) is bool:
+                self.flags[key] = value
+            else:
+                raise _Fallback
+            return
+        kind = type(value)
+        if kind not in _SCALARS or key in _TENSOR_ONLY or key.startswith("triton_"):
+            raise _Fallback
+        if key in _FLAGS:
+            if kind is not bool:
+                raise _Fallback
+            self.flags[key] = value
+        elif key == "priority":
+            if not codec._is_uint(value):
+                raise _Fallback
+            self.priority = value
+        elif key == "timeout":
+            if not codec._is_uint(value):
+                raise _Fallback
+            self.timeout_us = value
+        else:
+            self.sampling[key] = value
+
+    def build(self, model_name: str, model_version: str, served_version: str) -> TypedGenerate:
+        if self.prompt is None:
+            raise _Fallback
+        flags = self.flags
+        stream = flags.get(_STREAM, False)
+        exclude = flags.get(_EXCLUDE)
+        prepend = not stream if exclude is None else not exclude
+        if prepend and stream:  # refused: the tensor path words it
+            raise _Fallback
+        sampling = self.sampling
+        if self.sampling_json is not None:
+            sampling.update(self.sampling_json)
+        lora = sampling.pop(_LORA_NAME, None)
+        if lora is not None and type(lora) is not str:
+            raise _Fallback
+        generation = GenerationRequest(self.prompt, sampling, stream=stream,
+                                       add_special_tokens=flags.get(_ADD_SPECIAL_TOKENS, True), lora_name=lora,
+                                       logprobs=flags.get("return_logprobs", False),
+                                       cumulative_logprob=flags.get("return_cumulative_logprob", False))
+        request = InferenceRequest(model_name, {}, model_version=model_version, id=self.request_id,
+                                   priority=self.priority, timeout_us=self.timeout_us, generation=generation)
+        returns = tuple(name for flag, name in _RETURNS if flags.get(flag, False))
+        return TypedGenerate(request, served_version, self.prompt if prepend else "", returns)
+
+
 # -- handling --------------------------------------------------------------------------------
 class GenerateRoute:
     """``/generate`` or ``/generate_stream`` as a plain ASGI app for the router."""
@@ -401,16 +601,30 @@ def mount(app, dataplane, body: BodyReader) -> None:
 async def handle_generate(dataplane, reader: BodyReader, scope, receive, send, model_name: str, model_version: str,
                           streaming: bool) -> None:
     try:
-        config = dataplane.model_config(model_name, model_version)
+        served = dataplane.model(model_name, model_version)
         body = await reader.read_request(scope, receive)
-        request = decode_generate_request(model_name, model_version, body, config, reader.max_input_size,
-                                          reader.max_json_depth)
+        doc = parse_generate_body(body, reader.max_json_depth)
+        typed = typed_generate_request(served, model_name, model_version, body, doc, reader.max_input_size) \
+            if TYPED_PATH else None
+        if typed is None:
+            request = decode_generate_request(model_name, model_version, body, served.config, reader.max_input_size,
+                                              reader.max_json_depth, doc)
+        else:
+            request = typed.request
         for key, value in scope["headers"]:
             if key == b"traceparent":
                 request.trace_context = value.decode("latin-1")
         if request.timeout_us and 0 < received_ns(scope) < request.arrival_ns:
             request.arrival_ns = received_ns(scope)  # Triton's 'timeout' counts from when the server read the request
-        if not streaming:
+        if typed is not None:
+            if not streaming:
+                request.streaming = False  # one answer
+                with cancel_on_disconnect(receive):
+                    delta = await _one_delta(dataplane.generate(request))
+                payload = codec.dumps(typed.doc(delta))
+            else:
+                stream = dataplane.generate(request)
+        elif not streaming:
             request.streaming = False  # the model's one response
             with cancel_on_disconnect(receive):
                 response = await _one_response(dataplane.infer(request))
@@ -430,7 +644,73 @@ async def handle_generate(dataplane, reader: BodyReader, scope, receive, send, m
     if not streaming:
         await send_response(send, 200, payload, [JSON_HEADER])
         return
+    if typed is not None:
+        await _typed_stream(typed, stream, scope, receive, send)
+        return
     await _stream(stream, scope, receive, send)
+
+
+async def _one_delta(stream) -> GenerationDelta:
+    """The one answer of a typed ``/generate`` (its model's error raised)."""
+    whole = None
+    try:
+        async for delta in stream:
+            if whole is None:
+                whole = delta
+            else:
+                whole.extend(delta)
+    finally:
+        await stream.aclose()
+    if whole is None:
+        raise Unsupported("generate expects model to produce exactly 1 response, use generate stream for model that "
+                          f"generates various number of responses (model '{stream.request.model_name}' sent 0)")
+    return whole
+
+
+async def _typed_stream(typed: TypedGenerate, stream, scope, receive, send) -> None:
+    """:func:`_stream` for a typed request: its deltas as the tensor path's events."""
+    refusal = RefusalNow(send, _refusal_answer)  # armed until the stream's first delta
+    refusal.watch(stream)
+    first = None
+    try:
+        with cancel_on_disconnect(receive):
+            async for delta in stream:
+                first = delta
+                break
+    except ClientGone:
+        await stream.aclose()
+        return
+    except ServerError as exc:  # the model's error first (as the tensor path's first response): the whole answer
+        await stream.aclose()
+        if refusal.done:  # written already, at the deadline itself
+            return
+        body, headers = _error_answer(exc)
+        await send_response(send, exc.http_code, body, headers)
+        return
+    except BaseException:
+        await stream.aclose()
+        raise
+    finally:
+        refusal.armed = False
+
+    async def events():
+        try:
+            if first is not None:
+                yield typed.event(first)
+                async for delta in stream:
+                    yield typed.event(delta)
+        except ServerError as exc:
+            yield _event(error_body(exc.message))
+        except Exception as exc:
+            log.exception("generate_stream for model '%s' failed", stream.request.model_name)
+            yield _event(error_body(f"internal error: {type(exc).__name__}: {exc}"))
+        finally:
+            await stream.aclose()
+
+    try:
+        await _EventStream(events(), ping=SSE_PING_S, sep="\n")(scope, receive, send)
+    finally:
+        await stream.aclose()
 
 
 async def _one_response(stream) -> InferenceResponse:
