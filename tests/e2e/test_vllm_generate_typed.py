@@ -14,8 +14,8 @@ import urllib.error
 import urllib.request
 
 import pytest
-from support import start_server
 from llm_fixtures import vllm_env, write_vllm_model
+from support import start_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -43,9 +43,9 @@ def _post(server, path: str, doc: dict) -> tuple[int, str, bytes, dict]:
                                  headers={"Content-Type": "application/json"}, method="POST")
     try:
         with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, r.headers["Content-Type"], r.read(), dict(r.headers)
+            return r.status, r.headers["Content-Type"], r.read(), {k.lower(): v for k, v in r.headers.items()}
     except urllib.error.HTTPError as exc:
-        return exc.code, exc.headers["Content-Type"], exc.read(), dict(exc.headers)
+        return exc.code, exc.headers["Content-Type"], exc.read(), {k.lower(): v for k, v in exc.headers.items()}
 
 
 def _tensor_form(doc: dict) -> dict:
@@ -111,7 +111,7 @@ def test_generate_typed_deadline_refusal_as_tensors(llm_server):
         typed, tensors = _both(llm_server, path, doc)
         assert typed[0] == tensors[0] == 503
         assert typed[1:3] == tensors[1:3]
-        assert typed[3]["Retry-After"] == tensors[3]["Retry-After"]
+        assert typed[3]["retry-after"] == tensors[3]["retry-after"]
         assert "deadline of 0.001 ms" in typed[2].decode()
 
 

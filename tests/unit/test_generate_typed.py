@@ -8,7 +8,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
 from tideserve import config as config_module
 from tideserve.generation import EngineInfo
 from tideserve.http import codec
