@@ -14,7 +14,7 @@ template) records every Python function call. Counted: the distinct files of tid
   is the older count, to the chunk that finishes (end work included);
 * ``total``: the whole request.
 
-    python bench/llm_path.py [--tokens 32] [--json]
+    python bench/llm_path.py [--tokens 32] [--json] [--functions]
 
 docs/architecture.md ("The path of a streaming chat completion") lists the files; ``tests/e2e/test_llm_path.py``
 runs this and checks the counts. Nothing here is a timing.
@@ -100,13 +100,16 @@ async def trace(tokens: int = 32, model_dir: Path | None = None) -> dict:
     # ("end")
     phase: list = [""]
     seen: dict = {"": set(), "request": set(), "end": set()}
+    functions: dict = {}  # file -> the names of its functions that ran (any phase but "")
     finishing = [0]  # the index of the chunk that finishes
 
     def profile(frame, event, arg):
         if event == "call" and phase[0] != "":
-            name = frame.f_code.co_filename
+            code = frame.f_code
+            name = code.co_filename
             if name.startswith(roots) and name != own:
                 seen[phase[0]].add(name)
+                functions.setdefault(name, set()).add(code.co_qualname)
 
     threading.setprofile(profile)  # before the warm-up starts the threads that render chat templates
     try:
@@ -144,13 +147,15 @@ async def trace(tokens: int = 32, model_dir: Path | None = None) -> dict:
     total = seen["request"] | to_finish | seen["end"]
     return {"chunks": len(events), "steady_chunks": sum(1 for key in intervals if key < finishing[0] - 2),
             "request": names(seen["request"]), "delta": names(steady),
-            "delta_to_finish": names(to_finish), "total": names(total)}
+            "delta_to_finish": names(to_finish), "total": names(total),
+            "functions": {os.path.relpath(f, base): sorted(functions[f]) for f in sorted(functions)}}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument("--functions", action="store_true", help="also list, per file, the functions that ran")
     args = parser.parse_args()
     result = asyncio.run(trace(args.tokens))
     if args.json:
@@ -160,6 +165,10 @@ def main() -> None:
         print(f"{key}: {len(result[key])} files")
         for name in result[key]:
             print(f"  {name}")
+    if args.functions:
+        print("functions (the whole request):")
+        for name, funcs in result["functions"].items():
+            print(f"  {name}: {', '.join(funcs)}")
 
 
 if __name__ == "__main__":

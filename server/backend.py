@@ -217,6 +217,11 @@ class Model:
         around it. None: the model takes typed requests through ``execute`` like any other."""
         return None
 
+    def generation_entry(self):
+        """``generation`` resolved once: a callable ``(request) -> coroutine`` that the DataPlane keeps while the
+        model serves (its typed requests then run no backend code beside it); None: ``generation`` per request."""
+        return None
+
     def waiting_requests(self) -> int | None:
         """Requests waiting in the model's own engine (a backend that batches continuously), or None
         when the model does not know; the pass-through scheduler reports it as the pending count."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import threading
 import time
 from typing import Any
@@ -17,7 +18,8 @@ from tritonclient.grpc import model_config_pb2 as mc
 from . import __version__, load_report
 from .backend import ServerHandles
 from .datatypes import config_to_datatype
-from .errors import InternalError, InvalidArgument, NotFound, ServerError, Status, Unavailable, Unsupported
+from .errors import (Cancelled, InternalError, InvalidArgument, NotFound, QueueFull, ServerError, Status, Unavailable,
+                     Unsupported)
 from .generation import GenerationDelta
 from .repository import ModelRepository
 from .response_cache import ResponseCache, request_key
@@ -35,6 +37,21 @@ EXTENSIONS = ["classification", "model_repository", "model_repository(unload_dep
               "binary_tensor_data", "parameters", "statistics", "generate", "system_shared_memory", "trace"]
 
 _FAILURE_REASON = {Status.CANCELLED: "CANCELED", Status.UNAVAILABLE: "REJECTED"}
+
+log = logging.getLogger(__name__)
+
+
+def _request_started(runtime: ModelRuntime) -> None:
+    """``ModelRuntime.request_started`` on the typed path (no call into the runtime per request)."""
+    runtime.inflight += 1
+    if runtime.inflight == 1:  # no longer idle (the repository's drain waits for ``idle``)
+        runtime.idle.clear()
+
+
+def _request_finished(runtime: ModelRuntime) -> None:
+    runtime.inflight -= 1
+    if runtime.inflight == 0:
+        runtime.idle.set()
 
 
 def server_metadata() -> dict[str, Any]:
@@ -176,7 +193,7 @@ class GenerationStream:
     (one chunk and one write for them, as vLLM's output collector merges the outputs of a slow reader)."""
 
     __slots__ = ("_dataplane", "runtime", "request", "_items", "_waiter", "_loop", "_loop_thread", "_closed",
-                 "_done", "_first", "_error", "_on_error")
+                 "_done", "_first", "_first_ns", "_error", "_on_error", "_running", "_compute_ns")
 
     def __init__(self, dataplane: "DataPlane", runtime: ModelRuntime, request: InferenceRequest,
                  loop: asyncio.AbstractEventLoop) -> None:
@@ -190,8 +207,11 @@ class GenerationStream:
         self._closed = False  # the backend has sent its last delta or its error
         self._done = False  # the reader has seen the end (or closed the stream)
         self._first = True
+        self._first_ns = 0  # when the reader took the first delta (recorded at the end, with the rest)
         self._error: ServerError | None = None
         self._on_error = None
+        self._running: dict | None = None  # the scheduler's running tasks, where the generation task is one
+        self._compute_ns = -1  # the generation task's time, start to end (-1: still running)
 
     # -- the backend's side -------------------------------------------------------------------------------------
     @property
@@ -272,31 +292,26 @@ class GenerationStream:
         if self._first:
             self._first = False
             request = self.request
-            now = time.monotonic_ns()
-            self.runtime.stats.record_first_response(now - request.arrival_ns)
+            self._first_ns = now = time.monotonic_ns()
             if request.trace is not None:
                 request.trace.first_response(now)
         return items.popleft()
 
     def _end(self) -> None:
-        """The backend has ended the request and the reader has taken everything: record it."""
+        """The backend has ended the request and the reader has taken everything: record it (one call)."""
         self._done = True
         request, runtime = self.request, self.runtime
         now = time.monotonic_ns()
-        elapsed = now - request.arrival_ns
+        arrival = request.arrival_ns
         dataplane = self._dataplane
         dataplane.active.discard(self)
-        runtime.request_finished()
+        _request_finished(runtime)
         error = self._error
-        stats = runtime.stats
-        if error is None:
-            stats.record_success(elapsed, self._first)  # (with no delta, the first response is the end)
-            self._first = False
-        else:
-            if self._first:
-                self._first = False
-                stats.record_first_response(elapsed)
-            stats.record_failure(elapsed, _FAILURE_REASON.get(error.status, "BACKEND"))
+        first = self._first_ns - arrival if self._first_ns else now - arrival  # (no delta: the end is the first)
+        self._first = False
+        runtime.stats.record_generation(now - arrival, first, self._compute_ns,
+                                        None if error is None else _FAILURE_REASON.get(error.status, "BACKEND"))
+        self._compute_ns = -1  # recorded
         if request.trace is not None:
             dataplane.tracer.finish(request.trace, request, now)
 
@@ -309,10 +324,36 @@ class GenerationStream:
         now = time.monotonic_ns()
         self._dataplane.active.discard(self)
         request.cancellation.cancel()
-        self.runtime.request_finished()
-        self.runtime.stats.record_failure(now - request.arrival_ns, "CANCELED")
+        _request_finished(self.runtime)
+        arrival = request.arrival_ns
+        first = self._first_ns - arrival if self._first_ns else -1
+        self.runtime.stats.record_generation(now - arrival, first, self._compute_ns, "CANCELED")
+        self._compute_ns = -1  # recorded (a task still running records its execution when it ends)
         if request.trace is not None:
             self._dataplane.tracer.finish(request.trace, request, now)
+
+    def _generated(self, task: asyncio.Task) -> None:
+        """The generation task ended (the pass-through scheduler's bookkeeping, done here for the typed path):
+        its compute time is recorded with the rest at the stream's end, or now when the reader has gone; a task
+        that failed or was cancelled (the model unloaded) answers the request."""
+        request = self._running.pop(task, None) if self._running is not None else None
+        if request is None:
+            return
+        end = time.monotonic_ns()
+        compute = end - request.queue_start_ns
+        if request.trace is not None:
+            request.trace.compute_done(end)
+        if self._done:  # the reader went away first: its statistics are in, the execution's come now
+            self.runtime.stats.record_generation(-1, -1, compute, None)
+        else:
+            self._compute_ns = compute
+        if task.cancelled():
+            runtime = self.runtime
+            self.send_error(Unavailable(f"model '{runtime.name}' version {runtime.version} was unloaded "
+                                        "before the request finished"))
+        elif (exc := task.exception()) is not None:
+            log.error("model '%s': request generation failed", self.runtime.name, exc_info=exc)
+            self.send_error(InternalError(f"model '{self.runtime.name}' failed to run the request"))
 
     async def aclose(self) -> None:
         self.cancel()
@@ -326,6 +367,20 @@ class GenerationStream:
         """End the stream with ``error`` now (server shutdown) and cancel the backend's work."""
         self.request.cancellation.cancel()
         self.send_error(error)
+
+
+class _Generating:
+    """A ready model's typed generation, resolved once (DataPlane.generate): its runtime, the backend's generation
+    coroutine (``Model.generation_entry``), the pass-through scheduler's running tasks (where unloading finds
+    them) and its ``max_queue_size``."""
+
+    __slots__ = ("runtime", "run", "running", "max_queue_size")
+
+    def __init__(self, runtime: ModelRuntime, run, running: dict, max_queue_size: int) -> None:
+        self.runtime = runtime
+        self.run = run
+        self.running = running
+        self.max_queue_size = max_queue_size
 
 
 class _Infer:
@@ -379,6 +434,12 @@ class DataPlane(ServingInterface):
         self.tracer = tracer or Tracer()  # --trace-config
         # --enable-lora-runtime-updates: adapters may be loaded from disk (inside the allowed roots) at run time
         self.lora_runtime_updates = lora_runtime_updates
+        # model name -> its typed generation entry (generate), dropped whenever the repository changes
+        self._generating: dict[str, _Generating] = {}
+        listeners = getattr(repository, "listeners", None)
+        self._keep_generating = listeners is not None  # (kept only where the repository says when it changes)
+        if listeners is not None:
+            listeners.append(self._generating.clear)
 
     def server_handles(self) -> ServerHandles:
         """What the repository hands the models it builds: calls into this DataPlane (``infer``, model
@@ -615,10 +676,71 @@ class DataPlane(ServingInterface):
     def generate(self, request: InferenceRequest) -> GenerationStream:
         """A typed LLM generation (``request.generation``): the model's backend runs it as a task of its own and
         hands its deltas to the returned stream (no validation of tensors, no response cache, no shared memory:
-        a typed request has no tensors). Raises a ServerError if it cannot be accepted."""
-        if not self.accepting:
+        a typed request has no tensors). Raises a ServerError if it cannot be accepted.
+
+        A ready model's generation entry (:class:`_Generating`: its runtime, the backend's generation coroutine,
+        the pass-through scheduler's running tasks and ``max_queue_size``) is resolved once and kept until the
+        repository changes (any model's state: a load, an unload, a failure), as vLLM's API server holds its
+        engine client: a request then runs no repository, runtime or scheduler code, and this method does what
+        the pass-through scheduler does for it (admission, the task, the model's requests in flight)."""
+        if not self._accepting:
             raise Unavailable("the server is shutting down and accepts no new requests")
-        runtime = self.repository.get(request.model_name, request.model_version)
+        entry = None if request.model_version else self._generating.get(request.model_name)
+        if entry is None:
+            runtime = self.repository.get(request.model_name, request.model_version)
+            entry = self._generation_entry(request, runtime)
+            if entry is None:
+                return self._generate_scheduled(request, runtime)
+        runtime = entry.runtime
+        if request.generation is None or request.inputs:
+            runtime.stats.record_failure(time.monotonic_ns() - request.arrival_ns, "OTHER")
+            raise InvalidArgument("a typed generation request carries no input tensors")
+        running = entry.running
+        if entry.max_queue_size:
+            capacity = runtime.model.engine_capacity() or 0
+            waiting = len(running) - capacity
+            if waiting >= entry.max_queue_size:
+                runtime.stats.record_failure(time.monotonic_ns() - request.arrival_ns, "REJECTED")
+                raise QueueFull(f"model '{runtime.name}' is busy: {waiting} requests wait for its engine "
+                                f"(max_queue_size {entry.max_queue_size}); retry later or on another replica")
+        loop = asyncio.get_running_loop()
+        stream = GenerationStream(self, runtime, request, loop)
+        request.response_sender = stream
+        if self.tracer.active:
+            request.trace = self.tracer.begin(request, runtime)
+        request.queue_start_ns = now = time.monotonic_ns()
+        if request.is_cancelled():  # (as a scheduler drops a request cancelled while queued)
+            stream.send_error(Cancelled("request was cancelled before it ran"))
+        else:
+            if request.trace is not None:
+                request.trace.compute = (now, 0)
+            task = loop.create_task(entry.run(request))
+            running[task] = request
+            stream._running = running
+            task.add_done_callback(stream._generated)
+        _request_started(runtime)
+        self.active.add(stream)
+        return stream
+
+    def _generation_entry(self, request: InferenceRequest, runtime: ModelRuntime) -> "_Generating | None":
+        """The model's generation entry, kept for the next requests; None when its typed requests go through its
+        scheduler (not the pass-through one, no generation coroutine, a version named, an ensemble)."""
+        if request.model_version or runtime.steps:
+            return None
+        engine = runtime.engine
+        run = runtime.model.generation_entry() if engine is not None and engine.typed_requests else None
+        from .schedulers.passthrough import PassThroughScheduler
+
+        scheduler = runtime.scheduler
+        if run is None or not isinstance(scheduler, PassThroughScheduler):
+            return None
+        entry = _Generating(runtime, run, scheduler.running, scheduler.max_queue_size)
+        if self._keep_generating:
+            self._generating[request.model_name] = entry
+        return entry
+
+    def _generate_scheduled(self, request: InferenceRequest, runtime: ModelRuntime) -> GenerationStream:
+        """A typed generation through the model's scheduler (``ModelRuntime.generate``)."""
         engine = runtime.engine
         if request.generation is None or request.inputs or engine is None or not engine.typed_requests:
             runtime.stats.record_failure(time.monotonic_ns() - request.arrival_ns, "OTHER")
@@ -635,7 +757,7 @@ class DataPlane(ServingInterface):
             runtime.stats.record_failure(time.monotonic_ns() - request.arrival_ns,
                                          _FAILURE_REASON.get(exc.status, "OTHER"))
             raise
-        runtime.request_started()
+        _request_started(runtime)
         self.active.add(stream)
         return stream
 

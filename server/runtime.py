@@ -73,8 +73,8 @@ class ModelRuntime:
         self.scheduler = None
         self.validator: RequestValidator | None = None
         self.inflight = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self.idle = asyncio.Event()
+        self.idle.set()
 
     @property
     def state(self) -> ModelState:
@@ -161,7 +161,7 @@ class ModelRuntime:
         """Wait until no request of this model is in flight (or ``timeout`` passes)."""
         if self.inflight:
             try:
-                await asyncio.wait_for(self._idle.wait(), timeout)
+                await asyncio.wait_for(self.idle.wait(), timeout)
             except asyncio.TimeoutError:
                 log.warning("model '%s' version %s: %d request(s) still in flight after %.1fs",
                             self.name, self.version, self.inflight, timeout or 0)
@@ -196,12 +196,12 @@ class ModelRuntime:
     def request_started(self) -> None:
         self.inflight += 1
         if self.inflight == 1:  # no longer idle (set by request_finished at 0)
-            self._idle.clear()
+            self.idle.clear()
 
     def request_finished(self) -> None:
         self.inflight -= 1
         if self.inflight == 0:
-            self._idle.set()
+            self.idle.set()
 
     def enqueue(self, request: InferenceRequest) -> None:
         if self._state is not ModelState.READY:

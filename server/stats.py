@@ -116,6 +116,25 @@ class ModelStats:
                 first_response.counts[bucket] += 1
                 first_response.sum += ms
 
+    def record_generation(self, elapsed_ns: int, first_ns: int, compute_ns: int, reason: str | None) -> None:
+        """A typed LLM generation, in one call at its end (DataPlane's GenerationStream): its first response and
+        success, or failure for ``reason`` (``elapsed_ns`` -1: recorded already); its queue (none) and execution
+        (``compute_ns`` -1: the task still runs, or its scheduler records it)."""
+        if elapsed_ns >= 0:
+            if reason is None:
+                if first_ns == elapsed_ns:  # the first response was the end (no delta before it)
+                    self.record_success(elapsed_ns, True)
+                else:
+                    self.record_first_response(first_ns)
+                    self.record_success(elapsed_ns)
+            else:
+                if first_ns >= 0:  # (-1: cancelled before its first response)
+                    self.record_first_response(first_ns)
+                self.record_failure(elapsed_ns, reason)
+        if compute_ns >= 0:
+            self.queue.add(0, 1)
+            self.record_execution(1, 1, 0, compute_ns, 0, 1)
+
     def record_failure(self, elapsed_ns: int, reason: str) -> None:
         self.fail.add(elapsed_ns)
         self.failures[reason if reason in self.failures else "OTHER"] += 1

@@ -122,6 +122,12 @@ class VllmModel(Model):
             return self._checked(request)
         return self.generator.run(request)
 
+    def generation_entry(self):
+        """``generation`` resolved once (the DataPlane keeps it while the model serves)."""
+        if self.generator is None:
+            return None
+        return self._checked if self.options.health_check else self.generator.run
+
     async def _checked(self, request: InferenceRequest) -> None:
         if not await self.check_health():
             request.response_sender.send_error(Unavailable(UNHEALTHY))

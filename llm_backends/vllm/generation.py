@@ -402,13 +402,14 @@ class Generator:
         try:
             if generation is not None:  # a typed request, read as it is: its sampling fields become SamplingParams
                 inputs = generation
-                lora = self.adapters.select(generation.lora_name)
+                lora = self.adapters.select(generation.lora_name) if generation.lora_name is not None else None
                 params = make_sampling_params(generation.sampling)
                 want_prompt_logprobs = generation.prompt_logprobs
                 cached = generation.cached_tokens
             else:  # Triton's tensor interface
                 inputs = parse_inputs(request)
-                lora = self.adapters.select(inputs.sampling.pop(LORA_NAME, None))
+                lora_name = inputs.sampling.pop(LORA_NAME, None)
+                lora = self.adapters.select(lora_name) if lora_name is not None else None
                 params = make_sampling_params(inputs.sampling)
                 want_prompt_logprobs = "prompt_logprobs" in inputs.outputs
                 cached = inputs.cached_tokens

@@ -31,7 +31,7 @@ class Run:
         self.stream = dataplane.generate(request) if self.typed else dataplane.infer(request)
         if (refusal := REFUSAL.get()) is not None:  # a deadline refusal is answered where it is made
             refusal.watch(self.stream)
-        self.reader = StepReader(llm, n)
+        self.reader = None if self.typed else StepReader(llm, n)  # (a typed request's deltas are its Steps)
         self.index = index
         self.prompt_tokens: int | None = None
         self.cached_tokens: int | None = None  # prompt tokens the prefix cache served (when asked for)

@@ -10,7 +10,7 @@ tokenizer files counts UTF-8 bytes. Counting runs on a worker thread, never on t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .errors import BadRequest
 
@@ -39,6 +39,12 @@ class OpenAILimits:
     """Not a limit: ``usage.prompt_tokens_details.cached_tokens`` (prompt tokens the engine's prefix cache
     served) in every answer of a vLLM model, as vLLM's ``--enable-prompt-tokens-details`` adds it."""
 
+    max_rendered_chars: int = field(init=False, repr=False, compare=False)
+    """The longest chat prompt a template may render (from ``max_prompt_tokens``)."""
+    uncounted_chars: int = field(init=False, repr=False, compare=False)
+    """The longest text prompt that cannot hold more tokens than the limit, whatever the tokenizer: one that long
+    or shorter needs no count (a request's hot path skips :meth:`check_prompts_fit` for it)."""
+
     def __post_init__(self) -> None:
         for name in ("max_prompts", "max_prompt_tokens", "max_n"):
             if getattr(self, name) < 1:
@@ -47,11 +53,9 @@ class OpenAILimits:
             raise ValueError(f"max_logprobs must be at least 0, got {self.max_logprobs}")
         if not self.chat_template_timeout_s > 0:
             raise ValueError(f"chat_template_timeout_s must be positive, got {self.chat_template_timeout_s}")
-
-    @property
-    def max_rendered_chars(self) -> int:
-        """The longest chat prompt a template may render."""
-        return self.max_prompt_tokens * CHARS_PER_TOKEN_BOUND
+        object.__setattr__(self, "max_rendered_chars", self.max_prompt_tokens * CHARS_PER_TOKEN_BOUND)
+        object.__setattr__(self, "uncounted_chars",
+                           max((self.max_prompt_tokens - _SPECIAL_TOKENS_PER_PROMPT) // 4, 0))
 
     # -- checks ---------------------------------------------------------------------------------
     def check_n(self, n: int) -> None:

@@ -358,6 +358,13 @@ class Catalog:
         self.parsers = parsers or OutputParsers()
         self._known: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._adapters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base LLMModel -> {name: LLMModel}
+        # model name -> its LLMModel, found once and kept until the repository changes (a request then looks
+        # nothing up); only in the core process, whose repository says when it changes
+        self._by_name: dict[str, LLMModel] = {}
+        listeners = getattr(getattr(dataplane, "repository", None), "listeners", None)
+        self._keep = isinstance(listeners, list)
+        if self._keep:
+            listeners.append(self._by_name.clear)
 
     def _describe(self, runtime) -> LLMModel | None:
         found = self._known.get(runtime)
@@ -367,6 +374,9 @@ class Catalog:
         return found or None
 
     def get(self, name: str) -> LLMModel:
+        found = self._by_name.get(name)
+        if found is not None:
+            return found
         try:
             runtime = served_runtime(self.dataplane, name)
         except NotFound:
@@ -377,6 +387,8 @@ class Catalog:
         llm = self._describe(runtime)
         if llm is None:
             raise ModelNotFound(name, "It is not a text-generation model (text_input -> text_output).")
+        if self._keep and not runtime.steps:  # (an ensemble's readiness follows its steps': looked up each time)
+            self._by_name[name] = llm
         return llm
 
     def _adapter_model(self, base: LLMModel, name: str) -> LLMModel:

@@ -72,7 +72,8 @@ class SamplingRequest(OpenAIModel):
 
     def check(self, max_tokens: int | None, max_tokens_field: str, limits: OpenAILimits) -> None:
         """Cross-field checks and the server's limits (the per-field ranges are in the schema)."""
-        limits.check_n(self.n)
+        if self.n != 1:  # (max_n is at least 1)
+            limits.check_n(self.n)
         if self.stream_options is not None and self.stream_options.model_dump(exclude_unset=True) and not self.stream:
             raise BadRequest("Stream options can only be defined when `stream=True`.", "stream_options")
         if max_tokens is not None and self.min_tokens > max_tokens:

@@ -51,7 +51,8 @@ class PassThroughScheduler(Scheduler):
         super().__init__(runtime)
         self.stop_timeout_s = stop_timeout_s
         self._next = 0
-        self._running: dict[asyncio.Task, InferenceRequest] = {}
+        # the requests' tasks: those it starts and the typed generations DataPlane.generate starts for it
+        self.running: dict[asyncio.Task, InferenceRequest] = {}
         self.max_queue_size = queue_bound(runtime)
 
     async def start(self) -> None:  # no worker loop: nothing waits here
@@ -81,11 +82,11 @@ class PassThroughScheduler(Scheduler):
         if request.trace is not None:
             request.trace.compute = (time.monotonic_ns(), 0)
         task = asyncio.get_running_loop().create_task(coroutine)
-        self._running[task] = request
+        self.running[task] = request
         task.add_done_callback(self._generated)
 
     def _generated(self, task: asyncio.Task) -> None:
-        request = self._running.pop(task, None)
+        request = self.running.pop(task, None)
         if request is None:
             return
         end = time.monotonic_ns()
@@ -106,19 +107,19 @@ class PassThroughScheduler(Scheduler):
         slot = slots[self._next % len(slots)]
         self._next += 1
         task = asyncio.get_running_loop().create_task(self._run(slot, request))
-        self._running[task] = request
+        self.running[task] = request
         task.add_done_callback(self._finished)
 
     def _admit(self) -> None:
         """Refuse a request when ``max_queue_size`` requests already wait beyond the engine's capacity."""
         capacity = self.runtime.model.engine_capacity() or 0
-        waiting = len(self._running) - capacity
+        waiting = len(self.running) - capacity
         if waiting >= self.max_queue_size:
             raise QueueFull(f"model '{self.runtime.name}' is busy: {waiting} requests wait for its engine "
                             f"(max_queue_size {self.max_queue_size}); retry later or on another replica")
 
     def _finished(self, task: asyncio.Task) -> None:
-        self._running.pop(task, None)
+        self.running.pop(task, None)
 
     async def _run(self, slot: InstanceSlot, request: InferenceRequest) -> None:
         sender = request.response_sender
@@ -138,9 +139,9 @@ class PassThroughScheduler(Scheduler):
     async def stop(self) -> None:
         """Wait up to ``stop_timeout_s`` for the running requests, then cancel the rest, each answered
         with UNAVAILABLE. The repository has already drained the model with its own timeout."""
-        if not self._running:
+        if not self.running:
             return
-        _, late = await asyncio.wait(list(self._running), timeout=self.stop_timeout_s)
+        _, late = await asyncio.wait(list(self.running), timeout=self.stop_timeout_s)
         late = [task for task in late if not task.done()]
         if not late:
             return
@@ -148,7 +149,7 @@ class PassThroughScheduler(Scheduler):
                     self.runtime.name, self.runtime.version, len(late))
         error = self._stopped_error()
         for task in late:
-            request = self._running.get(task)
+            request = self.running.get(task)
             if request is not None:
                 request.response_sender.send_error(error)
             task.cancel()

@@ -10,7 +10,7 @@ import asyncio
 
 from tideserve.bench.llm_path import trace
 
-MAX_FILES = 28  # the whole request (docs/architecture.md)
+MAX_FILES = 21  # the whole request (docs/architecture.md)
 MAX_DELTA_FILES = 10  # while the token deltas stream (the steady state)
 MAX_DELTA_TO_FINISH_FILES = 16  # from the third chunk to the finishing one (the request's end work included)
 
@@ -26,6 +26,12 @@ def test_streaming_chat_completion_path():
     for name in ("server/schedulers/passthrough.py", "server/runtime.py", "server/responses.py", "server/types.py",
                  "server/stats.py", "server/backend.py", "llm_backends/vllm/backend.py", "server/openai/llm.py"):
         assert name not in result["delta"], result["delta"]
+    # the way in: the model's generation entry and LLMModel are kept per model (no repository, runtime or scheduler
+    # per request), LoRA only for a request naming an adapter, the OpenAI limits' checks only for what may pass them
+    for name in ("server/repository.py", "server/runtime.py", "server/schedulers/base.py",
+                 "server/schedulers/passthrough.py", "llm_backends/vllm/backend.py", "llm_backends/vllm/lora.py",
+                 "server/openai/limits.py"):
+        assert name not in result["total"], result["total"]
     # the request path: the HTTP frontend, the OpenAI route, the DataPlane, the vLLM backend
     for name in ("server/openai/chat_completion/serving.py", "server/dataplane.py", "llm_backends/vllm/generation.py"):
         assert name in result["total"]

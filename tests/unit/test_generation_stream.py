@@ -74,17 +74,47 @@ class ToyBackend(Backend):
     model_class = ToyLLM
 
 
+class ToyLLMEntry(ToyLLM):
+    """The same model resolving its generation once (``generation_entry``): DataPlane.generate keeps it and does
+    the pass-through scheduler's work itself (the typed path of a vLLM model)."""
+
+    def generation_entry(self):
+        return self._run
+
+
+class ToyEntryBackend(Backend):
+    model_class = ToyLLMEntry
+
+
+BACKENDS = {"scheduled": ToyBackend, "entry": ToyEntryBackend}
+KIND = ["entry"]
+
+
+@pytest.fixture(autouse=True, params=sorted(BACKENDS))
+def kind(request):
+    """Every test twice: the model's generation through its scheduler, and the generation entry kept."""
+    KIND[0] = request.param
+    yield request.param
+
+
 class Repository:
     def __init__(self, runtime: ModelRuntime) -> None:
         self.runtime = runtime
+        self.listeners: list = []  # (ModelRepository's: called on every change of a model's state)
+        self.lookups = 0
+
+    def notify(self) -> None:
+        for listener in self.listeners:
+            listener()
 
     def get(self, name: str, version: str = ""):
+        self.lookups += 1
         return self.runtime
 
 
 async def _dataplane(tmp_path, extra: str = "") -> tuple[DataPlane, ModelRuntime]:
     config = config_module.normalize(config_module.parse_text(CONFIG + extra), "toy", tmp_path)
-    runtime = ModelRuntime(ToyBackend(), ModelContext("toy", 1, config, tmp_path), ModelStats("toy", "1"))
+    runtime = ModelRuntime(BACKENDS[KIND[0]](), ModelContext("toy", 1, config, tmp_path), ModelStats("toy", "1"))
     await runtime.load()
     return DataPlane(Repository(runtime), Metrics()), runtime
 
@@ -198,3 +228,32 @@ def test_refusals_before_the_generation_starts(tmp_path):
 
     stats = asyncio.run(main())
     assert stats["inference_stats"]["fail"]["count"] == 3  # the queue refusal, the bad request, the cancelled one
+
+
+def test_the_generation_entry_is_kept_until_the_repository_changes(tmp_path, kind):
+    async def main():
+        dataplane, runtime = await _dataplane(tmp_path)
+        repository = dataplane.repository
+        runtime.on_change = repository.notify  # as ModelRepository wires its runtimes
+        for _ in range(3):
+            await _read(dataplane.generate(_request("a b")))
+        lookups = repository.lookups
+        repository.notify()  # a model loaded, unloaded or failed: the entry is resolved again
+        await _read(dataplane.generate(_request("a b")))
+        relooked = repository.lookups - lookups
+        await asyncio.sleep(0)
+        stats = runtime.stats.as_dict()
+        stream = dataplane.generate(_request("hang"))  # still generating when the model unloads
+        await asyncio.sleep(0.01)
+        await runtime.unload()  # its state changes (the entry is dropped); the task is cancelled and answered
+        with pytest.raises(Unavailable):
+            await _read(stream)
+        return lookups, relooked, stats, runtime.inflight, dataplane._generating
+
+    lookups, relooked, stats, inflight, kept = asyncio.run(main())
+    # the entry: one lookup, then none until the repository changes; through the scheduler: one per request
+    assert (lookups, relooked) == ((1, 1) if kind == "entry" else (3, 1))
+    assert stats["inference_stats"]["success"]["count"] == 4
+    assert stats["execution_count"] == 4 and stats["inference_count"] == 4
+    assert stats["inference_stats"]["queue"]["count"] == 4
+    assert inflight == 0 and kept == {}

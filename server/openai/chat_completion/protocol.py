@@ -102,7 +102,8 @@ class ChatCompletionRequest(SamplingRequest):
     def check_chat(self, limits: OpenAILimits, auto_tools: bool = False) -> None:
         """Cross-field checks; ``auto_tools``: the model has a tool-call parser."""
         self.check(*self.max_output, limits)
-        limits.check_logprobs(self.top_logprobs, "top_logprobs")
+        if self.top_logprobs is not None:
+            limits.check_logprobs(self.top_logprobs, "top_logprobs")
         if self.top_logprobs is not None and not self.logprobs:  # OpenAI's rule: 0 too
             raise BadRequest("when using `top_logprobs`, `logprobs` must be set to true", "top_logprobs")
         if self.add_generation_prompt and self.continue_final_message:

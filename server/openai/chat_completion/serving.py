@@ -48,7 +48,8 @@ async def create_chat_completion(server, body: bytes, scope) -> bytes | EventStr
         raise BadRequest(f"model '{llm.name}' has no structured output, which "
                          f"{constrained_by} needs (a vLLM model has it)", constrained_by)
     prompt = await server.run_blocking(_render, request, llm, limits)
-    await limits.check_prompts_fit(llm, [prompt], "messages", server.run_blocking)
+    if len(prompt) > limits.uncounted_chars:  # (a shorter prompt cannot hold more tokens than the limit)
+        await limits.check_prompts_fit(llm, [prompt], "messages", server.run_blocking)
     max_tokens, max_field = request.max_output
     sampling = request.sampling(max_tokens, (request.top_logprobs or 0) if request.logprobs else None)
     if mode == "auto" and llm.sampling_json and tool_parser(llm.tool_call_parser).keeps_special_tokens:
