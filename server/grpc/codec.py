@@ -263,6 +263,126 @@ def decode_request(msg, options: StreamOptions | None = None,
     return request
 
 
+# -- the common request on its bytes ---------------------------------------------------------
+# A ModelInferRequest as clients serialize it (fields in number order): model_name (1), model_version (2), id (3),
+# inputs (5), outputs (6), then raw_input_contents (7). For a request with no parameters and no typed contents, what
+# comes before the raw contents is the same from one request to the next but for the id: its "skeleton". Once a
+# request of that skeleton passed decode_request, the next ones are read straight from their bytes: the skeleton
+# compared, the id and each raw content's length read, the inputs as arrays over the request's own bytes.
+_SKELETONS_MAX = 16
+
+
+class _Skeleton:
+    __slots__ = ("head", "tail", "limits", "model", "version", "inputs", "outputs")
+
+    def __init__(self, head: bytes, tail: bytes, limits: TensorLimits, request: InferenceRequest) -> None:
+        self.head = head  # model_name and model_version fields
+        self.tail = tail  # inputs and outputs fields (after the id)
+        self.limits = limits
+        self.model = request.model_name
+        self.version = request.model_version
+        # (name, datatype, shape, numpy dtype, element count, byte size) per input, in the raw contents' order
+        self.inputs = tuple((t.name, t.datatype, t.shape, t.data.dtype, t.data.size, t.data.nbytes)
+                            for t in request.inputs.values())
+        self.outputs = tuple(o.name for o in request.outputs) if request.outputs else None
+
+
+_SKELETONS: list[_Skeleton] = []
+
+
+def _read_varint(data: bytes, position: int) -> tuple[int, int]:
+    """(value, position after it) of the varint at ``position``; IndexError past the end."""
+    value = shift = 0
+    while True:
+        byte = data[position]
+        position += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, position
+        shift += 7
+
+
+def decode_request_bytes(data: bytes, limits: TensorLimits = DEFAULT_TENSOR_LIMITS) -> InferenceRequest | None:
+    """The request ``data`` (a serialized ModelInferRequest) holds, read from its bytes when its skeleton is known
+    (see above); None otherwise: the caller parses and decodes it (:func:`decode_request`), then may
+    :func:`learn_skeleton` from it."""
+    if type(data) is not bytes:
+        return None
+    for skeleton in _SKELETONS:
+        head = skeleton.head
+        if not data.startswith(head) or skeleton.limits is not limits:
+            continue
+        try:
+            position = len(head)
+            request_id = ""
+            if data[position] == 0x1A:  # id (3)
+                size, position = _read_varint(data, position + 1)
+                request_id = data[position:position + size].decode()
+                position += size
+            if not data.startswith(skeleton.tail, position):
+                continue
+            position += len(skeleton.tail)
+            inputs = {}
+            for name, datatype, shape, dtype, count, nbytes in skeleton.inputs:
+                if data[position] != 0x3A:  # raw_input_contents (7)
+                    return None
+                size, position = _read_varint(data, position + 1)
+                if size != nbytes or position + size > len(data):
+                    return None  # decode_request names the problem
+                inputs[name] = Tensor(name, datatype, shape,
+                                      np.frombuffer(data, dtype, count, position).reshape(shape), {})
+                position += size
+        except (IndexError, UnicodeDecodeError):
+            return None
+        if position != len(data):
+            return None
+        outputs = skeleton.outputs
+        return InferenceRequest(skeleton.model, inputs, model_version=skeleton.version, id=request_id,
+                                outputs=[RequestedOutput(name, {}) for name in outputs] if outputs else None)
+    return None
+
+
+def learn_skeleton(data: bytes, msg, request: InferenceRequest, limits: TensorLimits = DEFAULT_TENSOR_LIMITS) -> None:
+    """Remember the skeleton of ``data`` (``msg`` parsed from it, ``request`` what decode_request made of it) when
+    it is of the common shape: raw contents for every input, no parameters anywhere, fields in number order."""
+    if (type(data) is not bytes or len(msg.parameters) or not request.inputs
+            or len(msg.raw_input_contents) != len(request.inputs)):
+        return
+    for tensor in msg.inputs:
+        if len(tensor.parameters) or tensor.HasField("contents") or tensor.datatype not in _NUMPY:
+            return
+    for output in msg.outputs:
+        if len(output.parameters):
+            return
+    # the top-level fields: model_name / model_version, id, then inputs / outputs, then only raw contents
+    fields, position = [], 0
+    try:
+        while position < len(data):
+            tag, start = _read_varint(data, position)
+            if tag & 7 != 2:
+                return
+            size, body = _read_varint(data, start)
+            fields.append((tag >> 3, position, body + size))
+            position = body + size
+    except IndexError:
+        return
+    numbers = [number for number, _, _ in fields]
+    if numbers.count(1) != 1 or numbers != sorted(numbers) or numbers.count(7) != len(request.inputs) or not set(numbers) <= {1, 2, 3, 5, 6, 7}:
+        return
+    if numbers.count(2) > 1 or numbers.count(3) > 1:
+        return
+    head_end = max((end for number, _, end in fields if number <= 2), default=0)
+    tail_start = next((start for number, start, _ in fields if number >= 5), len(data))
+    tail_end = next(start for number, start, _ in fields if number == 7)
+    skeleton = _Skeleton(data[:head_end], data[tail_start:tail_end], limits, request)
+    for known in _SKELETONS:
+        if known.head == skeleton.head and known.tail == skeleton.tail and known.limits is limits:
+            return
+    if len(_SKELETONS) >= _SKELETONS_MAX:
+        del _SKELETONS[0]
+    _SKELETONS.append(skeleton)
+
+
 # -- outputs ---------------------------------------------------------------------------------
 def encode_response(response: InferenceResponse, msg=None):
     """Fill (or make) a ModelInferResponse; tensor data always goes in ``raw_output_contents``."""

@@ -34,9 +34,11 @@ from .codec import (
     StreamOptions,
     apply_classification,
     decode_request,
+    decode_request_bytes,
     encode_response,
     encode_response_bytes,
     error_message,
+    learn_skeleton,
     requested_classifications,
 )
 from .codec import varint as _varint
@@ -315,11 +317,15 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         here), the response's bytes out (:func:`encode_response_bytes`, or the message serialized where it
         needs one). abort_on_error is written out: the hot path's calls resume through one coroutine fewer."""
         try:
-            try:
-                request = ModelInferRequest.FromString(data)
-            except DecodeError:
-                raise InternalError(_UNPARSABLE) from None
-            infer_request = decode_request(request, limits=self.tensor_limits)
+            limits = self.tensor_limits
+            infer_request = decode_request_bytes(data, limits)
+            if infer_request is None:
+                try:
+                    request = ModelInferRequest.FromString(data)
+                except DecodeError:
+                    raise InternalError(_UNPARSABLE) from None
+                infer_request = decode_request(request, limits=limits)
+                learn_skeleton(data, request, infer_request, limits)
             for name, value in context.invocation_metadata() or ():
                 if name == "traceparent":
                     infer_request.trace_context = value
@@ -361,12 +367,18 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def _read_stream(self, request_iterator, state: _Stream) -> None:
         try:
+            limits = self.tensor_limits
             async for data in request_iterator:
-                try:
-                    message = ModelInferRequest.FromString(data)
-                except DecodeError:
-                    raise InternalError(_UNPARSABLE) from None
-                if not self._start_stream_request(message, state):
+                request = decode_request_bytes(data, limits)
+                if request is not None:  # a request of a known skeleton, read from its bytes
+                    started = self._start_stream_request(None, state, request)
+                else:
+                    try:
+                        message = ModelInferRequest.FromString(data)
+                    except DecodeError:
+                        raise InternalError(_UNPARSABLE) from None
+                    started = self._start_stream_request(message, state, data=data)
+                if not started:
                     return
         except asyncio.CancelledError:
             raise
@@ -375,10 +387,16 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             return
         state.reader_done()  # the client half-closed: finish the requests in flight
 
-    def _start_stream_request(self, message, state: _Stream) -> bool:
+    def _start_stream_request(self, message, state: _Stream, request: InferenceRequest | None = None,
+                              data: bytes | None = None) -> bool:
+        """Start one request of the stream: ``message`` (parsed from ``data``) to decode, or ``request`` already
+        decoded (decode_request_bytes)."""
         options = StreamOptions()
         try:
-            request = decode_request(message, options, self.tensor_limits)
+            if request is None:
+                request = decode_request(message, options, self.tensor_limits)
+                if data is not None:
+                    learn_skeleton(data, message, request, self.tensor_limits)
             request.trace_context = state.traceparent
             counts = requested_classifications(request) if request.outputs else None
             stream = self.dataplane.infer(request)
@@ -388,7 +406,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             if state.grpc_errors:
                 state.put(_Failure(exc))
                 return False
-            state.put(_error_response(message.id, exc))
+            state.put(_error_response(message.id if message is not None else request.id, exc))
             return True
         state.streams.add(stream)
         entry = None if self._decoupled(request, state) else state.ordered()

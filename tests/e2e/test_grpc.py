@@ -591,6 +591,39 @@ def test_duplicate_requested_outputs_are_rejected(client):
     _assert_serving(client)
 
 
+def test_repeated_requests_of_one_form(stub, client):
+    """Requests of one form (same model, inputs, outputs; any id and data) are read from their bytes after the
+    first (codec.decode_request_bytes): every answer is still its own request's, on ModelInfer and on the stream,
+    interleaved with other forms, and a request of that form with data of the wrong size is refused as before."""
+    rng = np.random.default_rng(7)
+    for i in range(20):
+        batch = 1 + i % 3  # three forms, interleaved
+        a = rng.standard_normal((batch, 4)).astype(np.float32)
+        b = rng.standard_normal((batch, 4)).astype(np.float32)
+        outputs = [grpcclient.InferRequestedOutput("OUTPUT0"), grpcclient.InferRequestedOutput("OUTPUT1")]
+        result = client.infer("add_sub", [_input("INPUT0", a), _input("INPUT1", b)], outputs=outputs,
+                              request_id=f"form-{i}" if i % 2 else "")
+        assert result.get_response().id == (f"form-{i}" if i % 2 else "")
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + b)
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - b)
+    good = _raw_request()
+    assert stub.ModelInfer(good, timeout=10).raw_output_contents[0] == SAMPLES["FP32"].tobytes()
+    wrong = _raw_request(raw=b"\x00" * 16)  # the same form, one element too many
+    for _ in range(2):
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ModelInfer(wrong, timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "INPUT0" in info.value.details()
+    samples = [rng.standard_normal(3).astype(np.float32) for _ in range(10)]
+    requests = [(f"s{i}", _raw_request(raw=sample.tobytes())) for i, sample in enumerate(samples)]
+    results = _run_stream(client, requests + [("bad", wrong)])
+    for i, sample in enumerate(samples):
+        (response, error), = results[f"s{i}"]
+        assert error is None
+        assert np.frombuffer(response.raw_output_contents[0], np.float32).tolist() == sample.tolist()
+    assert "INPUT0" in results["bad"][0][1]
+
+
 def test_unparsable_request_bytes_are_internal(tideserve, client):
     """ModelInfer and ModelStreamInfer read the request's bytes themselves: bytes that are no ModelInferRequest
     end the call with INTERNAL "Exception deserializing request!" (grpcio's answer when it parsed them), and the server goes on
