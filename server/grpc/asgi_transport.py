@@ -98,15 +98,19 @@ def frame(payload: bytes) -> bytes:
 class CallContext:
     """What a servicer method uses of grpc.aio's ServicerContext, over one ASGI request."""
 
-    __slots__ = ("_headers", "_metadata", "_send", "_send_limit", "deadline", "started")
+    __slots__ = ("_headers", "_metadata", "_send", "_send_limit", "deadline", "started", "traceparent")
 
-    def __init__(self, headers: list, send, send_limit: int, deadline: float | None) -> None:
+    def __init__(self, headers: list, send, send_limit: int, deadline: float | None,
+                 traceparent: str | None = None) -> None:
         self._headers = headers
         self._send = send
         self._send_limit = send_limit
         self.started = False
         self.deadline = deadline
         self._metadata: tuple | None = None
+        # the W3C traceparent header, read with the call's other headers: what ModelInfer needs of the metadata
+        # (service.traceparent_of) without building it all
+        self.traceparent = traceparent
 
     def invocation_metadata(self) -> tuple:
         """(key, value) pairs of the custom metadata; values of ``-bin`` keys base64-decoded to bytes."""
@@ -284,14 +288,16 @@ class GrpcAsgiApp:
         context = None
         try:
             method = self.methods.get(path)
-            deadline = encoding = None
+            deadline = encoding = traceparent = None
             for name, value in headers:
                 if name == b"grpc-timeout":
                     timeout = _timeout_seconds(value)
                     deadline = None if timeout is None else time.monotonic() + timeout
                 elif name == b"grpc-encoding":
                     encoding = value
-            context = CallContext(headers, send, self.send_limit, deadline)
+                elif name == b"traceparent" and traceparent is None:  # the first, as invocation_metadata's
+                    traceparent = value.decode("latin-1")
+            context = CallContext(headers, send, self.send_limit, deadline, traceparent)
             if method is None:
                 if not self.methods:
                     raise RpcAbort(grpc.StatusCode.UNAVAILABLE, "the server is starting")

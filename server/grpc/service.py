@@ -103,6 +103,21 @@ def abort_on_error(handler: Handler) -> Handler:
     return handle
 
 
+_NOT_READ = object()
+
+
+def traceparent_of(context) -> str | None:
+    """The call's W3C ``traceparent`` metadata: read with the call's headers where the context has it (pyvoy's
+    CallContext), else looked up in its invocation metadata (grpc.aio)."""
+    found = getattr(context, "traceparent", _NOT_READ)
+    if found is not _NOT_READ:
+        return found
+    for name, value in context.invocation_metadata() or ():
+        if name == "traceparent":
+            return value
+    return None
+
+
 def _header(context, key: str) -> str | None:
     for name, value in context.invocation_metadata() or ():
         if name == key:
@@ -326,10 +341,9 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                     raise InternalError(_UNPARSABLE) from None
                 infer_request = decode_request(request, limits=limits)
                 learn_skeleton(data, request, infer_request, limits)
-            for name, value in context.invocation_metadata() or ():
-                if name == "traceparent":
-                    infer_request.trace_context = value
-                    break
+            traceparent = traceparent_of(context)
+            if traceparent is not None:
+                infer_request.trace_context = traceparent
             counts = requested_classifications(infer_request) if infer_request.outputs else None
             response = await self.dataplane.infer_unary(infer_request)
             if counts:

@@ -148,6 +148,37 @@ async def test_messages_compressed_too_large_and_cut_short():
         await _Messages(_receiver(b"\x00\x00", disconnect=True), None, 50).next()
 
 
+async def test_model_infer_takes_the_traceparent_read_with_the_headers():
+    """ModelInfer reads the traceparent the app picked from the call's headers (service.traceparent_of), the first
+    as invocation_metadata lists it; grpc.aio's contexts, which have no such attribute, are searched."""
+    from tideserve.grpc.service import traceparent_of
+
+    seen = {}
+
+    async def handler(data, context):
+        seen["traceparent"] = traceparent_of(context)
+        seen["metadata"] = context.invocation_metadata()
+        return b""
+
+    app = _app()
+    app.methods[f"{SERVICE}/ModelInfer"] = (asgi_transport.RAW_UNARY, handler, None)
+    _, trailers = await _call(app, f"{SERVICE}/ModelInfer", frame(b""),
+                              headers=[(b"traceparent", b"00-first"), (b"traceparent", b"00-second")])
+    assert trailers[b"grpc-status"] == b"0"
+    assert seen["traceparent"] == "00-first"
+    assert [value for key, value in seen["metadata"] if key == "traceparent"][0] == "00-first"
+    await _call(app, f"{SERVICE}/ModelInfer", frame(b""))
+    assert seen["traceparent"] is None
+
+    class AioContext:
+        __slots__ = ()
+
+        def invocation_metadata(self):
+            return (("user-agent", "x"), ("traceparent", "00-aio"))
+
+    assert traceparent_of(AioContext()) == "00-aio"
+
+
 def test_metadata_timeouts_and_messages_in_grpc_wording():
     context = CallContext([(b":path", b"/x"), (b"content-type", b"application/grpc"), (b"grpc-timeout", b"5S"),
                            (b"traceparent", b"00-ab"), (b"token-bin", b"AAEC")], None, 10, None)
