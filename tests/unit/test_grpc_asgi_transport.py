@@ -197,6 +197,19 @@ def test_envoy_listener_does_not_share_its_port_and_has_no_admin_port():
     assert "admin" not in config
 
 
+def test_envoy_process_keeps_the_cores_python_path(monkeypatch):
+    """The Envoy process's Python searches the core's PYTHONPATH first (pyvoy sets its own), so that it imports
+    what the core imports (e.g. bench/addsub.py's tideserve:w1:pyvoy@TREE)."""
+    pytest.importorskip("pyvoy")
+    options = options_from_args(build_parser().parse_args(["--model-repository", "/tmp"]))
+    monkeypatch.setenv("PYTHONPATH", "/somewhere/first")
+    _, env = asgi_transport.envoy_process(options, 3, 4, 5, 4096)
+    assert env["PYTHONPATH"].startswith("/somewhere/first" + ":") and "site-packages" in env["PYTHONPATH"]
+    monkeypatch.delenv("PYTHONPATH")
+    _, env = asgi_transport.envoy_process(options, 3, 4, 5, 4096)
+    assert not env["PYTHONPATH"].startswith("/somewhere")
+
+
 def test_cli_flag_and_its_error_without_pyvoy(monkeypatch):
     args = ["--model-repository", "x"]
     assert options_from_args(build_parser().parse_args(args)).grpc_frontend == "grpcio"
