@@ -89,6 +89,9 @@ from tideserve.bench.llm_servers import (engine_env, percentile, start_tideserve
 
 MODEL = "llm"
 APIS = ("generate", "openai")
+# the generate extension's tensor path in the same server: the prompt as an array of one string (the typed path
+# leaves that form to the tensors), for an A/B of the two paths under the same load
+GENERATE_TENSORS = "generate-tensors"
 LATE_HEADER = "tideserve-deadline-late-us"
 PROMPTS = 64  # the prompts every client cycles through (story_prompts)
 
@@ -114,9 +117,9 @@ async def one_request(session: aiohttp.ClientSession, base: str, api: str, promp
                       deadline_ms: float) -> dict:
     """One streamed request with a deadline: when it was sent, its status, when the first token / the refusal came,
     whether the stream finished, and the error text of a refusal."""
-    if api == "generate":
+    if api in ("generate", GENERATE_TENSORS):
         url = f"{base}/v2/models/{MODEL}/generate_stream"
-        body = {"text_input": prompt, "stream": True,
+        body = {"text_input": [prompt] if api == GENERATE_TENSORS else prompt, "stream": True,
                 "parameters": {"max_tokens": tokens, "temperature": 0, "ignore_eos": True,
                                "timeout": int(deadline_ms * 1000)}}
         headers = {}
@@ -159,7 +162,7 @@ async def one_request(session: aiohttp.ClientSession, base: str, api: str, promp
             if b'{"error"' in tail:  # an error ends a stream
                 result["error"] = tail[tail.index(b'{"error"'):].decode(errors="replace")[:300]
             elif result["first"] is not None:  # generate_stream ends with its last event; /v1 with [DONE]
-                result["complete"] = api == "generate" or b"data: [DONE]" in tail
+                result["complete"] = api != "openai" or b"data: [DONE]" in tail
     except (aiohttp.ClientError, TimeoutError) as exc:
         result["status"] = f"client error: {type(exc).__name__}"
     return result
@@ -480,9 +483,33 @@ def _trio(r: dict, key: str) -> str:
     return f"{r[key + '_p50_ms']:.1f} / {r[key + '_p99_ms']:.1f} / {r[key + '_max_ms']:.1f}"
 
 
+def start_py_spy(directory: Path | None, pid: int, name: str, duration: float):
+    """py-spy recording the server (``pid``) for ``duration`` s into ``directory/name.txt`` (None: not asked)."""
+    if directory is None:
+        return None
+    import subprocess
+
+    directory.mkdir(parents=True, exist_ok=True)
+    out = directory / f"{name}.txt"
+    return subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--duration", str(int(duration)), "--rate",
+                             "500", "--threads", "--format", "raw", "--output", str(out), "--nonblocking"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def stop_py_spy(spy) -> None:
+    import subprocess
+
+    try:
+        spy.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        spy.kill()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--api", choices=(*APIS, "both"), default="both")
+    parser.add_argument("--api", default="both",
+                        help=f"the modes, comma-separated, of {', '.join((*APIS, GENERATE_TENSORS))}; 'both': "
+                             f"{' and '.join(APIS)}")
     parser.add_argument("--size", default="100m",
                         help="tiny_llama size (default 100m: 'tiny' steps faster than HTTP streams its tokens, so "
                              "its engine never has requests waiting)")
@@ -520,6 +547,12 @@ def main() -> None:
                              "loop's own)")
     parser.add_argument("--no-prime", dest="prime", action="store_false",
                         help="before each side, do not reset the engine's prefix cache and send every prompt once")
+    parser.add_argument("--generate-tensors", action="store_true",
+                        help="the server's generate extension sends every request as tensors "
+                             "(TIDESERVE_GENERATE_TENSORS=1), not as a typed LLM request: the path before session 7")
+    parser.add_argument("--py-spy", type=Path, default=None, metavar="DIR",
+                        help="record the server process with py-spy during each flooded side (per thread, idle "
+                             "samples left out), a collapsed-stack file per side in DIR (py-spy on the PATH)")
     parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "tideserve-bench-llm")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -534,13 +567,17 @@ def main() -> None:
         env["TIDESERVE_DEADLINE_PROBE_FILE"] = str(work / "deadline-probe.json")
     if args.loop_slice_us is not None:
         env["TIDESERVE_LOOP_SLICE_US"] = str(args.loop_slice_us)
+    if args.generate_tensors:
+        env["TIDESERVE_GENERATE_TENSORS"] = "1"
     probe_file = work / "deadline-probe.json" if args.probe else None
     model = make_model(args.model_dir / args.size, args.size)
     repo = write_vllm_repository(work, model, args.max_num_seqs, args.max_queue_size,
                                  engine_nice=args.engine_nice)
     holds = args.max_num_seqs + args.max_queue_size
     flood = args.flood_factor * holds
-    apis = APIS if args.api == "both" else (args.api,)
+    apis = APIS if args.api == "both" else tuple(args.api.split(","))
+    if unknown := [api for api in apis if api not in (*APIS, GENERATE_TENSORS)]:
+        parser.error(f"unknown mode(s) {', '.join(unknown)}")
     print(f"engine holds {holds} (max_num_seqs {args.max_num_seqs} + max_queue_size {args.max_queue_size}); "
           f"steady: {args.max_num_seqs} closed-loop clients; flood: {flood} more; {args.tokens} tokens per request, "
           f"deadline {args.deadline_ms:g} ms, TTFT SLO {args.ttft_slo:g} s, {args.duration:g} s per side; "
@@ -569,10 +606,14 @@ def main() -> None:
                     time.sleep(args.pause)
                     loadavg = os.getloadavg()[0]
                     sched: list = []
+                    spy = start_py_spy(args.py_spy, proc.pid, f"{api}-{side}-r{round_index + 1}", args.duration) \
+                        if side == "flooded" else None
                     requests, lags, load = run_side(pool, args.client_processes, base, api, args.max_num_seqs,
                                               flood if side == "flooded" else 0, args.tokens, args.deadline_ms,
                                               args.duration, args.retry_ms / 1000, proc.pid, sched, probe_file)
                     sides[api][side].append((requests, lags, load))
+                    if spy is not None:
+                        stop_py_spy(spy)
                     row = summarize(requests, lags, load, args.duration, args.deadline_ms, args.ttft_slo)
                     row.update(loop_thread_use(sched))
                     rounds_out.append({"round": round_index + 1, "api": api, "side": side, "load_average": loadavg,

@@ -49,7 +49,7 @@ from ..asgi import (
     send_response,
 )
 from ..datatypes import config_to_datatype, element_size, numpy_dtype
-from ..errors import InvalidArgument, ServerError, Unsupported, as_server_error
+from ..errors import InvalidArgument, QueueFull, ServerError, Unsupported, as_server_error
 from ..generation import GenerationDelta, GenerationRequest
 from ..responses import content_responses
 from ..serving import ServingInterface
@@ -683,6 +683,9 @@ async def _typed_stream(typed: TypedGenerate, stream, scope, receive, send) -> N
     except ServerError as exc:  # the model's error first (as the tensor path's first response): the whole answer
         await stream.aclose()
         if refusal.done:  # written already, at the deadline itself
+            return
+        if isinstance(exc, QueueFull):  # refused before it was scheduled (a frontend worker learns it here)
+            await send_error(send, exc.http_code, exc.message, exc.retry_after_s, exc)
             return
         body, headers = _error_answer(exc)
         await send_response(send, exc.http_code, body, headers)
