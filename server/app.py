@@ -224,6 +224,10 @@ class Server:
 
     async def start(self) -> None:
         opts = self.options
+        if opts.allow_http or opts.allow_grpc:  # before the models load: their engines take the workers' clients
+            from .workers import engines
+
+            engines.configure(opts)
         try:
             await self.repository.start()
         except ServerError:  # a model --load-model names did not load: unload the others, then say why

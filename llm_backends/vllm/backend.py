@@ -95,6 +95,7 @@ class VllmModel(Model):
         self._unloading: asyncio.Task | None = None  # the unload a failed health check started
         self._engine_info: EngineInfo | None = None
         self._kv_endpoints: list = []  # the KV-event endpoints this version's engine holds (config.KV_EVENT_ENDPOINTS)
+        self._engine_clients: bytes | None = None  # where frontend workers reach the engine (EngineInfo.engine_clients)
 
     def auto_complete_config(self) -> None:
         vllm_config.auto_complete(self.config)
@@ -112,7 +113,8 @@ class VllmModel(Model):
             self._engine_info = EngineInfo(typed_requests=True,
                                            tokenizer_dir=tokenizer if tokenizer and os.path.isdir(tokenizer) else None,
                                            max_model_len=model_config.max_model_len, structured_outputs=True,
-                                           token_prompts=True, adapters=self.adapters.enabled)
+                                           token_prompts=True, adapters=self.adapters.enabled,
+                                           engine_clients=self._engine_clients)
         return self._engine_info
 
     def generation(self, request: InferenceRequest):
@@ -254,7 +256,12 @@ class VllmModel(Model):
             label = served if isinstance(served, str) else (list(served) or [self.ctx.name])[0]
             families.add(*self._labels).register(engine.ModelLabelled(registry, label))
         try:
-            started = engine.start_engine(kwargs, self.engine_state, registry)
+            workers = self._client_workers(kwargs)
+            if workers:
+                started, self._engine_clients = engine.start_engine_with_clients(kwargs, self.engine_state, registry,
+                                                                                 workers)
+            else:
+                started = engine.start_engine(kwargs, self.engine_state, registry)
             if self.options.engine_nice:
                 pids = engine.set_engine_nice(started, self.options.engine_nice)
                 log.info("model '%s' version %s: the engine's processes %s run at nice %d", self.ctx.name,
@@ -265,6 +272,25 @@ class VllmModel(Model):
                 families.remove(*self._labels)
             vllm_config.KV_EVENT_ENDPOINTS.release(self._kv_endpoints)
             raise
+
+    def _client_workers(self, kwargs) -> int:
+        """How many frontend workers get an engine client of their own (``--frontend-workers N`` with
+        ``--frontend-direct on``; workers/engines.py), 0: none. A model whose requests the core must see keeps the
+        relay through the core: the health check before each request, a ``max_queue_size`` bound, LoRA adapters
+        (loaded at run time into the engine through the core's client: vLLM refuses runtime LoRA updates with more
+        than one API server)."""
+        from tideserve.workers import engines
+        from tideserve.schedulers.passthrough import queue_bound
+
+        workers = engines.ENGINE_CLIENT_WORKERS
+        if not workers or self.options.health_check or vllm_lora.lora_enabled(kwargs):
+            return 0
+        try:
+            if queue_bound(self):
+                return 0
+        except Exception:  # noqa: BLE001 - the scheduler reports a bad value itself
+            return 0
+        return workers
 
     def lora_adapters(self) -> list[dict[str, str]] | None:
         return self.adapters.listing() if self.adapters.enabled else None

@@ -127,6 +127,73 @@ def start_engine(kwargs: dict[str, Any], on_state: Callable[[EngineState], None]
         raise Unavailable(_failure(exc, kwargs)) from None
 
 
+WORKER_READY_TIMEOUT_S = 20  # a worker's engine client waits this long for the engine's ready message
+
+
+def start_engine_with_clients(kwargs: dict[str, Any], on_state: Callable[[EngineState], None],
+                              registry: CollectorRegistry | None, workers: int) -> tuple[AsyncLLM, bytes | None]:
+    """As :func:`start_engine`, with the engine core taking requests from ``workers`` more engine clients (vLLM's
+    ``--api-server-count`` shape): this process's client is index 0, a frontend worker's index ``i`` (1..workers)
+    connects at the addresses of entry ``i - 1`` of what the second value describes (a pickled dict: the engine's
+    ``VllmConfig``, the worker clients' ``inputs`` and ``outputs`` addresses, the ``count`` of clients). An engine
+    that cannot take them (data parallel) starts as usual and the second value is None: the workers relay."""
+    import pickle
+
+    loggers: list = [lambda _config, _index=0: _StateLogger(on_state)]
+    if registry is not None:
+        loggers.append(prometheus_logger(registry))
+    launch = None
+    try:
+        if isinstance(kwargs.get("kv_events_config"), dict):
+            from vllm.config import KVEventsConfig
+
+            kwargs = {**kwargs, "kv_events_config": KVEventsConfig(**kwargs["kv_events_config"])}
+        args = AsyncEngineArgs(**kwargs)
+        args._api_process_count = workers + 1
+        args._api_process_rank = -1
+        vllm_config = args.create_engine_config()
+        if vllm_config.parallel_config.data_parallel_size > 1:
+            log.info("data-parallel vLLM engine: frontend workers relay its requests through the core")
+            return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=loggers), None
+        from vllm.v1.engine.utils import (EngineZmqAddresses, bind_engine_zmq_listeners,
+                                          get_engine_zmq_bind_addresses, launch_core_engines)
+        from vllm.v1.executor import Executor
+
+        own = bind_engine_zmq_listeners(vllm_config, 1)  # this process's client: bound before the engine starts
+        theirs = get_engine_zmq_bind_addresses(vllm_config, workers)  # the workers' clients bind these themselves
+        addresses = EngineZmqAddresses(inputs=[own.inputs[0].address, *theirs.inputs],
+                                       outputs=[own.outputs[0].address, *theirs.outputs])
+        with launch_core_engines(vllm_config, Executor.get_class(vllm_config), not args.disable_log_stats,
+                                 addresses) as launch:
+            pass
+        engine = AsyncLLM.from_vllm_config(
+            vllm_config, stat_loggers=loggers, enable_log_requests=args.enable_log_requests,
+            disable_log_stats=args.disable_log_stats,
+            client_addresses={"input_address": own.inputs[0].address, "output_address": own.outputs[0].address,
+                              "input_listener": own.inputs[0].socket, "output_listener": own.outputs[0].socket},
+            client_count=workers + 1, client_index=0)
+        # this client owns the engine's processes, as one that started them does: shut down with it, watched by it
+        client = engine.engine_core
+        client.resources.engine_manager = launch.engine_manager
+        client.start_engine_core_monitor()
+        launch = None
+        blob = pickle.dumps({"config": vllm_config, "inputs": list(theirs.inputs), "outputs": list(theirs.outputs),
+                             "count": workers + 1})
+        return engine, blob
+    except ServerError:
+        raise
+    except TypeError as exc:
+        if "unexpected keyword argument" in str(exc):
+            raise InvalidArgument(f"invalid vLLM engine arguments: {exc}") from None
+        raise Unavailable(_failure(exc, kwargs)) from None
+    except Exception as exc:
+        log.debug("vLLM engine failed to start", exc_info=True)
+        raise Unavailable(_failure(exc, kwargs)) from None
+    finally:
+        if launch is not None and launch.engine_manager is not None:
+            launch.engine_manager.shutdown()
+
+
 def _failure(exc: BaseException, kwargs: dict[str, Any]) -> str:
     message = f"vLLM engine failed to start: {type(exc).__name__}: {exc}"
     model = kwargs.get("model")

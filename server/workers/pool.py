@@ -89,6 +89,7 @@ class _Link(p.FramedLink):
         self.tasks.clear()
         if not self.closed.done():
             self.closed.set_result(None)
+        self.pool.engine_counts.lost(self.index)
         if not self.ready.done():
             self.ready.set_exception(RuntimeError(f"frontend worker {self.index} exited during start-up"))
             self.ready.exception()  # retrieved here: the pool reports it
@@ -106,6 +107,8 @@ class _Link(p.FramedLink):
                 if entry is not None:  # the stream too: a task cancelled before it ran never reaches its finally
                     entry[0].cancel()
                     entry[1].cancel()
+            elif kind is p.WorkerGenerations:  # generations the worker ran on its own engine client
+                self.pool.engine_counts.received(self.index, message)
             elif kind is p.Ready:
                 self.served = True
                 if not self.ready.done():
@@ -210,6 +213,9 @@ class FrontendWorkers:
         # --frontend-direct: the instance processes' addresses by runtime uid (dataplane.direct_endpoints: the process
         # at each address, for DirectFailure)
         self.direct: dict[int, list[str]] = {}
+        from .engines import CoreCounts
+
+        self.engine_counts = CoreCounts(dataplane.repository)  # generations the workers run on their engine clients
         self._opening: set[int] = set()
         self._refused: set[int] = set()  # versions whose processes could not open theirs
         self._direct_dir: str | None = None

@@ -262,7 +262,18 @@ class Stop(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
-ToCore = Infer | wire.Cancel | wire.Release | Ready | Call | DirectFailure
+class WorkerGenerations(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
+    """Typed generations a worker ran on its own engine client (workers/engines.py) for runtime ``uid`` since its
+    last such message: ``started`` and ``finished`` (the core counts them as the version's requests in flight, so
+    that a drain or an unload waits for them), and the worker's statistics counters for it (``ModelStats.export``)."""
+
+    uid: int
+    started: int = 0
+    finished: int = 0
+    counters: dict[str, Any] | None = None
+
+
+ToCore = Infer | wire.Cancel | wire.Release | Ready | Call | DirectFailure | WorkerGenerations
 ToWorker = Start | Respond | Result | Snapshot | Stop | wire.Release
 
 # -- the link ---------------------------------------------------------------------------------------------------

@@ -145,6 +145,7 @@ class CoreLink(p.FramedLink):
         self.first_snapshot: asyncio.Future = asyncio.get_running_loop().create_future()
         self.stopped: asyncio.Future = asyncio.get_running_loop().create_future()
         self._ids = itertools.count(1)
+        self.engines = None  # the worker's engine clients (workers/engines.py), when it has them
 
     def connection_lost(self, exc) -> None:
         if not self.stopped.done():
@@ -188,6 +189,8 @@ class CoreLink(p.FramedLink):
         for uid in [uid for uid in self.runtimes if uid not in live]:
             del self.runtimes[uid]
         self.snapshot = snapshot
+        if self.engines is not None:
+            self.engines.snapshot_applied(live)
         if not self.first_snapshot.done():
             self.first_snapshot.set_result(None)
 
@@ -213,6 +216,7 @@ class RemoteDataPlane(ServingInterface):
     def __init__(self, link: CoreLink) -> None:
         self.link = link
         self.direct = None  # a DirectRouter (workers/direct.py) with --frontend-direct on
+        self.engines = None  # an EngineClients (workers/engines.py) with --frontend-direct on
 
     # -- health and metadata (from the pushed snapshot) ----------------------------------------------------
     @property
@@ -314,6 +318,10 @@ class RemoteDataPlane(ServingInterface):
         first step."""
         if not self.accepting:
             raise Unavailable("the server is shutting down and accepts no new requests")
+        if self.engines is not None:  # on this worker's own engine client, where the model's engine takes one
+            stream = self.engines.generate(request)
+            if stream is not None:
+                return stream
         return RemoteGenerationStream(self._submit(request, False))
 
     async def infer_unary(self, request: InferenceRequest) -> InferenceResponse:
@@ -399,4 +407,7 @@ async def open_frontend(link: CoreLink):
         from .direct import DirectRouter
 
         dataplane.direct = DirectRouter(dataplane)
+        from .engines import EngineClients
+
+        dataplane.engines = link.engines = EngineClients(dataplane, start.index + 1)
     return start, options, dataplane, access

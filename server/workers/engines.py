@@ -1,0 +1,437 @@
+"""An engine client in each frontend worker (vLLM's ``--api-server-count`` shape).
+
+With ``--frontend-workers N`` (N > 1) and ``--frontend-direct on``, the vLLM backend in the core starts its engine
+core with N + 1 clients: index 0 is the core's own (Triton's tensor requests, health, LoRA, metrics), index ``i``
+(1..N) belongs to frontend worker ``i - 1``. The engine's ``EngineInfo.engine_clients`` tells the workers where
+(``llm_backends/vllm/engine.py start_engine_with_clients``). A worker builds its client for a model version the
+first time it gets a typed generation for it (in the background: until the client is up, and whenever it cannot
+be built, generations are relayed through the core as before), then runs the backend's own ``Generator`` on it:
+GenerationRequest -> SamplingParams -> the engine -> GenerationDelta, with no hop to the core per token.
+
+What the core keeps: the worker tells it, in one :class:`~.protocol.WorkerGenerations` message per loop turn and
+version, how many generations it started and finished and its statistics counters for the version; the core
+counts the first two as the version's requests in flight (a drain or an unload waits for them) and adds the
+counters to the version's statistics (``ModelStats.remote``, as for the direct path's instance processes). A
+worker that goes away has its unfinished generations counted as finished (the engine core then finishes or drops
+what it was generating for it: its outputs go to a client no longer there). The worker closes its client once the
+version leaves its snapshot (unloading) and its own generations there have ended.
+
+Deadlines are the Generator's own (the model's ``max_queue_delay_ms``, the request's timeout); a worker sees only
+its own requests in the engine, so a request at its deadline without a first token is refused (the Generator's
+"placed" estimate, which needs all of the engine's requests, is off in a worker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from ..errors import InternalError, ServerError, Status, Unavailable
+from ..generation import GenerationDelta
+from ..stats import ModelStats
+from ..types import InferenceRequest
+
+if TYPE_CHECKING:
+    from .remote import RemoteDataPlane, RemoteRuntime
+
+log = logging.getLogger(__name__)
+
+# set by the server before its models load: how many frontend workers take an engine client (0: none)
+ENGINE_CLIENT_WORKERS = 0
+
+
+def configure(options) -> None:
+    """From the server's options: N with ``--frontend-workers N`` (N > 1) and ``--frontend-direct on``, else 0."""
+    global ENGINE_CLIENT_WORKERS
+    workers = getattr(options, "frontend_workers", 1)
+    ENGINE_CLIENT_WORKERS = workers if workers > 1 and getattr(options, "frontend_direct", False) else 0
+
+
+# -- the core's side ----------------------------------------------------------------------------------------------
+class CoreCounts:
+    """What each worker link reported (``WorkerGenerations``): its unfinished generations by runtime uid."""
+
+    def __init__(self, repository) -> None:
+        self.repository = repository
+        self.unfinished: dict[int, dict[int, int]] = {}  # worker index -> uid -> generations started, not finished
+
+    def _runtime(self, uid: int):
+        for runtime in self.repository.runtimes():
+            if runtime.uid == uid:
+                return runtime
+        return None
+
+    def received(self, index: int, message) -> None:
+        runtime = self._runtime(message.uid)
+        if runtime is None:
+            return
+        counts = self.unfinished.setdefault(index, {})
+        for _ in range(message.started):
+            runtime.request_started()
+        for _ in range(message.finished):
+            runtime.request_finished()
+        counts[message.uid] = counts.get(message.uid, 0) + message.started - message.finished
+        if message.counters is not None:
+            runtime.stats.remote[("worker", index)] = message.counters
+
+    def lost(self, index: int) -> None:
+        """Worker ``index`` went away: its generations no longer count as in flight; its counters stay counted."""
+        for uid, count in self.unfinished.pop(index, {}).items():
+            runtime = self._runtime(uid)
+            if runtime is None:
+                continue
+            for _ in range(max(count, 0)):
+                runtime.request_finished()
+            runtime.stats.retire(("worker", index))
+
+
+# -- the worker's side --------------------------------------------------------------------------------------------
+_FAILURE_REASON = {Status.CANCELLED: "CANCELED", Status.UNAVAILABLE: "REJECTED"}
+
+
+class WorkerGenerationStream:
+    """One typed generation run on the worker's engine client: the Generator's sender (``send_delta``, ``send``,
+    ``send_error``) and the frontend's reader (the deltas; closing it early cancels the request, which aborts it in
+    the engine through this worker's client), as the core's ``GenerationStream`` is; statistics go to the worker's
+    own counters of the version, the generation's end to the core's count in flight."""
+
+    __slots__ = ("_client", "request", "_items", "_waiter", "_closed", "_done", "_first_ns", "_error", "_on_error")
+
+    def __init__(self, client: _Client, request: InferenceRequest) -> None:
+        self._client = client
+        self.request = request
+        self._items: collections.deque[GenerationDelta] = collections.deque()
+        self._waiter: asyncio.Future | None = None
+        self._closed = False  # the Generator has sent its last delta or its error
+        self._done = False  # the reader has seen the end (or closed the stream)
+        self._first_ns = 0
+        self._error: ServerError | None = None
+        self._on_error = None
+
+    @property
+    def runtime(self):
+        return self._client.remote
+
+    # -- the Generator's side (on the worker's loop) ---------------------------------------------------------------
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
+
+    def send_delta(self, delta: GenerationDelta | None, final: bool = False) -> None:
+        if self._closed:
+            return
+        if final:
+            self._closed = True
+        items = self._items
+        if delta is not None:
+            if items:  # not taken yet: the new delta joins it
+                items[-1].extend(delta)
+                if not final:
+                    return
+            else:
+                items.append(delta)
+        self._wake()
+
+    def send(self, response=None, final: bool = False) -> None:
+        if response is not None and response.error is not None:
+            self.send_error(response.error)
+            return
+        self.send_delta(response.generation if response is not None else None, final)
+
+    def send_error(self, error: ServerError) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._error = error
+        self._wake()
+        if self._on_error is not None:
+            hook, self._on_error = self._on_error, None
+            hook(error)
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    # -- the reader's side -----------------------------------------------------------------------------------------
+    def __aiter__(self) -> WorkerGenerationStream:
+        return self
+
+    async def __anext__(self) -> GenerationDelta:
+        items = self._items
+        while not items:
+            if self._done:
+                raise StopAsyncIteration
+            if self._closed:
+                self._end()
+                if self._error is not None:
+                    raise self._error
+                raise StopAsyncIteration
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                self.cancel()
+                raise
+        if not self._first_ns:
+            self._first_ns = time.monotonic_ns()
+        return items.popleft()
+
+    def _end(self) -> None:
+        self._done = True
+        now = time.monotonic_ns()
+        elapsed = now - self.request.arrival_ns
+        stats = self._client.stats
+        error = self._error
+        if error is None:
+            if self._first_ns:
+                stats.record_first_response(self._first_ns - self.request.arrival_ns)
+                stats.record_success(elapsed)
+            else:
+                stats.record_success(elapsed, True)
+        else:
+            stats.record_first_response(self._first_ns - self.request.arrival_ns if self._first_ns else elapsed)
+            stats.record_failure(elapsed, _FAILURE_REASON.get(error.status, "BACKEND"))
+        self._client.finished()
+
+    def cancel(self) -> None:
+        """The client went away: the Generator aborts the engine request."""
+        if self._done:
+            return
+        self._done = True
+        self.request.cancellation.cancel()
+        now = time.monotonic_ns()
+        stats = self._client.stats
+        if self._first_ns:
+            stats.record_first_response(self._first_ns - self.request.arrival_ns)
+        stats.record_failure(now - self.request.arrival_ns, "CANCELED")
+        self._client.finished()
+
+    async def aclose(self) -> None:
+        self.cancel()
+
+    def on_error(self, hook) -> None:
+        """``hook(error)`` once, when the Generator ends the request with an error, before the reader takes it."""
+        self._on_error = hook
+
+    def abort(self, error: ServerError) -> None:
+        self.request.cancellation.cancel()
+        self.send_error(error)
+
+
+class _NoClient(Exception):
+    """The engine has no client for this worker."""
+
+
+class _Client:
+    """One model version's engine client in this worker, and the Generator on it."""
+
+    def __init__(self, clients: EngineClients, runtime: RemoteRuntime, blob: bytes) -> None:
+        self.clients = clients
+        self.uid = runtime.uid
+        self.name = runtime.name
+        self.remote = runtime
+        self.stats = ModelStats(runtime.name, str(runtime.version))
+        self.blob = blob
+        self.engine = None
+        self.generator = None
+        self.inflight = 0
+        self.retiring = False
+        self.closed = False
+        self.task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self._build(), name=f"{self.name}-engine-client")
+
+    async def _build(self) -> None:
+        try:
+            engine, generator = await asyncio.to_thread(self._make)
+        except _NoClient as exc:
+            log.info("model '%s': %s; its generations go through the core", self.name, exc)
+            return
+        except Exception:
+            log.exception("model '%s': frontend worker %d could not reach the engine core with a client of its "
+                          "own; its generations go through the core", self.name, self.clients.index - 1)
+            return
+        if self.retiring or self.closed:  # unloaded meanwhile
+            await asyncio.to_thread(engine.shutdown)
+            return
+        self.engine, self.generator = engine, generator
+        log.info("model '%s' version %s: frontend worker %d runs its generations on engine client %d",
+                 self.name, self.remote.version, self.clients.index - 1, self.clients.index)
+
+    def _make(self):
+        """On a thread: import vLLM, connect to the engine core at this worker's addresses, build the Generator."""
+        import pickle
+
+        from prometheus_client import CollectorRegistry
+        from tritonclient.grpc import model_config_pb2 as mc
+        from vllm.v1.engine import core_client
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from tideserve.llm_backends.metrics import LLMMetrics
+        from tideserve.llm_backends.vllm import config as vllm_config
+        from tideserve.llm_backends.vllm.engine import WORKER_READY_TIMEOUT_S
+        from tideserve.llm_backends.vllm.generation import Generator
+
+        from ..datatypes import config_to_datatype, numpy_dtype
+
+        spec = pickle.loads(self.blob)
+        index = self.clients.index
+        if index >= spec["count"]:
+            raise _NoClient(f"the engine takes {spec['count'] - 1} worker clients; this is worker {index - 1}")
+        # the engine sent its ready message at its start; a worker started again later waits for it in vain
+        core_client.VLLM_ENGINE_READY_TIMEOUT_S = WORKER_READY_TIMEOUT_S
+        engine = AsyncLLM.from_vllm_config(
+            spec["config"], disable_log_stats=True,
+            client_addresses={"input_address": spec["inputs"][index - 1], "output_address": spec["outputs"][index - 1]},
+            client_count=spec["count"], client_index=index)
+        try:
+            config = self.remote.config
+            options = vllm_config.backend_options(config)
+            dtypes = {t.name: numpy_dtype(config_to_datatype(mc.DataType.Name(t.data_type)))
+                      for t in config.output if t.data_type != mc.TYPE_STRING}
+            generator = Generator(engine, self.name, str(self.remote.version), LLMMetrics(CollectorRegistry()),
+                                  dtypes, max_queue_delay_ms=options.max_queue_delay_ms)
+            generator.order.enabled = False  # this worker sees only its own requests (see the module docstring)
+        except BaseException:
+            engine.shutdown()
+            raise
+        return engine, generator
+
+    def run(self, request: InferenceRequest) -> WorkerGenerationStream:
+        loop = asyncio.get_running_loop()
+        stream = WorkerGenerationStream(self, request)
+        request.response_sender = stream
+        request.queue_start_ns = time.monotonic_ns()
+        self.inflight += 1
+        self.clients.note(self.uid, started=1)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("model '%s': request %s runs on this worker's engine client %d", self.name, request.id,
+                      self.clients.index)
+        task = loop.create_task(self.generator.run(request))
+        task.add_done_callback(lambda t, s=stream: self._generated(t, s))
+        return stream
+
+    def _generated(self, task: asyncio.Task, stream: WorkerGenerationStream) -> None:
+        request = stream.request
+        stats = self.stats
+        stats.record_queue(0, 1)
+        stats.record_execution(1, 1, 0, time.monotonic_ns() - request.queue_start_ns, 0, 1)
+        if task.cancelled():
+            stream.send_error(Unavailable(f"model '{self.name}' was unloaded before the request finished"))
+        elif (exc := task.exception()) is not None:
+            log.error("model '%s': request generation failed", self.name, exc_info=exc)
+            stream.send_error(InternalError(f"model '{self.name}' failed to run the request"))
+        self.clients.note(self.uid)
+
+    def finished(self) -> None:
+        """A generation's stream ended (the reader saw its end or closed it)."""
+        self.inflight -= 1
+        self.clients.note(self.uid, finished=1)
+        if self.retiring and self.inflight <= 0:
+            self.close()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.clients.clients.pop(self.uid, None)
+        engine, self.engine, self.generator = self.engine, None, None
+        if engine is not None:
+            asyncio.get_running_loop().create_task(_shutdown(engine, self.name))
+
+
+async def _shutdown(engine, name: str) -> None:
+    handler = getattr(engine, "output_handler", None)
+    if handler is not None and not handler.done():  # stopped before the client, as the backend stops its own
+        handler.cancel()
+        await asyncio.gather(handler, return_exceptions=True)
+    try:
+        await asyncio.to_thread(engine.shutdown)
+    except Exception:
+        log.exception("model '%s': closing the worker's engine client", name)
+
+
+class EngineClients:
+    """A frontend worker's engine clients, one per model version whose engine takes them (by runtime uid)."""
+
+    def __init__(self, plane: RemoteDataPlane, index: int) -> None:
+        self.plane = plane
+        self.index = index  # this worker's client index (its worker index + 1)
+        self.clients: dict[int, _Client] = {}
+        self.stats: dict[int, ModelStats] = {}  # by uid: this worker's statistics of each version (kept once closed)
+        self._notes: dict[int, list[int]] = {}  # uid -> [started, finished] not yet told to the core
+        self._flush_scheduled = False
+
+    def generate(self, request: InferenceRequest):
+        """A GenerationStream run on this worker's engine client, or None: the request goes through the core."""
+        if request.generation is None:
+            return None
+        try:
+            runtime = self.plane.model(request.model_name, request.model_version)
+        except ServerError:
+            return None  # the core answers it
+        engine = runtime.engine
+        if engine is None or not engine.engine_clients:
+            return None
+        client = self.clients.get(runtime.uid)
+        if client is None:
+            client = self.clients[runtime.uid] = _Client(self, runtime, engine.engine_clients)
+            self.stats[runtime.uid] = client.stats
+            client.start()
+            return None
+        if client.generator is None or client.retiring:
+            return None
+        return client.run(request)
+
+    def snapshot_applied(self, live: set[int]) -> None:
+        """The core's snapshot: a version whose engine takes this worker's client gets it built now (in the
+        background); versions no longer in it are unloading: their clients close once idle."""
+        runtimes = self.plane.link.runtimes
+        for uid in live:
+            runtime = runtimes.get(uid)
+            if runtime is not None and uid not in self.clients and uid not in self.stats:
+                engine = runtime.engine
+                if engine is not None and engine.engine_clients:
+                    client = self.clients[uid] = _Client(self, runtime, engine.engine_clients)
+                    self.stats[uid] = client.stats
+                    client.start()
+        for uid, client in list(self.clients.items()):
+            if uid not in live and not client.retiring:
+                client.retiring = True
+                if client.inflight <= 0:
+                    client.close()
+        for uid in [uid for uid in self.stats if uid not in live and uid not in self.clients]:
+            del self.stats[uid]  # (its last counters were sent)
+
+    def note(self, uid: int, started: int = 0, finished: int = 0) -> None:
+        entry = self._notes.get(uid)
+        if entry is None:
+            entry = self._notes[uid] = [0, 0]
+        entry[0] += started
+        entry[1] += finished
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        from .protocol import WorkerGenerations
+
+        self._flush_scheduled = False
+        notes, self._notes = self._notes, {}
+        for uid, (started, finished) in notes.items():
+            stats = self.stats.get(uid)
+            counters = stats.export() if stats is not None else None
+            try:
+                self.plane.link.send(WorkerGenerations(uid, started, finished, counters))
+            except ServerError:  # the core is gone
+                return
+
+
+__all__ = ["ENGINE_CLIENT_WORKERS", "CoreCounts", "EngineClients", "configure"]

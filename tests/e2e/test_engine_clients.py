@@ -1,0 +1,138 @@
+"""An engine client in each frontend worker (``--frontend-workers 2 --frontend-direct on``, workers/engines.py): the
+vLLM engine core takes requests from the core's client and one per worker, and a worker runs its typed generations
+(OpenAI chat and completions, the generate extension) on its own client, with no hop to the core per token."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import httpx
+import openai
+import pytest
+import tritonclient.http as httpclient
+
+from llm_fixtures import llm_inputs, vllm_env, write_vllm_model
+from support import start_server
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+MODEL = "llm"
+PROMPT = "The quick brown fox"
+MESSAGES = [{"role": "user", "content": "Name a color."}]
+CLIENT_UP = re.compile(r"frontend worker (\d) runs its generations on engine client (\d)")
+
+
+@pytest.fixture(scope="module")
+def llm_server(tmp_path_factory, tiny_model):
+    tmp = tmp_path_factory.mktemp("engine_clients")
+    write_vllm_model(tmp / "models", MODEL, {"model": str(tiny_model), "dtype": "float32", "max_model_len": 512,
+                                             "enforce_eager": True})
+    server = start_server([tmp / "models"], "--frontend-workers", "2", "--frontend-direct", "on",
+                          "--log-verbose", "1", "--model-control-mode", "explicit", "--load-model", MODEL,
+                          "--allowed-model-root", str(tiny_model), tmp_dir=tmp, env=vllm_env(tmp), ready_timeout=540)
+    try:
+        deadline = time.monotonic() + 180  # each worker builds its client once it sees the model (imports vLLM)
+        while len(set(CLIENT_UP.findall(server.log()))) < 2:
+            assert server.process.poll() is None, server.log()
+            assert time.monotonic() < deadline, server.log()
+            time.sleep(0.5)
+        yield server
+    finally:
+        server.stop()
+
+
+def _success_count(server) -> int:
+    stats = httpx.get(f"{server.base_url}/v2/models/{MODEL}/stats", timeout=30).json()
+    return stats["model_stats"][0]["inference_stats"]["success"]["count"]
+
+
+def _worker_runs(server) -> set[str]:
+    """The client indexes the workers ran requests on (their debug log)."""
+    return set(re.findall(r"runs on this worker's engine client (\d)", server.log()))
+
+
+def _core_text(server, max_tokens: int) -> str:
+    """A greedy generation through Triton's tensor interface: the core's own engine client runs it."""
+    with httpclient.InferenceServerClient(server.http_url) as client:
+        inputs = llm_inputs(httpclient, PROMPT, stream=False, exclude_input=True,
+                            sampling={"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True})
+        result = client.infer(MODEL, inputs)
+    return result.as_numpy("text_output")[0].decode()
+
+
+def test_streams_through_both_workers_match_the_core(llm_server):
+    before = _success_count(llm_server)
+    expected = _core_text(llm_server, 12)
+    texts, chats = [], []
+    for _ in range(8):  # a new connection each time: the workers take turns
+        with openai.OpenAI(base_url=f"{llm_server.base_url}/v1", api_key="unused", max_retries=0, timeout=120) as c:
+            chunks = list(c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
+                                               extra_body={"ignore_eos": True}))
+            texts.append("".join(chunk.choices[0].text for chunk in chunks if chunk.choices))
+            stream = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True})
+            chats.append("".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices))
+    assert texts == [expected] * 8
+    assert len(set(chats)) == 1 and chats[0]
+    # the generations ran in the workers, on both of their clients, and the core counts them in its statistics
+    assert _worker_runs(llm_server) == {"1", "2"}, llm_server.log()[-4000:]
+    deadline = time.monotonic() + 10
+    while _success_count(llm_server) < before + 1 + 16:
+        assert time.monotonic() < deadline, (before, _success_count(llm_server))
+        time.sleep(0.1)
+    assert _success_count(llm_server) == before + 1 + 16
+
+
+def test_generate_extension_on_a_worker_client(llm_server):
+    expected = _core_text(llm_server, 6)
+    body = {"text_input": PROMPT, "parameters": {"max_tokens": 6, "temperature": 0, "ignore_eos": True,
+                                                 "exclude_input_in_output": True}}
+    reply = httpx.post(f"{llm_server.base_url}/v2/models/{MODEL}/generate", json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["text_output"] == expected
+
+
+def test_a_closed_stream_is_aborted_through_the_worker_client(llm_server):
+    aborted = re.compile(r"\[worker \d+\]: \[vllm\] Successfully cancelled the request")
+    seen = len(aborted.findall(llm_server.log()))
+    stats = httpx.get(f"{llm_server.base_url}/v2/models/{MODEL}/stats", timeout=30).json()["model_stats"][0]
+    failed = stats["inference_stats"]["fail"]["count"]
+    with httpx.Client(timeout=120) as client:
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 400, "stream": True, "ignore_eos": True}
+        with client.stream("POST", f"{llm_server.base_url}/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            for _ in range(3):
+                next(lines)
+        # the connection is closed here, mid-stream
+    deadline = time.monotonic() + 60
+    while len(aborted.findall(llm_server.log())) <= seen:
+        assert time.monotonic() < deadline, llm_server.log()[-4000:]
+        time.sleep(0.1)
+    while True:
+        stats = httpx.get(f"{llm_server.base_url}/v2/models/{MODEL}/stats", timeout=30).json()["model_stats"][0]
+        if stats["inference_stats"]["fail"]["count"] > failed:
+            break
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.1)
+    # the engine is free again: the next request runs at once
+    with openai.OpenAI(base_url=f"{llm_server.base_url}/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        assert c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0).choices[0].text
+
+
+def test_unload_closes_the_worker_clients_cleanly(llm_server):
+    with openai.OpenAI(base_url=f"{llm_server.base_url}/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        assert c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0).choices[0].text
+        with httpclient.InferenceServerClient(llm_server.http_url) as triton:
+            triton.unload_model(MODEL)
+            deadline = time.monotonic() + 120
+            while any(row.get("state") == "READY" for row in triton.get_model_repository_index()):
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+        with pytest.raises(openai.NotFoundError):
+            c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4)
+    assert httpx.get(f"{llm_server.base_url}/v2/health/live", timeout=10).status_code == 200
+    time.sleep(1)
+    log = llm_server.log()
+    assert "EngineDeadError" not in log and "Traceback" not in log, log[-4000:]
