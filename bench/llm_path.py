@@ -14,6 +14,9 @@ template) records every Python function call. Counted: the distinct files of tid
   is the older count, to the chunk that finishes (end work included);
 * ``total``: the whole request.
 
+Also counted: the calls of those files' functions (a resumed coroutine counts as a call), for the whole request
+and per steady-state chunk: a deterministic measure of the Python work per request (not a timing).
+
     python bench/llm_path.py [--tokens 32] [--json] [--functions]
 
 docs/architecture.md ("The path of a streaming chat completion") lists the files; ``tests/e2e/test_llm_path.py``
@@ -100,7 +103,8 @@ async def trace(tokens: int = 32, model_dir: Path | None = None) -> dict:
     # ("end")
     phase: list = [""]
     seen: dict = {"": set(), "request": set(), "end": set()}
-    functions: dict = {}  # file -> the names of its functions that ran (any phase but "")
+    functions: dict = {}  # file -> {the name of a function that ran (any phase but ""): how many calls}
+    calls: dict = {}  # phase -> how many calls of tideserve's functions it made (resumed coroutines included)
     finishing = [0]  # the index of the chunk that finishes
 
     def profile(frame, event, arg):
@@ -109,7 +113,9 @@ async def trace(tokens: int = 32, model_dir: Path | None = None) -> dict:
             name = code.co_filename
             if name.startswith(roots) and name != own:
                 seen[phase[0]].add(name)
-                functions.setdefault(name, set()).add(code.co_qualname)
+                counts = functions.setdefault(name, {})
+                counts[code.co_qualname] = counts.get(code.co_qualname, 0) + 1
+                calls[phase[0]] = calls.get(phase[0], 0) + 1
 
     threading.setprofile(profile)  # before the warm-up starts the threads that render chat templates
     try:
@@ -145,22 +151,27 @@ async def trace(tokens: int = 32, model_dir: Path | None = None) -> dict:
     steady = set().union(*(files for key, files in intervals.items() if key < finishing[0] - 2))
     to_finish = set().union(*intervals.values())
     total = seen["request"] | to_finish | seen["end"]
-    return {"chunks": len(events), "steady_chunks": sum(1 for key in intervals if key < finishing[0] - 2),
+    steady_keys = [key for key in intervals if key < finishing[0] - 2]
+    return {"chunks": len(events), "steady_chunks": len(steady_keys),
+            "calls": sum(calls.values()),
+            "calls_per_delta": round(sum(calls.get(key, 0) for key in steady_keys) / max(len(steady_keys), 1), 1),
             "request": names(seen["request"]), "delta": names(steady),
             "delta_to_finish": names(to_finish), "total": names(total),
-            "functions": {os.path.relpath(f, base): sorted(functions[f]) for f in sorted(functions)}}
+            "functions": {os.path.relpath(f, base): dict(sorted(functions[f].items())) for f in sorted(functions)}}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
-    parser.add_argument("--functions", action="store_true", help="also list, per file, the functions that ran")
+    parser.add_argument("--functions", action="store_true", help="also list, per file, the functions that ran (and their calls)")
     args = parser.parse_args()
     result = asyncio.run(trace(args.tokens))
     if args.json:
         print(json.dumps(result, indent=2))
         return
+    print(f"calls of tideserve's functions: {result['calls']} for the whole request, "
+          f"{result['calls_per_delta']} per steady-state chunk ({result['steady_chunks']} chunks)")
     for key in ("request", "delta", "delta_to_finish", "total"):
         print(f"{key}: {len(result[key])} files")
         for name in result[key]:
@@ -168,7 +179,7 @@ def main() -> None:
     if args.functions:
         print("functions (the whole request):")
         for name, funcs in result["functions"].items():
-            print(f"  {name}: {', '.join(funcs)}")
+            print(f"  {name}: {', '.join(f'{func} {count}' for func, count in funcs.items())}")
 
 
 if __name__ == "__main__":
