@@ -76,6 +76,14 @@ class CoreCounts:
         counts[message.uid] = counts.get(message.uid, 0) + message.started - message.finished
         if message.counters is not None:
             runtime.stats.remote[("worker", index)] = message.counters
+        model = runtime.model
+        if message.llm and getattr(model, "metrics", None) is not None:
+            add_llm_increments(model.metrics, (runtime.name, str(runtime.version)), message.llm)
+        if message.state is not None and callable(getattr(model, "engine_state", None)):
+            from tideserve.llm_backends.vllm.engine import EngineState
+
+            running, waiting, kv = message.state
+            model.engine_state(EngineState(int(running), int(waiting), kv))
 
     def lost(self, index: int) -> None:
         """Worker ``index`` went away: its generations no longer count as in flight; its counters stay counted."""
@@ -86,6 +94,45 @@ class CoreCounts:
             for _ in range(max(count, 0)):
                 runtime.request_finished()
             runtime.stats.retire(("worker", index))
+
+
+# the LLM metrics (llm_backends/metrics.py LLMMetrics) a worker's Generator records, sent to the core as increments
+_HISTOGRAMS = ("time_to_first_token", "inter_token_latency", "e2e_latency", "queue_time", "prompt_tokens_hist",
+               "generation_tokens_hist")
+_COUNTERS = ("prompt_tokens", "generation_tokens", "request_success", "request_aborted")
+
+
+def llm_values(metrics, labels: tuple[str, str]) -> dict[str, list[float]]:
+    """The worker's LLM metrics of one version: per histogram its bucket counts (not cumulative) and sum, per
+    counter its value (prometheus_client's members, as llm_backends/metrics.py observe_many writes them)."""
+    out = {}
+    for name in _HISTOGRAMS:
+        child = getattr(metrics, name).labels(*labels)
+        out[name] = [bucket.get() for bucket in child._buckets] + [child._sum.get()]
+    for name in _COUNTERS:
+        out[name] = [getattr(metrics, name).labels(*labels)._value.get()]
+    return out
+
+
+def add_llm_increments(metrics, labels: tuple[str, str], increments: dict[str, list[float]]) -> None:
+    """Add a worker's increments (:func:`llm_values` differences) to the core's LLM metrics."""
+    for name, values in increments.items():
+        family = getattr(metrics, name, None)
+        if family is None:
+            continue
+        child = family.labels(*labels)
+        if name in _COUNTERS:
+            if values[0] > 0:
+                child.inc(values[0])
+            continue
+        buckets = child._buckets
+        if len(values) != len(buckets) + 1:
+            continue
+        for bucket, value in zip(buckets, values):
+            if value > 0:
+                bucket.inc(value)
+        if values[-1]:
+            child._sum.inc(values[-1])
 
 
 # -- the worker's side --------------------------------------------------------------------------------------------
@@ -237,6 +284,9 @@ class _Client:
         self.name = runtime.name
         self.remote = runtime
         self.stats = ModelStats(runtime.name, str(runtime.version))
+        self.metrics = None  # the Generator's LLMMetrics (a registry of its own; increments go to the core)
+        self._sent: dict[str, list[float]] = {}  # the LLM metrics' values at the last message
+        self.state = None  # the engine's scheduler state after a step whose stats came to this client, not yet sent
         self.blob = blob
         self.engine = None
         self.generator = None
@@ -287,8 +337,14 @@ class _Client:
             raise _NoClient(f"the engine takes {spec['count'] - 1} worker clients; this is worker {index - 1}")
         # the engine sent its ready message at its start; a worker started again later waits for it in vain
         core_client.VLLM_ENGINE_READY_TIMEOUT_S = WORKER_READY_TIMEOUT_S
+        from tideserve.llm_backends.vllm.engine import _StateLogger
+        from tideserve.llm_backends.vllm.prometheus import prometheus_logger
+
+        # the engine sends each step's scheduler stats to one client: those that come here go to the core
+        loggers = [lambda _config, _index=0: _StateLogger(self._state),
+                   prometheus_logger(CollectorRegistry(auto_describe=False))]  # (vllm:* families: the core's)
         engine = AsyncLLM.from_vllm_config(
-            spec["config"], disable_log_stats=True,
+            spec["config"], stat_loggers=loggers,
             client_addresses={"input_address": spec["inputs"][index - 1], "output_address": spec["outputs"][index - 1]},
             client_count=spec["count"], client_index=index)
         try:
@@ -296,7 +352,8 @@ class _Client:
             options = vllm_config.backend_options(config)
             dtypes = {t.name: numpy_dtype(config_to_datatype(mc.DataType.Name(t.data_type)))
                       for t in config.output if t.data_type != mc.TYPE_STRING}
-            generator = Generator(engine, self.name, str(self.remote.version), LLMMetrics(CollectorRegistry()),
+            self.metrics = LLMMetrics(CollectorRegistry())
+            generator = Generator(engine, self.name, str(self.remote.version), self.metrics,
                                   dtypes, max_queue_delay_ms=options.max_queue_delay_ms)
             generator.order.enabled = False  # this worker sees only its own requests (see the module docstring)
         except BaseException:
@@ -329,6 +386,28 @@ class _Client:
             log.error("model '%s': request generation failed", self.name, exc_info=exc)
             stream.send_error(InternalError(f"model '{self.name}' failed to run the request"))
         self.clients.note(self.uid)
+
+    def _state(self, state) -> None:
+        """The engine's state after a step whose stats came to this client (on the worker's loop)."""
+        self.state = state
+        self.clients.note(self.uid)
+
+    def llm_increments(self) -> dict[str, list[float]] | None:
+        """The LLM metrics' increments since the last call (None: none)."""
+        from tideserve.llm_backends.metrics import _BULK_OBSERVE
+
+        metrics = self.metrics
+        if metrics is None or not _BULK_OBSERVE:  # (prometheus_client's members differ: not sent)
+            return None
+        now = llm_values(metrics, (self.name, str(self.remote.version)))
+        sent, self._sent = self._sent, now
+        out = {}
+        for name, values in now.items():
+            before = sent.get(name)
+            diff = values if before is None else [a - b for a, b in zip(values, before)]
+            if any(diff):
+                out[name] = diff
+        return out or None
 
     def finished(self) -> None:
         """A generation's stream ended (the reader saw its end or closed it)."""
@@ -428,8 +507,15 @@ class EngineClients:
         for uid, (started, finished) in notes.items():
             stats = self.stats.get(uid)
             counters = stats.export() if stats is not None else None
+            client = self.clients.get(uid)
+            llm = state = None
+            if client is not None:
+                llm = client.llm_increments()
+                if client.state is not None:
+                    found, client.state = client.state, None
+                    state = [found.running, found.waiting, found.kv_cache_usage]
             try:
-                self.plane.link.send(WorkerGenerations(uid, started, finished, counters))
+                self.plane.link.send(WorkerGenerations(uid, started, finished, counters, llm, state))
             except ServerError:  # the core is gone
                 return
 

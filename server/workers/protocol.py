@@ -271,6 +271,8 @@ class WorkerGenerations(msgspec.Struct, tag=True, array_like=True, omit_defaults
     started: int = 0
     finished: int = 0
     counters: dict[str, Any] | None = None
+    llm: dict[str, list[float]] | None = None  # the LLM metrics' increments since the last message (engines.py)
+    state: list[float] | None = None  # the engine's last scheduler state this worker's client saw: running, waiting, kv
 
 
 ToCore = Infer | wire.Cancel | wire.Release | Ready | Call | DirectFailure | WorkerGenerations
