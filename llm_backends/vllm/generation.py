@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 class _Abort:
     """Aborts one engine request once, from a cancellation callback on any thread or from the loop."""
 
-    __slots__ = ("done", "engine", "loop", "request_id", "requested", "task")
+    __slots__ = ("done", "engine", "loop", "quiet", "request_id", "requested", "task")
 
     def __init__(self, engine: AsyncLLM, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
         self.engine = engine
@@ -60,6 +60,7 @@ class _Abort:
         self.done = False
         self.requested = False  # the request was cancelled (read per step: a flag, no call)
         self.task: asyncio.Task | None = None
+        self.quiet = False  # a deadline's refusal: logged at debug level (no two lines per request in a flood)
 
     def on_cancel(self) -> None:
         self.requested = True
@@ -68,8 +69,9 @@ class _Abort:
         except RuntimeError:  # the loop is closed: the engine is gone with it
             pass
 
-    def on_loop(self) -> None:
+    def on_loop(self, quiet: bool = False) -> None:
         """As :meth:`on_cancel`, from the loop's own thread (no wake-up of the loop)."""
+        self.quiet = quiet
         self.loop.call_soon(self._start)
 
     def _start(self) -> None:
@@ -84,9 +86,10 @@ class _Abort:
 
     async def _abort(self) -> None:
         # the words Triton's vLLM backend logs (its request-cancellation test reads them)
-        log.info("[vllm] Cancelling the request '%s'", self.request_id)
+        level = logging.DEBUG if self.quiet else logging.INFO
+        log.log(level, "[vllm] Cancelling the request '%s'", self.request_id)
         await self.engine.abort(self.request_id)
-        log.info("[vllm] Successfully cancelled the request '%s'", self.request_id)
+        log.log(level, "[vllm] Successfully cancelled the request '%s'", self.request_id)
 
 
 class _Tokenizing:
@@ -360,7 +363,8 @@ class _Deadline:
             error.cpu_wait_ns = probe.waited_since(self.deadline_ns)
         # the answer first (the handler's task is woken before the abort's starts), the engine's abort after it
         self.request.response_sender.send_error(error)
-        self.abort.on_loop()  # (a no-op in the engine when the request is still rendering: it never gets there)
+        self.abort.on_loop(quiet=True)  # (a no-op in the engine when the request is still rendering: it never gets
+        # there)
 
     def cancel(self) -> None:
         self.handle.cancel()
