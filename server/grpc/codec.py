@@ -265,22 +265,31 @@ def decode_request(msg, options: StreamOptions | None = None,
 
 # -- the common request on its bytes ---------------------------------------------------------
 # A ModelInferRequest as clients serialize it (fields in number order): model_name (1), model_version (2), id (3),
-# inputs (5), outputs (6), then raw_input_contents (7). For a request with no parameters and no typed contents, what
-# comes before the raw contents is the same from one request to the next but for the id: its "skeleton". Once a
-# request of that skeleton passed decode_request, the next ones are read straight from their bytes: the skeleton
-# compared, the id and each raw content's length read, the inputs as arrays over the request's own bytes.
+# parameters (4), inputs (5), outputs (6), then raw_input_contents (7). For a request whose inputs and outputs carry
+# no parameters and whose inputs' data are raw contents, what comes before the raw contents is the same from one
+# request to the next but for the id: its "skeleton" (perf_analyzer's requests, for one, all carry the same request
+# parameter, triton_enable_empty_final_response). Once a request of that skeleton passed decode_request, the next ones
+# are read straight from their bytes: the skeleton compared, the id and each raw content's length read, the inputs as
+# arrays over the request's own bytes, the request parameters as the first one's were decoded.
 _SKELETONS_MAX = 16
 
 
 class _Skeleton:
-    __slots__ = ("head", "tail", "limits", "model", "version", "inputs", "outputs")
+    __slots__ = ("head", "tail", "limits", "model", "version", "inputs", "outputs", "parameters", "priority",
+                 "timeout_us", "empty_final")
 
-    def __init__(self, head: bytes, tail: bytes, limits: TensorLimits, request: InferenceRequest) -> None:
+    def __init__(self, head: bytes, tail: bytes, limits: TensorLimits, request: InferenceRequest,
+                 options: StreamOptions) -> None:
         self.head = head  # model_name and model_version fields
-        self.tail = tail  # inputs and outputs fields (after the id)
+        self.tail = tail  # parameters, inputs and outputs fields (after the id)
         self.limits = limits
         self.model = request.model_name
         self.version = request.model_version
+        # what the request parameters decoded to (their values are scalars: a shallow copy per request)
+        self.parameters = dict(request.parameters)
+        self.priority = request.priority
+        self.timeout_us = request.timeout_us
+        self.empty_final = options.enable_empty_final
         # (name, datatype, shape, numpy dtype, element count, byte size) per input, in the raw contents' order
         self.inputs = tuple((t.name, t.datatype, t.shape, t.data.dtype, t.data.size, t.data.nbytes)
                             for t in request.inputs.values())
@@ -302,10 +311,11 @@ def _read_varint(data: bytes, position: int) -> tuple[int, int]:
         shift += 7
 
 
-def decode_request_bytes(data: bytes, limits: TensorLimits = DEFAULT_TENSOR_LIMITS) -> InferenceRequest | None:
+def decode_request_bytes(data: bytes, limits: TensorLimits = DEFAULT_TENSOR_LIMITS,
+                         options: StreamOptions | None = None) -> InferenceRequest | None:
     """The request ``data`` (a serialized ModelInferRequest) holds, read from its bytes when its skeleton is known
-    (see above); None otherwise: the caller parses and decodes it (:func:`decode_request`), then may
-    :func:`learn_skeleton` from it."""
+    (see above), its frontend options set in ``options``; None otherwise: the caller parses and decodes it
+    (:func:`decode_request`), then may :func:`learn_skeleton` from it."""
     if type(data) is not bytes:
         return None
     for skeleton in _SKELETONS:
@@ -337,16 +347,21 @@ def decode_request_bytes(data: bytes, limits: TensorLimits = DEFAULT_TENSOR_LIMI
         if position != len(data):
             return None
         outputs = skeleton.outputs
+        if options is not None:
+            options.enable_empty_final = skeleton.empty_final
         return InferenceRequest(skeleton.model, inputs, model_version=skeleton.version, id=request_id,
-                                outputs=[RequestedOutput(name, {}) for name in outputs] if outputs else None)
+                                outputs=[RequestedOutput(name, {}) for name in outputs] if outputs else None,
+                                parameters=dict(skeleton.parameters) if skeleton.parameters else None,
+                                priority=skeleton.priority, timeout_us=skeleton.timeout_us)
     return None
 
 
-def learn_skeleton(data: bytes, msg, request: InferenceRequest, limits: TensorLimits = DEFAULT_TENSOR_LIMITS) -> None:
-    """Remember the skeleton of ``data`` (``msg`` parsed from it, ``request`` what decode_request made of it) when
-    it is of the common shape: raw contents for every input, no parameters anywhere, fields in number order."""
-    if (type(data) is not bytes or len(msg.parameters) or not request.inputs
-            or len(msg.raw_input_contents) != len(request.inputs)):
+def learn_skeleton(data: bytes, msg, request: InferenceRequest, limits: TensorLimits = DEFAULT_TENSOR_LIMITS,
+                   options: StreamOptions | None = None) -> None:
+    """Remember the skeleton of ``data`` (``msg`` parsed from it; ``request`` and ``options``, what decode_request
+    made of it) when it is of the common shape: raw contents for every input, no parameters on inputs or outputs,
+    fields in number order."""
+    if type(data) is not bytes or not request.inputs or len(msg.raw_input_contents) != len(request.inputs):
         return
     for tensor in msg.inputs:
         if len(tensor.parameters) or tensor.HasField("contents") or tensor.datatype not in _NUMPY:
@@ -354,7 +369,8 @@ def learn_skeleton(data: bytes, msg, request: InferenceRequest, limits: TensorLi
     for output in msg.outputs:
         if len(output.parameters):
             return
-    # the top-level fields: model_name / model_version, id, then inputs / outputs, then only raw contents
+    # the top-level fields: model_name / model_version, id, then parameters / inputs / outputs, then only raw
+    # contents
     fields, position = [], 0
     try:
         while position < len(data):
@@ -367,14 +383,16 @@ def learn_skeleton(data: bytes, msg, request: InferenceRequest, limits: TensorLi
     except IndexError:
         return
     numbers = [number for number, _, _ in fields]
-    if numbers.count(1) != 1 or numbers != sorted(numbers) or numbers.count(7) != len(request.inputs) or not set(numbers) <= {1, 2, 3, 5, 6, 7}:
+    if (numbers.count(1) != 1 or numbers != sorted(numbers) or numbers.count(7) != len(request.inputs)
+            or not set(numbers) <= {1, 2, 3, 4, 5, 6, 7}):
         return
     if numbers.count(2) > 1 or numbers.count(3) > 1:
         return
     head_end = max((end for number, _, end in fields if number <= 2), default=0)
-    tail_start = next((start for number, start, _ in fields if number >= 5), len(data))
+    tail_start = next((start for number, start, _ in fields if number >= 4), len(data))
     tail_end = next(start for number, start, _ in fields if number == 7)
-    skeleton = _Skeleton(data[:head_end], data[tail_start:tail_end], limits, request)
+    skeleton = _Skeleton(data[:head_end], data[tail_start:tail_end], limits, request,
+                         options if options is not None else StreamOptions())
     for known in _SKELETONS:
         if known.head == skeleton.head and known.tail == skeleton.tail and known.limits is limits:
             return

@@ -339,8 +339,9 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                     request = ModelInferRequest.FromString(data)
                 except DecodeError:
                     raise InternalError(_UNPARSABLE) from None
-                infer_request = decode_request(request, limits=limits)
-                learn_skeleton(data, request, infer_request, limits)
+                options = StreamOptions()
+                infer_request = decode_request(request, options, limits)
+                learn_skeleton(data, request, infer_request, limits, options)
             traceparent = traceparent_of(context)
             if traceparent is not None:
                 infer_request.trace_context = traceparent
@@ -383,9 +384,10 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         try:
             limits = self.tensor_limits
             async for data in request_iterator:
-                request = decode_request_bytes(data, limits)
+                options = StreamOptions()
+                request = decode_request_bytes(data, limits, options)
                 if request is not None:  # a request of a known skeleton, read from its bytes
-                    started = self._start_stream_request(None, state, request)
+                    started = self._start_stream_request(None, state, request, options=options)
                 else:
                     try:
                         message = ModelInferRequest.FromString(data)
@@ -402,15 +404,16 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         state.reader_done()  # the client half-closed: finish the requests in flight
 
     def _start_stream_request(self, message, state: _Stream, request: InferenceRequest | None = None,
-                              data: bytes | None = None) -> bool:
+                              data: bytes | None = None, options: StreamOptions | None = None) -> bool:
         """Start one request of the stream: ``message`` (parsed from ``data``) to decode, or ``request`` already
-        decoded (decode_request_bytes)."""
-        options = StreamOptions()
+        decoded (decode_request_bytes, with its ``options``)."""
+        if options is None:
+            options = StreamOptions()
         try:
             if request is None:
                 request = decode_request(message, options, self.tensor_limits)
                 if data is not None:
-                    learn_skeleton(data, message, request, self.tensor_limits)
+                    learn_skeleton(data, message, request, self.tensor_limits, options)
             request.trace_context = state.traceparent
             counts = requested_classifications(request) if request.outputs else None
             stream = self.dataplane.infer(request)

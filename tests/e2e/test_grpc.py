@@ -622,6 +622,20 @@ def test_repeated_requests_of_one_form(stub, client):
         assert error is None
         assert np.frombuffer(response.raw_output_contents[0], np.float32).tolist() == sample.tolist()
     assert "INPUT0" in results["bad"][0][1]
+    # two forms that differ only in triton_enable_empty_final_response, interleaved: each keeps its own answer
+    collector = StreamCollector()
+    client.start_stream(callback=collector)
+    try:
+        for i in range(6):
+            empty_final = i % 2 == 0
+            client.async_stream_infer("repeat", [_input("IN", np.array([1], np.int32))], request_id=f"e{i}",
+                                      enable_empty_final_response=empty_final)
+            items = collector.take(2 if empty_final else 1)
+            assert [e for _, e in items] == [None] * len(items)
+            assert [_final(r) for r, _ in items] == ([False, True] if empty_final else [False])
+            assert {r.get_response().id for r, _ in items} == {f"e{i}"}
+    finally:
+        client.stop_stream()
 
 
 def test_unparsable_request_bytes_are_internal(tideserve, client):

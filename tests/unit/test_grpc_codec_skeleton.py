@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from tideserve.grpc import codec
-from tideserve.grpc.codec import decode_request, decode_request_bytes, learn_skeleton
+from tideserve.grpc.codec import StreamOptions, decode_request, decode_request_bytes, learn_skeleton
 from tideserve.limits import TensorLimits
 from tritonclient.grpc import service_pb2 as pb
 
@@ -34,7 +34,8 @@ def _request(model="add_sub", version="", request_id="", shape=(1, 4), datatype=
 def _learn(message: pb.ModelInferRequest, limits=codec.DEFAULT_TENSOR_LIMITS) -> bytes:
     data = message.SerializeToString()
     parsed = pb.ModelInferRequest.FromString(data)
-    learn_skeleton(data, parsed, decode_request(parsed, limits=limits), limits)
+    options = StreamOptions()
+    learn_skeleton(data, parsed, decode_request(parsed, options, limits), limits, options)
     return data
 
 
@@ -53,9 +54,11 @@ def _same(fast, slow) -> None:
 
 def _check(message: pb.ModelInferRequest) -> None:
     data = message.SerializeToString()
-    fast = decode_request_bytes(data)
+    fast_options, slow_options = StreamOptions(), StreamOptions()
+    fast = decode_request_bytes(data, options=fast_options)
     assert fast is not None
-    _same(fast, decode_request(pb.ModelInferRequest.FromString(data)))
+    _same(fast, decode_request(pb.ModelInferRequest.FromString(data), slow_options))
+    assert fast_options.enable_empty_final == slow_options.enable_empty_final
 
 
 def test_unknown_skeleton_takes_the_full_path():
@@ -74,6 +77,27 @@ def test_same_skeleton_any_id_and_data(request_id):
 def test_shapes_and_kinds(kind):
     _learn(_request(**kind))
     _check(_request(request_id="x", seed=3, **kind))
+
+
+def _with_parameters(message: pb.ModelInferRequest) -> pb.ModelInferRequest:
+    message.parameters["triton_enable_empty_final_response"].bool_param = True  # as perf_analyzer sends
+    message.parameters["priority"].int64_param = 2
+    message.parameters["timeout"].int64_param = 5000
+    message.parameters["custom"].string_param = "x"
+    return message
+
+
+def test_request_parameters_decode_as_the_first_ones_did():
+    _learn(_with_parameters(_request()))
+    _check(_with_parameters(_request(request_id="p", seed=9)))
+    request = decode_request_bytes(_with_parameters(_request()).SerializeToString())
+    assert (request.parameters, request.priority, request.timeout_us) == ({"custom": "x"}, 2, 5000)
+    request.parameters["custom"] = "changed"  # each request has its own parameters
+    assert decode_request_bytes(_with_parameters(_request()).SerializeToString()).parameters == {"custom": "x"}
+    assert decode_request_bytes(_request().SerializeToString()) is None  # other parameters: another skeleton
+    other = _with_parameters(_request())
+    other.parameters["priority"].int64_param = 3
+    assert decode_request_bytes(other.SerializeToString()) is None
 
 
 def test_other_models_and_shapes_miss():
@@ -104,13 +128,10 @@ def test_invalid_id_utf8_misses():
     assert decode_request_bytes(broken) is None
 
 
-@pytest.mark.parametrize("change", ["request parameter", "input parameter", "output parameter", "typed contents",
-                                    "FP16", "BYTES"])
+@pytest.mark.parametrize("change", ["input parameter", "output parameter", "typed contents", "FP16", "BYTES"])
 def test_uncommon_requests_are_not_learned(change):
     message = _request()
-    if change == "request parameter":
-        message.parameters["priority"].int64_param = 1
-    elif change == "input parameter":
+    if change == "input parameter":
         message.inputs[0].parameters["x"].bool_param = True
     elif change == "output parameter":
         message.outputs[0].parameters["classification"].int64_param = 2
