@@ -304,6 +304,11 @@ class _Client:
         except _NoClient as exc:
             log.info("model '%s': %s; its generations go through the core", self.name, exc)
             return
+        except TimeoutError:  # a worker started again: the engine sent its ready message to its predecessor
+            log.warning("model '%s': the engine core did not greet frontend worker %d's client (a worker started "
+                        "again after the engine); its generations go through the core", self.name,
+                        self.clients.index - 1)
+            return
         except Exception:
             log.exception("model '%s': frontend worker %d could not reach the engine core with a client of its "
                           "own; its generations go through the core", self.name, self.clients.index - 1)

@@ -121,9 +121,59 @@ def test_a_closed_stream_is_aborted_through_the_worker_client(llm_server):
         assert c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0).choices[0].text
 
 
+def _workers(server) -> list:
+    import psutil
+
+    found = []
+    for child in psutil.Process(server.process.pid).children():
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE and "tideserve.workers.main" in " ".join(child.cmdline()):
+                found.append(child)
+        except psutil.Error:  # gone meanwhile
+            pass
+    return found
+
+
+def test_a_worker_that_dies_mid_stream_leaves_the_engine_serving(llm_server):
+    import threading
+
+    workers = _workers(llm_server)
+    assert len(workers) == 2
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 300, "stream": True, "ignore_eos": True}
+    ended: list[str] = []
+
+    def stream() -> None:
+        try:
+            with httpx.Client(timeout=120) as client:
+                with client.stream("POST", f"{llm_server.base_url}/v1/chat/completions", json=body) as response:
+                    for _ in response.iter_lines():
+                        pass
+            ended.append("finished")
+        except httpx.HTTPError as exc:
+            ended.append(type(exc).__name__)
+
+    threads = [threading.Thread(target=stream) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    time.sleep(2)
+    workers[0].kill()
+    for thread in threads:
+        thread.join(180)
+    assert len(ended) == 4, ended  # each stream ended: finished, or cut with its worker
+    deadline = time.monotonic() + 120
+    while len([w for w in _workers(llm_server) if w.pid != workers[0].pid]) < 2:  # the core started another
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    with openai.OpenAI(base_url=f"{llm_server.base_url}/v1", api_key="unused", max_retries=2, timeout=120) as c:
+        for _ in range(4):
+            assert c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0).choices[0].text
+    assert llm_server.process.poll() is None
+
+
 def test_unload_closes_the_worker_clients_cleanly(llm_server):
     with openai.OpenAI(base_url=f"{llm_server.base_url}/v1", api_key="unused", max_retries=0, timeout=120) as c:
         assert c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0).choices[0].text
+        start = len(llm_server.log())
         with httpclient.InferenceServerClient(llm_server.http_url) as triton:
             triton.unload_model(MODEL)
             deadline = time.monotonic() + 120
@@ -134,5 +184,5 @@ def test_unload_closes_the_worker_clients_cleanly(llm_server):
             c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4)
     assert httpx.get(f"{llm_server.base_url}/v2/health/live", timeout=10).status_code == 200
     time.sleep(1)
-    log = llm_server.log()
+    log = llm_server.log()[start:]
     assert "EngineDeadError" not in log and "Traceback" not in log, log[-4000:]
