@@ -49,7 +49,7 @@ from ..asgi import (
     send_response,
 )
 from ..datatypes import config_to_datatype, element_size, numpy_dtype
-from ..errors import InvalidArgument, QueueFull, ServerError, Unsupported, as_server_error
+from ..errors import DeadlinePassed, InvalidArgument, QueueFull, ServerError, Unsupported, as_server_error
 from ..generation import GenerationDelta, GenerationRequest
 from ..responses import content_responses
 from ..serving import ServingInterface
@@ -684,7 +684,8 @@ async def _typed_stream(typed: TypedGenerate, stream, scope, receive, send) -> N
         await stream.aclose()
         if refusal.done:  # written already, at the deadline itself
             return
-        if isinstance(exc, QueueFull):  # refused before it was scheduled (a frontend worker learns it here)
+        if isinstance(exc, QueueFull) and not isinstance(exc, DeadlinePassed):  # refused before it was scheduled
+            # (max_queue_size: a frontend worker learns it here); a deadline's refusal is the model's first response
             await send_error(send, exc.http_code, exc.message, exc.retry_after_s, exc)
             return
         body, headers = _error_answer(exc)
