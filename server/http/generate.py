@@ -464,7 +464,7 @@ def typed_generate_request(served, model_name: str, model_version: str, body: by
     engine = getattr(served, "engine", None)
     if engine is None or not engine.typed_requests or type(doc) is not dict:
         return None
-    names = {t.name for t in served.config.input}
+    names = _input_names(served.config)
     if _TEXT_INPUT not in names or _duplicate_key(body, doc) is not None:
         return None
     fields = _TypedFields(names, max_input_size)
@@ -486,11 +486,26 @@ def typed_generate_request(served, model_name: str, model_version: str, body: by
         return None
 
 
+_names: dict[int, tuple[mc.ModelConfig, frozenset[str]]] = {}  # id(config) -> (config, its input names)
+
+
+def _input_names(config: mc.ModelConfig) -> frozenset[str]:
+    """The names of the model's inputs, read once per config (not per request)."""
+    known = _names.get(id(config))
+    if known is not None and known[0] is config:
+        return known[1]
+    if len(_names) >= 64:  # configs of models reloaded or unloaded
+        _names.clear()
+    names = frozenset(t.name for t in config.input)
+    _names[id(config)] = (config, names)
+    return names
+
+
 class _TypedFields:
     __slots__ = ("consumed", "flags", "max_input_size", "names", "priority", "prompt", "request_id", "sampling",
                  "sampling_json", "seen", "timeout_us")
 
-    def __init__(self, names: set[str], max_input_size: int) -> None:
+    def __init__(self, names: frozenset[str], max_input_size: int) -> None:
         self.names = names
         self.max_input_size = max_input_size
         self.consumed = 0  # the input tensors' bytes, as the tensor path counts them against max_input_size
