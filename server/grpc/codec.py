@@ -363,6 +363,8 @@ def learn_skeleton(data: bytes, msg, request: InferenceRequest, limits: TensorLi
     fields in number order."""
     if type(data) is not bytes or not request.inputs or len(msg.raw_input_contents) != len(request.inputs):
         return
+    if "sequence_id" in request.parameters:  # a sequence's requests differ in their parameters: forms not kept
+        return
     for tensor in msg.inputs:
         if len(tensor.parameters) or tensor.HasField("contents") or tensor.datatype not in _NUMPY:
             return

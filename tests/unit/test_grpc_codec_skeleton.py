@@ -100,6 +100,14 @@ def test_request_parameters_decode_as_the_first_ones_did():
     assert decode_request_bytes(other.SerializeToString()) is None
 
 
+def test_sequence_requests_are_not_learned():
+    message = _request()
+    message.parameters["sequence_id"].int64_param = 7
+    message.parameters["sequence_start"].bool_param = True
+    _learn(message)
+    assert codec._SKELETONS == []
+
+
 def test_other_models_and_shapes_miss():
     _learn(_request())
     assert decode_request_bytes(_request(model="add_sub2").SerializeToString()) is None
