@@ -21,6 +21,11 @@ that is a ``data: {"error": "..."}`` event under status 200. Failures before inf
 request, unknown model, request rejected) are ``{"error": ...}`` JSON with the error's status.
 
 A client that disconnects cancels the request (the model sees ``request.is_cancelled()``).
+
+To a model that takes typed LLM requests (``ServedModel.engine.typed_requests``: the vllm backend), a request that
+names only what a :class:`~tideserve.generation.GenerationRequest` carries goes as one through
+``DataPlane.generate``, and its deltas are written as the events above (see "the typed path" below);
+``TIDESERVE_GENERATE_TENSORS=1`` sends every request as tensors.
 """
 
 from __future__ import annotations
