@@ -235,7 +235,11 @@ class GenerationStream:
                     return
             else:
                 items.append(delta)
-        self._wake()
+        waiter = self._waiter  # _wake, inline: once per engine step
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
 
     def send(self, response=None, final: bool = False) -> None:
         """A sender's ``send``: an InferenceResponse carrying ``generation`` (a whole answer)."""
