@@ -279,8 +279,8 @@ class VllmModel(Model):
         relay through the core: the health check before each request, a ``max_queue_size`` bound, LoRA adapters
         (loaded at run time into the engine through the core's client: vLLM refuses runtime LoRA updates with more
         than one API server)."""
-        from tideserve.workers import engines
         from tideserve.schedulers.passthrough import queue_bound
+        from tideserve.workers import engines
 
         workers = engines.ENGINE_CLIENT_WORKERS
         if not workers or self.options.health_check or vllm_lora.lora_enabled(kwargs):

@@ -155,8 +155,12 @@ def start_engine_with_clients(kwargs: dict[str, Any], on_state: Callable[[Engine
         if vllm_config.parallel_config.data_parallel_size > 1:
             log.info("data-parallel vLLM engine: frontend workers relay its requests through the core")
             return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=loggers), None
-        from vllm.v1.engine.utils import (EngineZmqAddresses, bind_engine_zmq_listeners,
-                                          get_engine_zmq_bind_addresses, launch_core_engines)
+        from vllm.v1.engine.utils import (
+            EngineZmqAddresses,
+            bind_engine_zmq_listeners,
+            get_engine_zmq_bind_addresses,
+            launch_core_engines,
+        )
         from vllm.v1.executor import Executor
 
         own = bind_engine_zmq_listeners(vllm_config, 1)  # this process's client: bound before the engine starts

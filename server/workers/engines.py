@@ -27,7 +27,7 @@ import asyncio
 import collections
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..errors import InternalError, ServerError, Status, Unavailable
 from ..generation import GenerationDelta
@@ -145,7 +145,7 @@ class WorkerGenerationStream:
     the engine through this worker's client), as the core's ``GenerationStream`` is; statistics go to the worker's
     own counters of the version, the generation's end to the core's count in flight."""
 
-    __slots__ = ("_client", "request", "_items", "_waiter", "_closed", "_done", "_first_ns", "_error", "_on_error")
+    __slots__ = ("_client", "_closed", "_done", "_error", "_first_ns", "_items", "_on_error", "_waiter", "request")
 
     def __init__(self, client: _Client, request: InferenceRequest) -> None:
         self._client = client
@@ -325,14 +325,13 @@ class _Client:
         import pickle
 
         from prometheus_client import CollectorRegistry
-        from tritonclient.grpc import model_config_pb2 as mc
-        from vllm.v1.engine import core_client
-        from vllm.v1.engine.async_llm import AsyncLLM
-
         from tideserve.llm_backends.metrics import LLMMetrics
         from tideserve.llm_backends.vllm import config as vllm_config
         from tideserve.llm_backends.vllm.engine import WORKER_READY_TIMEOUT_S
         from tideserve.llm_backends.vllm.generation import Generator
+        from tritonclient.grpc import model_config_pb2 as mc
+        from vllm.v1.engine import core_client
+        from vllm.v1.engine.async_llm import AsyncLLM
 
         from ..datatypes import config_to_datatype, numpy_dtype
 

@@ -11,7 +11,6 @@ import httpx
 import openai
 import pytest
 import tritonclient.http as httpclient
-
 from llm_fixtures import llm_inputs, vllm_env, write_vllm_model
 from support import start_server
 

@@ -8,7 +8,6 @@ import asyncio
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
-
 from tideserve.errors import Unavailable
 from tideserve.generation import GenerationDelta
 from tideserve.llm_backends.metrics import LLMMetrics
