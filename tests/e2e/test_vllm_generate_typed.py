@@ -71,8 +71,9 @@ ALL_RETURNS = {"return_finish_reason": True, "return_cumulative_logprob": True, 
      "sampling_parameters": json.dumps({**GREEDY, "max_tokens": 6, "logprobs": 2})},
     {"text_input": PROMPT, "stream": True, "return_finish_reason": True,
      "parameters": {**GREEDY, "max_tokens": 5}},  # stream on /generate: one answer, no prompt
-    {"text_input": PROMPT, "parameters": {"n": 2, "temperature": 1.0, "seed": 7, "max_tokens": 4,
-                                          "return_num_output_tokens": True, "return_finish_reason": True}},
+    {"text_input": PROMPT, "parameters": {"n": 2, "temperature": 1.0, "top_k": 1, "max_tokens": 4,  # (n > 1 is
+                                          "return_num_output_tokens": True,  # no greedy sampling: top_k 1 is,
+                                          "return_finish_reason": True}},  # whatever else the engine runs)
     {"text_input": PROMPT, "parameters": {"temperature": -3}},  # the model's errors, worded alike
     {"text_input": PROMPT, "parameters": {"no_such_parameter": 1}},
     {"text_input": PROMPT, "parameters": {"lora_name": "x"}},
