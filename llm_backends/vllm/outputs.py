@@ -43,7 +43,8 @@ class Completion:
             self.logprobs = (self.logprobs or []) + other.logprobs
         if other.cumulative_logprob is not None:
             self.cumulative_logprob = other.cumulative_logprob
-        self.finish_reason = other.finish_reason
+        if other.finish_reason is not None:  # (a step without this choice, n > 1, leaves its reason)
+            self.finish_reason = other.finish_reason
 
 
 def completions(output: Any, n: int, want_logprobs: bool) -> list[Completion]:

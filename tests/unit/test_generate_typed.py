@@ -146,3 +146,26 @@ RETURNS = {"return_finish_reason": True, "return_cumulative_logprob": True, "ret
 ], ids=["whole", "whole-returns", "stream-endpoint-whole", "streamed-returns", "stream-flag-unary"])
 def test_typed_events_are_the_tensor_paths(doc, streaming, n):
     assert _typed_docs(doc, n, streaming) == _tensor_docs(doc, n, streaming)
+
+
+def test_a_whole_answer_keeps_each_choices_finish_reason():
+    """n > 1: a choice that finished in an earlier step than the last keeps its reason in the whole answer (a later
+    step without it is no 'None'), on both paths."""
+    steps = [SimpleNamespace(outputs=[SimpleNamespace(index=0, text=" a", token_ids=[1], logprobs=None,
+                                                      cumulative_logprob=None, finish_reason="stop"),
+                                      SimpleNamespace(index=1, text=" b", token_ids=[2], logprobs=None,
+                                                      cumulative_logprob=None, finish_reason=None)],
+                             finished=False, prompt="Hi", prompt_token_ids=[1]),
+             SimpleNamespace(outputs=[SimpleNamespace(index=1, text=" c", token_ids=[3], logprobs=None,
+                                                      cumulative_logprob=None, finish_reason="length")],
+                             finished=True, prompt="Hi", prompt_token_ids=[1])]
+    doc = {"text_input": "Hi", "return_finish_reason": True}
+    request = decode_generate_request("llm", "", json.dumps(doc).encode(), _served().config, MAX_INPUT)
+    tensors = ResponseBuilder(parse_inputs(request), 2, {})
+    typed = _typed(doc)
+    builder = ResponseBuilder(typed.request.generation, 2, {})
+    for step in steps:
+        tensors.add(step)
+        builder.add(step)
+    assert tensors.whole().output("finish_reason").data.tolist() == [b"stop", b"length"]
+    assert typed.doc(builder.whole().generation)["finish_reason"] == ["stop", "length"]
