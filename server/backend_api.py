@@ -112,6 +112,8 @@ if TYPE_CHECKING:
     from .schedulers.base import drop_cancelled
     from .stats import ModelStats
     from .workers.direct import DirectAnswer, DirectAnswers, DirectSubmit, DirectToProcess
+    from .schedulers.passthrough import queue_bound
+    from .workers.engines import engine_client_workers
 
 # The scheduler side of the API is imported when a backend first asks for it, so that a model process (which runs
 # instances, never schedulers) does not load the schedulers, the runtime and the statistics.
@@ -120,7 +122,9 @@ _SCHEDULING = {"ModelRuntime": "runtime", "InstanceSlot": "runtime", "Scheduler"
                "drop_cancelled": "schedulers.base",
                # --frontend-direct: a model process's side of the frontend workers' direct links
                "ModelStats": "stats", "DirectSubmit": "workers.direct", "DirectAnswer": "workers.direct",
-               "DirectAnswers": "workers.direct", "DirectToProcess": "workers.direct"}
+               "DirectAnswers": "workers.direct", "DirectToProcess": "workers.direct",
+               # an LLM engine's clients in frontend workers (workers/engines.py) and the max_queue_size it keeps
+               "engine_client_workers": "workers.engines", "queue_bound": "schedulers.passthrough"}
 
 
 def __getattr__(name: str):
@@ -149,6 +153,8 @@ __all__ = [
     "drop_cancelled",
     # --frontend-direct (general_backends/python/direct.py)
     "ModelStats", "DirectSubmit", "DirectAnswer", "DirectAnswers", "DirectToProcess",
+    # LLM engines: how many frontend workers take an engine client of their own, a model's max_queue_size
+    "engine_client_workers", "queue_bound",
     # helpers
     "numpy_dtype", "datatype_of", "config_to_datatype", "datatype_to_config", "config_to_dict", "config_to_json",
     "model_paths", "conform_shape",

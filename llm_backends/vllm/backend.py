@@ -279,14 +279,13 @@ class VllmModel(Model):
         relay through the core: the health check before each request, a ``max_queue_size`` bound, LoRA adapters
         (loaded at run time into the engine through the core's client: vLLM refuses runtime LoRA updates with more
         than one API server)."""
-        from tideserve.schedulers.passthrough import queue_bound
-        from tideserve.workers import engines
+        import tideserve.backend_api as api
 
-        workers = engines.ENGINE_CLIENT_WORKERS
+        workers = api.engine_client_workers()
         if not workers or self.options.health_check or vllm_lora.lora_enabled(kwargs):
             return 0
         try:
-            if queue_bound(self):
+            if api.queue_bound(self):
                 return 0
         except Exception:  # noqa: BLE001 - the scheduler reports a bad value itself
             return 0

@@ -50,6 +50,11 @@ def configure(options) -> None:
     ENGINE_CLIENT_WORKERS = workers if workers > 1 and getattr(options, "frontend_direct", False) else 0
 
 
+def engine_client_workers() -> int:
+    """(The backend API's) how many frontend workers take an engine client of their own, 0: none."""
+    return ENGINE_CLIENT_WORKERS
+
+
 # -- the core's side ----------------------------------------------------------------------------------------------
 class CoreCounts:
     """What each worker link reported (``WorkerGenerations``): its unfinished generations by runtime uid."""
@@ -524,4 +529,4 @@ class EngineClients:
                 return
 
 
-__all__ = ["ENGINE_CLIENT_WORKERS", "CoreCounts", "EngineClients", "configure"]
+__all__ = ["ENGINE_CLIENT_WORKERS", "CoreCounts", "EngineClients", "configure", "engine_client_workers"]
