@@ -274,12 +274,13 @@ class Server:
         if self.workers is not None:
             self.workers.changed()  # the workers refuse new requests too
         await self.repository.drain(self.options.exit_timeout_secs)
-        self.dataplane.abort_all(f"the server is shutting down: the request did not finish within the exit "
-                                 f"timeout of {self.options.exit_timeout_secs:g}s")
+        message = (f"the server is shutting down: the request did not finish within the exit timeout of "
+                   f"{self.options.exit_timeout_secs:g}s")
+        self.dataplane.abort_all(message)
         await asyncio.sleep(0.05)  # let the frontends write those answers
+        if self.workers is not None:  # they answer theirs straight to the models' processes likewise, and exit
+            await self.workers.stop(message=message)
         await self.repository.shutdown(drain_timeout=0)
-        if self.workers is not None:
-            await self.workers.stop()
         for task in self._background:
             task.cancel()
         await self.frontends.stop()

@@ -183,6 +183,10 @@ class ModelInstance:
     def finalize(self) -> None:
         """Release what :meth:`initialize` acquired."""
 
+    async def drain_direct(self, timeout: float | None) -> None:
+        """``--frontend-direct``: take no more requests straight from frontend workers and wait up to ``timeout``
+        seconds for those in flight (the core's drain waits for its own). An instance that takes none has none."""
+
 
 class Model:
     """State shared by the instances of one model version."""

@@ -158,7 +158,11 @@ class ModelRuntime:
         return slot
 
     async def drain(self, timeout: float | None) -> None:
-        """Wait until no request of this model is in flight (or ``timeout`` passes)."""
+        """Wait until no request of this model is in flight (or ``timeout`` passes): those the core scheduled and
+        those frontend workers sent straight to its instances (``--frontend-direct``), which take no more."""
+        await asyncio.gather(self._drain_own(timeout), *(slot.instance.drain_direct(timeout) for slot in self.slots))
+
+    async def _drain_own(self, timeout: float | None) -> None:
         if self.inflight:
             try:
                 await asyncio.wait_for(self.idle.wait(), timeout)

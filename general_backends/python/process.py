@@ -191,6 +191,10 @@ class ProcessInstance(ModelInstance):
         if self.process is not None:
             await self.process.finalize()
 
+    async def drain_direct(self, timeout: float | None) -> None:
+        if self.process is not None:
+            await self.process.drain_direct(FINALIZE_TIMEOUT_S if timeout is None else timeout)
+
     @property
     def pid(self) -> int:
         return self.process.pid if self.process is not None else 0
@@ -233,6 +237,7 @@ class ModelProcess:
         self._gone_task: asyncio.Task | None = None
         self._pending_out: collections.deque[tuple[memoryview, int | None]] = collections.deque()
         self.direct_path: str | None = None  # --frontend-direct: where it listens for frontend workers
+        self._direct_drained = False  # it took no more direct requests and its drain's time ran out or ended
         self._releases: collections.deque[int] = collections.deque()
         self._release_scheduled = False
         size = model.arena_bytes
@@ -322,15 +327,23 @@ class ModelProcess:
         return (f"Failed to process the request(s) for model '{self.model.ctx.name}', message: the process of "
                 f"instance '{self.label}' (pid {self.pid}) closed its connection")
 
+    async def drain_direct(self, timeout: float) -> None:
+        """The process takes no more requests from frontend workers (they send them through the core) and waits up
+        to ``timeout`` seconds for those in flight; its direct counters as of then are kept."""
+        if self.direct_path is None or self._direct_drained or self._closed or self.failure is not None:
+            return
+        try:
+            reply = await asyncio.wait_for(self._call(lambda call: protocol.DirectDrain(call, timeout)), timeout + 5)
+            self._store_counters(reply.config)
+        except (TimeoutError, ServerError) as exc:
+            log.warning("instance '%s': direct requests did not drain: %s", self.label, exc)
+        self._direct_drained = True
+
     async def finalize(self) -> None:
         """Run the model's finalize in the process and let it exit (killed if it does not)."""
-        if self.direct_path is not None and not self._closed and self.failure is None:
-            try:  # the workers no longer see its address: wait for their requests in flight here
-                reply = await asyncio.wait_for(
-                    self._call(lambda call: protocol.DirectDrain(call, FINALIZE_TIMEOUT_S)), FINALIZE_TIMEOUT_S + 5)
-                self._store_counters(reply.config)
-            except (TimeoutError, ServerError) as exc:
-                log.warning("instance '%s': direct requests did not drain: %s", self.label, exc)
+        # the workers no longer see its address: wait for their requests in flight here, unless a drain (the
+        # unload's or the exit's, with its own timeout) already did
+        await self.drain_direct(FINALIZE_TIMEOUT_S)
         self._stopping = True
         if not self._closed and self.failure is None:
             try:

@@ -323,6 +323,15 @@ class DirectRouter:
         size = runtime.config.max_batch_size
         return size if size > 0 else 1
 
+    def abort_all(self, error: ServerError) -> None:
+        """Answer every request in flight in a model's process with ``error`` (the server is stopping and its exit
+        timeout ran out); the processes hear that they are cancelled."""
+        for link in list(self.links.values()):
+            for stream in list(link.streams.values()):
+                stream.request.cancellation.cancel()
+                link.send(wire.Cancel(stream.rid))
+                stream._put(InferenceResponse(error=error, final=True))
+
     async def fail(self, address: str, streams: list[DirectStream]) -> None:
         """The process at ``address`` went away with ``streams`` in flight: each ends with the error the core
         gives requests in flight in a process that died (it counts them)."""

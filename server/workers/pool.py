@@ -332,8 +332,9 @@ class FrontendWorkers:
         except Exception:
             log.exception("frontend worker %d failed to restart", index)
 
-    async def stop(self, grace: float = 5.0) -> None:
-        """Ask every worker to stop (they close their ports and exit), then reap them."""
+    async def stop(self, grace: float = 5.0, message: str = "") -> None:
+        """Ask every worker to stop (they close their ports and exit), then reap them; ``message``: what the
+        requests still in flight straight to the models' processes are answered (the exit timeout ran out)."""
         self._stopping = True
         if self._ticker is not None:
             self._ticker.cancel()
@@ -341,7 +342,7 @@ class FrontendWorkers:
             task.cancel()
         for link in self.links:
             if link is not None:
-                link.send(p.Stop())
+                link.send(p.Stop(message))
         loop = asyncio.get_running_loop()
         processes = [link.process for link in self.links if link is not None and link.process is not None]
         await asyncio.gather(*(loop.run_in_executor(None, _reap, proc, grace) for proc in processes))

@@ -259,7 +259,10 @@ class Snapshot(msgspec.Struct, tag=True, array_like=True):
 
 
 class Stop(msgspec.Struct, tag=True, array_like=True):
-    pass
+    """Close the ports and exit; ``message``: first answer the requests still in flight straight to the models'
+    processes (``--frontend-direct``) with UNAVAILABLE and this text (the exit timeout ran out)."""
+
+    message: str = ""
 
 
 class WorkerGenerations(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):

@@ -144,6 +144,7 @@ class CoreLink(p.FramedLink):
         self.started: asyncio.Future = asyncio.get_running_loop().create_future()
         self.first_snapshot: asyncio.Future = asyncio.get_running_loop().create_future()
         self.stopped: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.stop_message = ""  # Stop's: the requests still in flight are answered with it
         self._ids = itertools.count(1)
         self.engines = None  # the worker's engine clients (workers/engines.py), when it has them
 
@@ -180,6 +181,7 @@ class CoreLink(p.FramedLink):
                     self.started.set_result(message)
             elif kind is p.Stop:
                 if not self.stopped.done():
+                    self.stop_message = message.message
                     self.stopped.set_result("stop")
 
     def _apply(self, snapshot: p.Snapshot) -> None:

@@ -13,6 +13,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 
 from support import start_server
 
@@ -111,9 +113,13 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(tmp_path):
     assert server.process.wait(30) == 0
 
 
-def test_exit_timeout_bounds_the_drain(tmp_path):
+@pytest.mark.parametrize("frontends", [(), ("--frontend-workers", "2", "--frontend-direct", "on")],
+                         ids=["as-configured", "direct-workers"])
+def test_exit_timeout_bounds_the_drain(tmp_path, frontends):
+    """A request still running when the exit timeout runs out is answered 503 and the server exits: also one that
+    a frontend worker sent straight to the model's process (the drain waits for it, the worker answers it)."""
     write_slow_model(tmp_path)
-    server = start_server([tmp_path], "--exit-timeout-secs", "1", tmp_dir=tmp_path)
+    server = start_server([tmp_path], "--exit-timeout-secs", "1", *frontends, tmp_dir=tmp_path)
     result = {}
 
     def call():
