@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,13 +49,16 @@ class DeadlineProbe:
     (of those, refused before the engine had them: on arrival or while their prompt was still rendering) and
     ``expired_with_tokens`` (of those, ones whose first token then reached the server: the engine had run their
     prefill). Written to the
-    file as JSON at most every 0.1 s (from the engine's stat logger, on the server's loop); scheduled minus
-    started is what the engine scheduled for requests it was then told to abort."""
+    file as JSON at most every 0.1 s: the engine's stat logger (on the server's loop) hands a copy of the counts to
+    a thread of the probe's own, which writes it, so that the file system's time does not delay what the probe
+    measures. Scheduled minus started is what the engine scheduled for requests it was then told to abort."""
 
     path = os.environ.get("TIDESERVE_DEADLINE_PROBE_FILE", "")
     counts = dict.fromkeys(("scheduled", "preempted", "steps", "started", "placed", "expired", "expired_rendering",
                             "expired_with_tokens"), 0)
     _written = 0.0
+    _pending: dict | None = None  # the latest counts not yet written
+    _wanted: threading.Event | None = None  # set when _pending holds counts (the writer thread waits on it)
 
     @classmethod
     def count(cls, key: str, n: int = 1) -> None:
@@ -66,9 +70,23 @@ class DeadlineProbe:
         now = time.monotonic()
         if now - cls._written >= 0.1:
             cls._written = now
+            cls._pending = dict(cls.counts)
+            if cls._wanted is None:
+                cls._wanted = threading.Event()
+                threading.Thread(target=cls._writer, name="deadline-probe", daemon=True).start()
+            cls._wanted.set()
+
+    @classmethod
+    def _writer(cls) -> None:
+        while True:
+            cls._wanted.wait()
+            cls._wanted.clear()
+            counts, cls._pending = cls._pending, None
+            if counts is None:
+                continue
             tmp = f"{cls.path}.tmp"
             with open(tmp, "w") as out:
-                json.dump(cls.counts, out)
+                json.dump(counts, out)
             os.replace(tmp, cls.path)
 
 

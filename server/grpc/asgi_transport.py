@@ -428,13 +428,16 @@ class GrpcAsgiApp:
         self.configure(dataplane, options, access)
         self.link = link
         link.send(Ready(os.getpid()))
-        self._watcher = loop.create_task(self._watch(link, start.index))
+        self._watcher = loop.create_task(self._watch(link, start.index, dataplane))
 
     @staticmethod
-    async def _watch(link, index: int) -> None:
+    async def _watch(link, index: int, dataplane) -> None:
         why = await link.stopped
         if why == "lost":
             log.error("gRPC frontend (pyvoy, worker %d): the core process is gone; exiting", index)
+        elif link.stop_message:  # the exit timeout ran out: answer what runs here without the core, then leave
+            dataplane._abort_own(link.stop_message)
+            await asyncio.sleep(0.1)
         logging.shutdown()
         os._exit(1 if why == "lost" else 0)  # Envoy's own shutdown waits on connections the core no longer serves
 

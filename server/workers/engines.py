@@ -296,6 +296,7 @@ class _Client:
         self.engine = None
         self.generator = None
         self.inflight = 0
+        self.running: set[WorkerGenerationStream] = set()  # the streams whose generation task runs
         self.retiring = False
         self.closed = False
         self.task: asyncio.Task | None = None
@@ -382,9 +383,11 @@ class _Client:
                       self.clients.index)
         task = loop.create_task(self.generator.run(request))
         task.add_done_callback(lambda t, s=stream: self._generated(t, s))
+        self.running.add(stream)
         return stream
 
     def _generated(self, task: asyncio.Task, stream: WorkerGenerationStream) -> None:
+        self.running.discard(stream)
         request = stream.request
         stats = self.stats
         stats.record_queue(0, 1)
@@ -477,6 +480,13 @@ class EngineClients:
         if client.generator is None or client.retiring:
             return None
         return client.run(request)
+
+    def abort_all(self, error: ServerError) -> None:
+        """End every generation running on this worker's clients with ``error`` (the server's exit timeout ran out);
+        the engine aborts them."""
+        for client in list(self.clients.values()):
+            for stream in list(client.running):
+                stream.abort(error)
 
     def snapshot_applied(self, live: set[int]) -> None:
         """The core's snapshot: a version whose engine takes this worker's client gets it built now (in the

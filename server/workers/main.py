@@ -48,9 +48,8 @@ async def serve(link_fd: int, http_fd: int | None, arena: tuple[int, int, int] |
     if why == "lost":  # the core died: nobody to answer requests; leave now
         log.error("frontend worker %d: the core process is gone; exiting", start.index)
         return 1
-    if link.stop_message and dataplane.direct is not None:  # the exit timeout ran out: answer them now
-        from ..errors import Unavailable
-        dataplane.direct.abort_all(Unavailable(link.stop_message))
+    if link.stop_message:  # the exit timeout ran out: answer what runs here without the core now
+        dataplane._abort_own(link.stop_message)
     await frontends.stop()
     return 0
 

@@ -240,6 +240,15 @@ class RemoteDataPlane(ServingInterface):
     def server_metadata(self) -> dict[str, Any]:
         return server_metadata()
 
+    def _abort_own(self, message: str) -> None:
+        """(The worker's wiring, not the interface's.) Answer every request this process runs without the core (straight to a model's process, or on its own
+        engine client) with UNAVAILABLE ``message``: the server's exit timeout ran out (the core answers its own)."""
+        error = Unavailable(message)
+        if self.direct is not None:
+            self.direct.abort_all(error)
+        if self.engines is not None:
+            self.engines.abort_all(error)
+
     def model(self, name: str, version: str = "") -> RemoteRuntime:
         table = self.link.snapshot.lookups.get(name)
         if table is None:

@@ -144,3 +144,27 @@ def test_llm_metrics_reach_the_core_as_increments():
         if "_sum" in key:  # (timings differ between the two trackers)
             continue
         assert core_lines.get(key) == value, key
+
+
+def test_the_exit_timeout_ends_the_generations_running_on_the_workers_clients():
+    """Stop with a message (the server's exit timeout ran out): the worker answers its own generations with
+    UNAVAILABLE and that text, and cancels them (the Generator aborts them in the engine)."""
+    from tideserve.workers.engines import EngineClients
+
+    async def run():
+        client = _FakeClient()
+        request = _request()
+        stream = WorkerGenerationStream(client, request)
+        client.running = {stream}
+        clients = EngineClients(None, 1)
+        clients.clients[7] = client
+        stream.send_delta(GenerationDelta(["a"], [None]))
+        clients.abort_all(Unavailable("the server is shutting down"))
+        texts = []
+        with pytest.raises(Unavailable, match="shutting down"):
+            async for delta in stream:
+                texts.append(delta.texts[0])
+        return request, texts
+
+    request, texts = asyncio.run(run())
+    assert texts == ["a"] and request.cancellation.is_cancelled()
