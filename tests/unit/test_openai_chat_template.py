@@ -50,7 +50,7 @@ def test_chat_template_errors_are_template_errors():
 ])
 def test_chat_template_bombs_stop_within_the_budget(source, says):
     from tideserve.openai.chat_template import TemplateError
-    from tideserve.openai.template_sandbox import RenderBudget
+    from tideserve.openai.chat_template import RenderBudget
 
     start = time.monotonic()
     with pytest.raises(TemplateError, match=says):
@@ -59,7 +59,7 @@ def test_chat_template_bombs_stop_within_the_budget(source, says):
 
 
 def test_a_template_within_the_budget_renders_as_without_one():
-    from tideserve.openai.template_sandbox import RenderBudget
+    from tideserve.openai.chat_template import RenderBudget
 
     source = "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}{{ m.role ~ ':' ~ " \
              "m.content|trim|tojson }}{{ '%02d' % loop.index }}{% endfor %}{{ ns.n }}{{ '{:>4}'.format(2 ** 10) }}" \

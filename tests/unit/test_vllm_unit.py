@@ -276,7 +276,7 @@ def test_response_builder_prompt_logprobs_once():
 def test_sampling_parameters_convert_and_name_bad_fields():
     from vllm.sampling_params import RequestOutputKind
 
-    from tideserve.llm_backends.vllm.sampling import make_sampling_params
+    from tideserve.llm_backends.vllm.generation import make_sampling_params
 
     params = make_sampling_params({"temperature": "0.5", "max_tokens": "7", "stop": "END", "ignore_eos": "true"})
     assert (params.temperature, params.max_tokens, params.stop, params.ignore_eos) == (0.5, 7, ["END"], True)
@@ -291,7 +291,7 @@ def test_sampling_parameters_convert_and_name_bad_fields():
 
 def test_max_tokens_beyond_the_context_window_is_cut_to_it():
     """Triton's tensor interface: no error (the engine stops at the context length), no huge value to the core."""
-    from tideserve.llm_backends.vllm.sampling import fit_to_context, make_sampling_params
+    from tideserve.llm_backends.vllm.generation import fit_to_context, make_sampling_params
 
     for raw, expected in [(512, 512), (100, 100), (2**64, 512), (None, None)]:
         params = make_sampling_params({"max_tokens": raw})

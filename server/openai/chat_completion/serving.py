@@ -19,15 +19,14 @@ import orjson
 
 from ...errors import ServerError
 from ...tool_parsers import tool_parser
-from ..chat_template import ChatTemplate, TemplateError, special_tokens
-from ..limits import OpenAILimits
+from ..chat_template import ChatTemplate, RenderBudget, TemplateError, special_tokens
 from ..errors import BadRequest, from_server_error
 from ..generation import Chunks, Run, Usage, close_all, collect
 from ..http import DONE, EventStream, event, request_received_ns, request_timeout_us
+from ..limits import OpenAILimits
 from ..llm import LLMModel
 from ..logprobs import chat_content
 from ..protocol import parse
-from ..template_sandbox import RenderBudget
 from . import output
 from .output import ROLE
 from .protocol import ChatCompletionRequest
@@ -136,10 +135,13 @@ async def _events(request: ChatCompletionRequest, header: dict, llm: LLMModel, r
     live_usage = usage if options and options.continuous_usage_stats else None
     usage.add_prompt(run, prompt)
     finished = [False] * n
-    outputs = [output.ChoiceStream(request, llm) for _ in range(n)]
     chunks = Chunks(header)
-    # the common case: a text delta is one chunk of plain content, its bytes written around the text
-    plain = outputs[0].plain and not request.logprobs and live_usage is None
+    # the common case: no tool mode and no reasoning parser, so the text goes out as it comes: a text delta is one
+    # chunk of plain content, its bytes written around the text, and the finishing chunk is built here (no
+    # ChoiceStream, which reads the answer's reasoning and tool calls)
+    plain = request.tool_mode == "none" and not llm.reasoning_parser
+    outputs = None if plain else [output.ChoiceStream(request, llm) for _ in range(n)]
+    plain_text = plain and not request.logprobs and live_usage is None
     for i in range(n):
         first = {"index": i, "delta": {"role": ROLE, "content": ""}, "logprobs": None, "finish_reason": None}
         yield chunks.choice(first, live_usage)
@@ -154,18 +156,23 @@ async def _events(request: ChatCompletionRequest, header: dict, llm: LLMModel, r
                 if finished[i]:
                     continue
                 text, reason = step.texts[i], step.finish[i]
-                if plain and reason is None:
+                if plain_text and reason is None:
                     if text:
                         yield chunks.text(i, text)
                     continue
                 entries = step.logprobs[i] if step.logprobs is not None else None
                 if not text and reason is None and not entries:
                     continue
-                delta = outputs[i].feed(text) if text else {}
-                if reason is not None:
-                    last, reason = outputs[i].finish(reason)
-                    output.merge(delta, last)
-                elif not delta and not entries:
+                if plain:
+                    delta = {"content": text} if text else {}
+                    if reason is not None:
+                        reason = reason or "stop"
+                else:
+                    delta = outputs[i].feed(text) if text else {}
+                    if reason is not None:
+                        last, reason = outputs[i].finish(reason)
+                        output.merge(delta, last)
+                if reason is None and not delta and not entries:
                     continue  # text held back (it may start a marker)
                 choice = {"index": i, "delta": delta,
                           "logprobs": {"content": chat_content(entries, top)} if request.logprobs else None,
@@ -177,7 +184,7 @@ async def _events(request: ChatCompletionRequest, header: dict, llm: LLMModel, r
         raise from_server_error(exc, fields, "messages") from None
     for i in range(n):  # a model that reports no finish reason ends its choices here
         if not finished[i]:
-            delta, reason = outputs[i].finish(None)
+            delta, reason = ({}, "stop") if plain else outputs[i].finish(None)
             last = {"index": i, "delta": delta, "logprobs": None, "finish_reason": reason}
             yield chunks.choice(last, live_usage)
     if include_usage:
