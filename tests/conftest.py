@@ -5,18 +5,30 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import threading
+import time
+import urllib.request
 
 import pytest
-from support import TEST_MODELS, RunningServer, start_server
+from support import TEST_MODELS, RunningServer, start_server, stop_session_servers_together
+from tideserve.repository import ControlMode
 from toy_backends import start_core as _start_core
 
-from tideserve.repository import ControlMode
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Before the last test's teardown (where the session's fixtures end), every session server gets its
+    SIGTERM at once: their engines drain and stop side by side, each fixture then waits for its own."""
+    if nextitem is None:
+        stop_session_servers_together()
+    yield
 
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory) -> RunningServer:
     """One server over the test repository, shared by the whole session."""
-    running = start_server([TEST_MODELS], "--log-verbose", "1", tmp_dir=tmp_path_factory.mktemp("server"))
+    running = start_server([TEST_MODELS], "--log-verbose", "1", tmp_dir=tmp_path_factory.mktemp("server"),
+                           session=True)
     yield running
     running.stop()
 
@@ -38,8 +50,43 @@ def example_server(tmp_path_factory) -> RunningServer:
     prepare_repository()
     tmp = tmp_path_factory.mktemp("example")
     running = start_example_server(tmp, (write_extra_repository(tmp / "extra"),))
+    running.register_for_session()
     yield running
     running.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory, tiny_model) -> RunningServer:
+    """One vLLM engine for the session, shared by every module that needs these engine arguments (tiny Llama,
+    float32, ``max_model_len`` 512, eager): ``vllm_model``, and ``vllm_bad_path`` whose engine fails to start.
+    The server starts with no model (explicit mode); both models then load through the repository API while a
+    probe times the health endpoint (``health_latencies``; ``load_errors``: the loads' errors by model): the
+    engine starts off the event loop."""
+    from llm_fixtures import VLLM_BAD_MODEL, VLLM_MAX_MODEL_LEN, VLLM_MODEL, load_model, vllm_env, write_vllm_model
+
+    tmp = tmp_path_factory.mktemp("vllm_server")
+    repository = tmp / "models"
+    write_vllm_model(repository, VLLM_MODEL, {"model": str(tiny_model), "dtype": "float32",
+                                              "max_model_len": VLLM_MAX_MODEL_LEN, "enforce_eager": True})
+    write_vllm_model(repository, VLLM_BAD_MODEL, {"model": "./no_such_weights", "enforce_eager": True})
+    server = start_server([repository], "--log-verbose", "1", "--model-control-mode", "explicit",
+                          "--allowed-model-root", str(tiny_model),
+                          "--strict-readiness", "false", tmp_dir=tmp, env=vllm_env(tmp), session=True)
+    try:
+        server.load_errors = {}
+        loads = [threading.Thread(target=load_model, args=(server, name)) for name in (VLLM_MODEL, VLLM_BAD_MODEL)]
+        for thread in loads:
+            thread.start()
+        server.health_latencies = []
+        while any(thread.is_alive() for thread in loads):
+            start = time.monotonic()
+            with urllib.request.urlopen(f"{server.base_url}/v2/health/live", timeout=30) as r:
+                assert r.status == 200
+            server.health_latencies.append(time.monotonic() - start)
+            time.sleep(0.2)
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")

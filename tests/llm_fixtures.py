@@ -10,6 +10,11 @@ from pathlib import Path
 
 import numpy as np
 
+# the models of the session's vLLM server (``vllm_server`` in tests/conftest.py: one engine shared by
+# tests/e2e/test_vllm.py, test_vllm_generate_typed.py and test_bench_tool.py)
+VLLM_MODEL = "vllm_model"
+VLLM_BAD_MODEL = "vllm_bad_path"  # its engine fails to start
+VLLM_MAX_MODEL_LEN = 512
 
 
 def vllm_env(tmp_dir: Path) -> dict[str, str]:
@@ -34,6 +39,19 @@ def write_vllm_model(repository: Path, name: str, engine_args: dict, config: str
     (model_dir / "config.pbtxt").write_text(config)
     (model_dir / "1" / "model.json").write_text(json.dumps(engine_args))
     return model_dir
+
+
+def load_model(server, name: str) -> None:
+    """Load ``name`` through the repository API; an error is kept in ``server.load_errors[name]``."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(f"{server.base_url}/v2/repository/models/{name}/load", data=b"{}", method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=240):
+            pass
+    except urllib.error.HTTPError as exc:
+        server.load_errors[name] = (exc.code, json.loads(exc.read())["error"])
 
 
 # A sitecustomize module (imported at the server's start-up through PYTHONPATH) that makes vLLM's

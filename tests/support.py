@@ -35,6 +35,11 @@ class RunningServer:
     grpc_port: int
     metrics_port: int
     log_path: Path
+    signalled: int | None = None  # the signal stop() (or stop_session_servers_together) sent it
+
+    def register_for_session(self) -> None:
+        """A session fixture's server: SIGTERM reaches it with the others' at the session's end."""
+        _SESSION_SERVERS.append(self)
 
     @property
     def http_url(self) -> str:  # what tritonclient.http expects
@@ -57,7 +62,9 @@ class RunningServer:
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
         if self.process.poll() is None:
-            self.process.send_signal(sig)
+            if sig != self.signalled:  # once is enough (see stop_session_servers_together)
+                self.process.send_signal(sig)
+                self.signalled = sig
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -66,21 +73,37 @@ class RunningServer:
         return self.process.returncode
 
 
+_SESSION_SERVERS: list[RunningServer] = []
+
+
+def stop_session_servers_together() -> None:
+    """SIGTERM to every running session server at once (their fixtures then wait for each in turn): engines
+    stop side by side instead of one after another."""
+    for running in _SESSION_SERVERS:
+        if running.process.poll() is None and running.signalled is None:
+            running.process.send_signal(signal.SIGTERM)
+            running.signalled = signal.SIGTERM
+
+
 class PortTaken(RuntimeError):
     """The server could not bind a port it was given (another process took it after it was found free)."""
 
 
 def start_server(repositories: list[Path], *extra_args: str, tmp_dir: Path, ready_timeout: float = 120,
                  wait_ready: bool = True, env: dict | None = None,
-                 ports: tuple[int, int, int] | None = None) -> RunningServer:
+                 ports: tuple[int, int, int] | None = None, session: bool = False) -> RunningServer:
     """Start ``tideserve`` as its own process and wait until it answers on HTTP. ``ports``: its HTTP, gRPC and
     metrics ports (a replica restarted where a router expects it); free ones by default, and others again if one
     of them was taken before the server bound it (it binds once its models are loaded, minutes for an engine,
-    while another server's engine may take ephemeral ports)."""
+    while another server's engine may take ephemeral ports). ``session``: a session fixture's server (see
+    :meth:`RunningServer.register_for_session`)."""
     for attempt in range(3):
         try:
-            return _start_server(repositories, extra_args, tmp_dir, ready_timeout, wait_ready, env,
-                                 ports or (free_port(), free_port(), free_port()))
+            running = _start_server(repositories, extra_args, tmp_dir, ready_timeout, wait_ready, env,
+                                    ports or (free_port(), free_port(), free_port()))
+            if session:
+                running.register_for_session()
+            return running
         except PortTaken:
             if ports is not None or attempt == 2:
                 raise

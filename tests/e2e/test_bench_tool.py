@@ -13,8 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from llm_fixtures import metric_value, vllm_env, write_vllm_model
-
+from llm_fixtures import VLLM_MODEL, metric_value
 from tideserve.bench.tideserve_bench import plots
 from tideserve.bench.tideserve_bench.workload import LengthDist, SyntheticWorkload, Tokenizer
 
@@ -22,21 +21,14 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 # -- end to end against tideserve with the tiny vLLM model -----------------------------------------
-MODEL = "tiny_llm"
+MODEL = VLLM_MODEL
 
 
 @pytest.fixture(scope="module")
-def llm_server(tmp_path_factory, tiny_model):
-    """One engine for the module (stopped at its end, before other modules start theirs)."""
-    from support import start_server
-
-    tmp = tmp_path_factory.mktemp("bench_server")
-    write_vllm_model(tmp / "models", MODEL, {"model": str(tiny_model), "dtype": "float32", "max_model_len": 512,
-                                             "enforce_eager": True})
-    server = start_server([tmp / "models"], "--allowed-model-root", str(tiny_model), tmp_dir=tmp,
-                          env=vllm_env(tmp), ready_timeout=280)
-    yield server
-    server.stop()
+def llm_server(vllm_server):
+    """The session's vLLM server (``vllm_server`` in tests/conftest.py): the same engine arguments (tiny Llama,
+    float32, ``max_model_len`` 512, eager) as tests/e2e/test_vllm.py's, one engine for both."""
+    return vllm_server
 
 
 def bench(*args: str, timeout: float = 150) -> subprocess.CompletedProcess:

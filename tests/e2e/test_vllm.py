@@ -1,8 +1,8 @@
 """End to end: the vllm backend in a real tideserve process, driven by Triton's clients.
 
-One engine for the whole module (start-up is ~40 s on a CPU even with ``enforce_eager``): a tiny
-random Llama made offline, float32 so greedy outputs match Hugging Face ``transformers`` token for
-token. A second model with a bad path shows a failed engine start leaves the server serving.
+One engine (start-up is ~40 s on a CPU even with ``enforce_eager``), the session's (``vllm_server`` in
+tests/conftest.py, shared with the other modules that need the same engine arguments): a tiny random Llama
+made offline, float32 so greedy outputs match Hugging Face ``transformers`` token for token. A second model with a bad path shows a failed engine start leaves the server serving.
 """
 
 from __future__ import annotations
@@ -17,14 +17,15 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from support import start_server
 from llm_fixtures import (
+    VLLM_BAD_MODEL,
+    VLLM_MAX_MODEL_LEN,
+    VLLM_MODEL,
     GrpcStream,
     cancel_a_running_generation,
     llm_inputs,
+    load_model,
     metric_value,
-    vllm_env,
-    write_vllm_model,
 )
 
 pytestmark = [
@@ -32,50 +33,20 @@ pytestmark = [
     pytest.mark.timeout(240),
 ]
 
-MODEL = "vllm_model"
-BAD_MODEL = "vllm_bad_path"
-MAX_MODEL_LEN = 512
+MODEL = VLLM_MODEL
+BAD_MODEL = VLLM_BAD_MODEL
+MAX_MODEL_LEN = VLLM_MAX_MODEL_LEN
 PROMPTS = ["Hello world", "The quick brown fox", "Once upon a time there was"]
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
 # -- fixtures -----------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
-def llm_server(tmp_path_factory, tiny_model):
-    """The server starts with no model (explicit mode); both models then load through the repository API
-    while a probe times the health endpoint: the engine starts off the event loop."""
-    tmp = tmp_path_factory.mktemp("vllm_server")
-    repository = tmp / "models"
-    write_vllm_model(repository, MODEL, {"model": str(tiny_model), "dtype": "float32",
-                                         "max_model_len": MAX_MODEL_LEN, "enforce_eager": True})
-    write_vllm_model(repository, BAD_MODEL, {"model": "./no_such_weights", "enforce_eager": True})
-    server = start_server([repository], "--log-verbose", "1", "--model-control-mode", "explicit",
-                          "--allowed-model-root", str(tiny_model),
-                          "--strict-readiness", "false", tmp_dir=tmp, env=vllm_env(tmp))
-    try:
-        server.load_errors = {}
-        loads = [threading.Thread(target=_load, args=(server, name)) for name in (MODEL, BAD_MODEL)]
-        for thread in loads:
-            thread.start()
-        server.health_latencies = []
-        while any(thread.is_alive() for thread in loads):
-            start = time.monotonic()
-            with urllib.request.urlopen(f"{server.base_url}/v2/health/live", timeout=30) as r:
-                assert r.status == 200
-            server.health_latencies.append(time.monotonic() - start)
-            time.sleep(0.2)
-        yield server
-    finally:
-        server.stop()
-
-
-def _load(server, name: str) -> None:
-    req = urllib.request.Request(f"{server.base_url}/v2/repository/models/{name}/load", data=b"{}", method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=240):
-            pass
-    except urllib.error.HTTPError as exc:
-        server.load_errors[name] = (exc.code, json.loads(exc.read())["error"])
+def llm_server(vllm_server):
+    """The session's vLLM server (``vllm_server`` in tests/conftest.py, shared with other modules): it starts
+    with no model (explicit mode); both models then load through the repository API while a probe times the
+    health endpoint: the engine starts off the event loop."""
+    return vllm_server
 
 
 @pytest.fixture(scope="session")
@@ -504,7 +475,7 @@ def test_a_dead_engine_takes_the_model_out_of_readiness_and_a_load_brings_it_bac
         assert r.status == 200
 
     llm_server.load_errors = {}
-    _load(llm_server, MODEL)
+    load_model(llm_server, MODEL)
     assert llm_server.load_errors == {}
     assert _ready(llm_server, MODEL) == 200
     with _post(llm_server, "generate", {"text_input": "Hi", "parameters": {**GREEDY, "max_tokens": 2}}) as r:

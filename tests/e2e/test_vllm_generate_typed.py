@@ -14,28 +14,20 @@ import urllib.error
 import urllib.request
 
 import pytest
-from llm_fixtures import vllm_env, write_vllm_model
-from support import start_server
+from llm_fixtures import VLLM_MODEL
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-MODEL = "vllm_model"
+MODEL = VLLM_MODEL
 PROMPT = "The quick brown fox"
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def llm_server(tmp_path_factory, tiny_model):
-    tmp = tmp_path_factory.mktemp("vllm_typed")
-    repository = tmp / "models"
-    write_vllm_model(repository, MODEL, {"model": str(tiny_model), "dtype": "float32", "max_model_len": 512,
-                                         "enforce_eager": True})
-    server = start_server([repository], "--allowed-model-root", str(tiny_model), tmp_dir=tmp, env=vllm_env(tmp),
-                          ready_timeout=240)
-    try:
-        yield server
-    finally:
-        server.stop()
+def llm_server(vllm_server):
+    """The session's vLLM server (``vllm_server`` in tests/conftest.py): the same engine arguments as
+    tests/e2e/test_vllm.py's (tiny Llama, float32, ``max_model_len`` 512, eager), one engine for both."""
+    return vllm_server
 
 
 def _post(server, path: str, doc: dict) -> tuple[int, str, bytes, dict]:
