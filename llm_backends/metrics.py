@@ -99,19 +99,22 @@ _BULK_OBSERVE = _bulk_observe_works()
 
 class EngineStateGauges:
     """Where an engine's stat logger hands its scheduler's state after each step (on the server's loop): kept as
-    ``state`` (the model's pending count, GET /load, deadlines) and set on the LLM metrics' gauges."""
+    ``state`` (the model's pending count, GET /load, deadlines) and set on the LLM metrics' gauges, whose children
+    for the model's labels are looked up once (a step costs this one call and the three sets, no ``labels()``)."""
 
-    __slots__ = ("_labels", "_metrics", "state")
+    __slots__ = ("_kv_cache_usage", "_running", "_waiting", "state")
 
     def __init__(self, metrics: LLMMetrics, model: str, version: str) -> None:
-        self._metrics = metrics
-        self._labels = (model, version)
+        self._running = metrics.running.labels(model, version)
+        self._waiting = metrics.waiting.labels(model, version)
+        self._kv_cache_usage = metrics.kv_cache_usage.labels(model, version)
         self.state = None  # the engine's last EngineState (running, waiting, kv_cache_usage); None before a step
 
     def __call__(self, state) -> None:
         self.state = state
-        self._metrics.set_engine_state(*self._labels, running=state.running, waiting=state.waiting,
-                                       kv_cache_usage=state.kv_cache_usage)
+        self._running.set(state.running)
+        self._waiting.set(state.waiting)
+        self._kv_cache_usage.set(state.kv_cache_usage)
 
 
 class GenerationTracker:
