@@ -687,35 +687,59 @@ async def _one_delta(stream) -> GenerationDelta:
     return whole
 
 
-async def _typed_stream(typed: TypedGenerate, stream, scope, receive, send) -> None:
-    """:func:`_stream` for a typed request: its deltas as the tensor path's events."""
-    refusal = RefusalNow(send, _refusal_answer)  # armed until the stream's first delta
-    refusal.watch(stream)
-    first = None
+async def _first_of(stream, receive, refusal: RefusalNow, keep=None) -> Any:
+    """The stream's first item, waited for with the client watched (with ``keep``: the first ``keep(item)`` that is
+    not None); None when the stream ended without one. Where anything is raised (the model's error, ``ClientGone``
+    when the client went away, a cancellation) the stream is closed and it propagates. ``refusal`` is disarmed on
+    the way out: from then on the handler answers."""
     try:
         with cancel_on_disconnect(receive):
-            async for delta in stream:
-                first = delta
-                break
-    except ClientGone:
-        await stream.aclose()
-        return
-    except ServerError as exc:  # the model's error first (as the tensor path's first response): the whole answer
-        await stream.aclose()
-        if refusal.done:  # written already, at the deadline itself
-            return
-        if isinstance(exc, QueueFull) and not isinstance(exc, DeadlinePassed):  # refused before it was scheduled
-            # (max_queue_size: a frontend worker learns it here); a deadline's refusal is the model's first response
-            await send_error(send, exc.http_code, exc.message, exc.retry_after_s, exc)
-            return
-        body, headers = _error_answer(exc)
-        await send_response(send, exc.http_code, body, headers)
-        return
+            async for item in stream:
+                if keep is None:
+                    return item
+                kept = keep(item)
+                if kept is not None:
+                    return kept
+        return None
     except BaseException:
         await stream.aclose()
         raise
     finally:
         refusal.armed = False
+
+
+def _first_event(response: InferenceResponse) -> tuple[bytes, Any] | None:
+    """:func:`_first_of`'s ``keep`` for the tensor path: a response's event and its error (None: no event)."""
+    event = _response_event(response)
+    return None if event is None else (event, response.error)
+
+
+async def _answer_first_error(send, refusal: RefusalNow, error: ServerError, event: bool) -> None:
+    """The whole answer of a stream whose first response is ``error`` (its stream closed): nothing where
+    ``refusal`` wrote it already (at the deadline itself); else as its one event (``event``) or a JSON error."""
+    if refusal.done:
+        return
+    if not event:
+        await send_error(send, error.http_code, error.message, error.retry_after_s, error)
+        return
+    body, headers = _error_answer(error)
+    await send_response(send, error.http_code, body, headers)
+
+
+async def _typed_stream(typed: TypedGenerate, stream, scope, receive, send) -> None:
+    """:func:`_stream` for a typed request: its deltas as the tensor path's events."""
+    refusal = RefusalNow(send, _refusal_answer)  # armed until the stream's first delta
+    refusal.watch(stream)
+    try:
+        first = await _first_of(stream, receive, refusal)
+    except ClientGone:
+        return
+    except ServerError as exc:  # the model's error first (as the tensor path's first response): the whole answer;
+        # refused before it was scheduled (max_queue_size: a frontend worker learns it here) as a JSON error, a
+        # deadline's refusal as the model's first response
+        await _answer_first_error(send, refusal, exc,
+                                  event=not isinstance(exc, QueueFull) or isinstance(exc, DeadlinePassed))
+        return
 
     async def events():
         try:
@@ -765,38 +789,23 @@ def _refusal_answer(error: ServerError) -> tuple[int, bytes, list]:
 
 async def _stream(stream, scope, receive, send) -> None:
     """Server-sent events, one per response; the first response decides the status (as in Triton)."""
-    first: list[bytes] = []
-    error: ServerError | None = None
     refusal = RefusalNow(send, _refusal_answer)  # armed until the stream's first response
     refusal.watch(stream)
     try:
-        with cancel_on_disconnect(receive):
-            async for response in stream:
-                event = _response_event(response)
-                if event is not None:
-                    first.append(event)
-                    if response.error is not None:
-                        error = as_server_error(response.error)
-                    break
+        found = await _first_of(stream, receive, refusal, _first_event)
     except ClientGone:
-        await stream.aclose()
         return
     except ServerError as exc:  # refused before it was scheduled (a frontend worker learns it here)
-        await stream.aclose()
-        await send_error(send, exc.http_code, exc.message, exc.retry_after_s, exc)
+        await _answer_first_error(send, refusal, exc, event=False)
         return
-    except BaseException:
-        await stream.aclose()
-        raise
-    finally:
-        refusal.armed = False
-    if error is not None:  # the first response is the error (a refusal: queue full, deadline): the whole answer
-        await stream.aclose()  # at once, its one event, the error's status (no stream left to keep open)
-        if refusal.done:  # written already, at the deadline itself
+    first: list[bytes] = []
+    if found is not None:
+        event, error = found
+        if error is not None:  # the first response is the error (a refusal: queue full, deadline): the whole
+            await stream.aclose()  # answer at once, its one event, the error's status (no stream left to keep open)
+            await _answer_first_error(send, refusal, as_server_error(error), event=True)
             return
-        body, headers = _error_answer(error)
-        await send_response(send, error.http_code, body, headers)
-        return
+        first.append(event)
 
     async def events():
         try:
