@@ -52,18 +52,54 @@ from .outputs import ResponseBuilder
 log = logging.getLogger(__name__)
 
 
+class _AbortBatch:
+    """The engine aborts asked for in one loop turn, sent to the engine as one call (``AsyncLLM.abort`` takes a list
+    of ids): under an admission flood the deadlines of a retry burst fire together, and one abort each was one
+    task, one message to the engine core and one encoding apiece on the loop that also reads the next requests."""
+
+    __slots__ = ("engine", "loop", "pending")
+
+    def __init__(self, engine: AsyncLLM, loop: asyncio.AbstractEventLoop) -> None:
+        self.engine = engine
+        self.loop = loop
+        self.pending: list[tuple[str, bool]] = []
+
+    def add(self, request_id: str, quiet: bool) -> None:
+        """Abort ``request_id`` with the others of this turn (on the loop's thread)."""
+        if not self.pending:
+            self.loop.call_soon(self._flush)
+        self.pending.append((request_id, quiet))
+
+    def _flush(self) -> None:
+        batch, self.pending = self.pending, []
+        if batch:
+            self.loop.create_task(self._abort(batch))
+
+    async def _abort(self, batch: list[tuple[str, bool]]) -> None:
+        # the words Triton's vLLM backend logs (its request-cancellation test reads them); a deadline's refusal
+        # (quiet) at debug level: no two lines per request in a flood
+        for request_id, quiet in batch:
+            log.log(logging.DEBUG if quiet else logging.INFO, "[vllm] Cancelling the request '%s'", request_id)
+        await self.engine.abort([request_id for request_id, _ in batch])
+        for request_id, quiet in batch:
+            log.log(logging.DEBUG if quiet else logging.INFO, "[vllm] Successfully cancelled the request '%s'",
+                    request_id)
+
+
 class _Abort:
-    """Aborts one engine request once, from a cancellation callback on any thread or from the loop."""
+    """Aborts one engine request once, from a cancellation callback on any thread or from the loop (with the other
+    aborts of the loop's turn: :class:`_AbortBatch`)."""
 
-    __slots__ = ("done", "engine", "loop", "quiet", "request_id", "requested", "task")
+    __slots__ = ("batch", "done", "engine", "loop", "quiet", "request_id", "requested")
 
-    def __init__(self, engine: AsyncLLM, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, engine: AsyncLLM, request_id: str, loop: asyncio.AbstractEventLoop,
+                 batch: _AbortBatch | None = None) -> None:
         self.engine = engine
         self.request_id = request_id
         self.loop = loop
+        self.batch = batch if batch is not None else _AbortBatch(engine, loop)
         self.done = False
         self.requested = False  # the request was cancelled (read per step: a flag, no call)
-        self.task: asyncio.Task | None = None
         self.quiet = False  # a deadline's refusal: logged at debug level (no two lines per request in a flood)
 
     def on_cancel(self) -> None:
@@ -74,26 +110,23 @@ class _Abort:
             pass
 
     def on_loop(self, quiet: bool = False) -> None:
-        """As :meth:`on_cancel`, from the loop's own thread (no wake-up of the loop)."""
+        """As :meth:`on_cancel`, from the loop's own thread (no wake-up of the loop, no turn of its own: the abort
+        goes with the others of this turn)."""
         self.quiet = quiet
-        self.loop.call_soon(self._start)
+        self._start()
 
     def _start(self) -> None:
         if not self.done:
             self.done = True
-            self.task = self.loop.create_task(self._abort())
+            self.batch.add(self.request_id, self.quiet)
 
     async def now(self) -> None:
         if not self.done:
             self.done = True
-            await self._abort()
-
-    async def _abort(self) -> None:
-        # the words Triton's vLLM backend logs (its request-cancellation test reads them)
-        level = logging.DEBUG if self.quiet else logging.INFO
-        log.log(level, "[vllm] Cancelling the request '%s'", self.request_id)
-        await self.engine.abort(self.request_id)
-        log.log(level, "[vllm] Successfully cancelled the request '%s'", self.request_id)
+            level = logging.DEBUG if self.quiet else logging.INFO
+            log.log(level, "[vllm] Cancelling the request '%s'", self.request_id)
+            await self.engine.abort(self.request_id)
+            log.log(level, "[vllm] Successfully cancelled the request '%s'", self.request_id)
 
 
 class _Tokenizing:
@@ -399,6 +432,7 @@ class Generator:
         # "scheduling_policy": "priority"; lower values first, as vLLM orders them); otherwise it is ignored
         self.priority_scheduling = engine.vllm_config.scheduler_config.policy == "priority"
         self.tokenizing = _Tokenizing(engine.renderer)
+        self.aborts: _AbortBatch | None = None  # the engine aborts of a loop turn, sent together (on the loop's)
         # the requests in the engine in the order added: at its deadline, one the engine has a place for started
         self.order = EngineOrder(engine.vllm_config.scheduler_config.max_num_seqs,
                                  enabled=not self.priority_scheduling)
@@ -439,7 +473,10 @@ class Generator:
             return
         streaming = inputs.stream and request.streaming
         request_id = f"{self.model_name}-{request.internal_id}"
-        abort = _Abort(self.engine, request_id, asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        if self.aborts is None or self.aborts.loop is not loop:
+            self.aborts = _AbortBatch(self.engine, loop)
+        abort = _Abort(self.engine, request_id, loop, self.aborts)
         # the deadline's timer runs from here: a prompt still rendering (tokenizing) at the deadline is refused then
         deadline = _Deadline(request, deadline_ns, limit_ms, abort, self.model_name) if deadline_ns else None
         try:
@@ -473,7 +510,7 @@ class Generator:
                             DeadlineProbe.count("expired_with_tokens")  # (its prefill had run)
                         if not output.finished and not deadline.reaborted:
                             deadline.reaborted = True
-                            await self.engine.abort(request_id)
+                            abort.batch.add(request_id, True)
                         continue
                     deadline.started = True
                     deadline.cancel()

@@ -52,8 +52,8 @@ def test_deadline_lets_a_placed_request_run_on_and_refuses_one_without_a_place()
     aborted: list = []
 
     class Engine:
-        async def abort(self, request_id):
-            aborted.append(request_id)
+        async def abort(self, request_ids):  # vLLM's AsyncLLM.abort: the ids of one loop turn together
+            aborted.extend(request_ids)
 
     class Sender:
         def __init__(self, key):
@@ -86,3 +86,47 @@ def test_deadline_lets_a_placed_request_run_on_and_refuses_one_without_a_place()
     assert all(isinstance(error, DeadlinePassed) for error in answers.values())
     assert sorted(aborted) == ["rendering", "waiting"]
     assert list(order.entries) == ["running", "next"]  # the refused one left the order at once
+
+
+def test_the_deadline_refusals_of_one_loop_turn_go_to_the_engine_as_one_abort():
+    """Deadlines that fire in the same loop turn (a retry burst's) abort their requests with one engine call; a
+    later turn's refusal with another; each request is aborted once, after its answer."""
+    from tideserve.llm_backends.vllm.generation import _Abort, _AbortBatch, _Deadline
+
+    calls: list = []
+    events: list = []
+
+    class Engine:
+        async def abort(self, request_ids):
+            calls.append(list(request_ids))
+            events.extend(("abort", key) for key in request_ids)
+
+    class Sender:
+        def __init__(self, key):
+            self.key = key
+
+        def send_error(self, error):
+            events.append(("answer", self.key))
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        batch = _AbortBatch(Engine(), loop)
+        now = time.monotonic_ns()
+        for key, due_ms in (("a", 2), ("b", 2), ("c", 2), ("late", 30)):
+            request = SimpleNamespace(response_sender=Sender(key), is_cancelled=lambda: False)
+            _Deadline(request, now + due_ms * 1_000_000, float(due_ms), _Abort(batch.engine, key, loop, batch), "llm")
+        busy = time.perf_counter() + 0.005  # the loop busy past the first three deadlines: they fire in one turn
+        while time.perf_counter() < busy:
+            pass
+        await asyncio.sleep(0.1)
+        # a cancellation from another thread joins the batch of its turn too
+        cancelled = _Abort(batch.engine, "cancelled", loop, batch)
+        await loop.run_in_executor(None, cancelled.on_cancel)
+        await asyncio.sleep(0.02)
+        cancelled.on_cancel()  # once only
+        await asyncio.sleep(0.02)
+
+    uvloop.run(run())
+    assert calls == [["a", "b", "c"], ["late"], ["cancelled"]]
+    for key in ("a", "b", "c", "late"):
+        assert events.index(("answer", key)) < events.index(("abort", key))

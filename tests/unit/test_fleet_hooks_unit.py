@@ -145,8 +145,9 @@ def test_deadline_timer_refuses_at_the_deadline_never_before_and_answers_before_
     events: list = []
 
     class Engine:
-        async def abort(self, request_id):
-            events.append(("abort", request_id, time.monotonic_ns()))
+        async def abort(self, request_ids):  # vLLM's AsyncLLM.abort: the ids of one loop turn together
+            for request_id in request_ids:
+                events.append(("abort", request_id, time.monotonic_ns()))
 
     class Sender:
         def __init__(self, key):
