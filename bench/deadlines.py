@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import functools
 import itertools
 import json
@@ -94,6 +95,7 @@ APIS = ("generate", "openai")
 GENERATE_TENSORS = "generate-tensors"
 LATE_HEADER = "tideserve-deadline-late-us"
 PROMPTS = 64  # the prompts every client cycles through (story_prompts)
+BURST_MS = 10  # a request's way in is split by how many others' bytes were written in the BURST_MS before its own
 
 
 def server_lateness(value: str | None) -> tuple[float, float, float | None, float | None] | None:
@@ -439,6 +441,29 @@ def summarize(requests: list[dict], lags: list[float], load: list[tuple[int, int
     # in), and what is left: the loop's own work ahead of the timer, or the loop thread blocked (on the GIL while
     # another of the server's threads runs, or a virtual CPU the host did not run: neither is a run-queue wait)
     cpu_wait_ms = [w for (_, _, w, _), _ in told if w is not None]
+    # the way in to the server by what came with it: the requests (of every client) whose bytes were written in the
+    # BURST_MS before this one's: alone (at most 2 others) or in a retry burst (8 or more) queue differently in the
+    # server's one loop; and the client's own share of each refusal's lateness (its send: send to bytes written;
+    # its read: the way back), and what is left without it (the server's side and the way between)
+    written_at = sorted(r["written"] for r in requests if r.get("written") is not None)
+    alone_ms: list[float] = []
+    burst_ms: list[float] = []
+    client_own_ms: list[float] = []
+    without_client_ms: list[float] = []
+    for r in at_deadline:
+        late = r.get("server_late")
+        if not (late and late[3] is not None and r.get("written") is not None):
+            continue
+        before = bisect.bisect_left(written_at, r["written"]) - bisect.bisect_left(written_at,
+                                                                                   r["written"] - BURST_MS / 1000)
+        to_server = (late[3] - late[1] / 1000 - deadline_ms / 1000 - r["written"]) * 1000
+        if before <= 2:
+            alone_ms.append(to_server)
+        elif before >= 8:
+            burst_ms.append(to_server)
+        own = (r["written"] - r["sent"] + r["answered"] - late[3]) * 1000
+        client_own_ms.append(own)
+        without_client_ms.append((r["answered"] - r["sent"]) * 1000 - deadline_ms - own)
     own_work_ms = [max(0.0, t - w) for (t, _, w, _), _ in told if w is not None]
     ttfts = [r["first"] - r["sent"] for r in requests if r["status"] == 200 and r["first"] is not None]
     return {
@@ -470,6 +495,10 @@ def summarize(requests: list[dict], lags: list[float], load: list[tuple[int, int
         **spread_ms("way_in_client_stall", stall_in_ms),
         **spread_ms("way_back", back_ms),
         **spread_ms("way_back_client_stall", stall_back_ms),
+        "way_in_to_server_alone": len(alone_ms), **spread_ms("way_in_to_server_alone", alone_ms),
+        "way_in_to_server_burst": len(burst_ms), **spread_ms("way_in_to_server_burst", burst_ms),
+        **spread_ms("client_own", client_own_ms),
+        **spread_ms("lateness_without_client", without_client_ms),
         "in_flight_mean": sum(x for x, _ in load) / len(load) if load else float("nan"),
         "waiting_mean": sum(w for _, w in load) / len(load) if load else float("nan"),
         **spread_ms("client_lag", lags),
@@ -690,6 +719,19 @@ def main() -> None:
         trio = functools.partial(_trio, r)
         print(f"| {api} | {trio('way_in')} | {trio('way_in_client')} | {trio('way_in_to_server')} "
               f"| {trio('way_in_client_stall')} | {trio('way_back')} | {trio('way_back_client_stall')} |")
+    print(f"\nThe way in to the server by what came with it (requests whose bytes were written in the {BURST_MS} ms "
+          "before: at most 2 = alone, 8 or more = a retry burst), and the client's own share of the lateness (its "
+          "send: send to bytes written; its read: the way back) and the lateness without it; flooded sides pooled, "
+          "ms, p50 / p99 / max")
+    print("| mode | to the server, alone (n) | to the server, in a burst (n) | client's own share | lateness without it "
+          "| lateness |")
+    print("|---|---|---|---|---|---|")
+    for api in apis:
+        r = summary[api]["flooded"]
+        trio = functools.partial(_trio, r)
+        print(f"| {api} | {trio('way_in_to_server_alone')} ({r['way_in_to_server_alone']}) "
+              f"| {trio('way_in_to_server_burst')} ({r['way_in_to_server_burst']}) | {trio('client_own')} "
+              f"| {trio('lateness_without_client')} | {trio('lateness')} |")
     for api in apis:
         for side in ("unflooded", "flooded"):
             rows = [r for r in rounds_out if r["api"] == api and r["side"] == side]
