@@ -21,6 +21,7 @@ from .datatypes import config_to_datatype
 from .errors import (Cancelled, InternalError, InvalidArgument, NotFound, QueueFull, ServerError, Status, Unavailable,
                      Unsupported)
 from .generation import GenerationDelta
+from .loops import running_loop
 from .repository import ModelRepository
 from .response_cache import ResponseCache, request_key
 from .responses import ResponseSender, ResponseStream
@@ -648,7 +649,7 @@ class DataPlane(ServingInterface):
             self.shared_memory.release(shm_held)
             runtime.stats.record_failure(time.monotonic_ns() - request.arrival_ns, "OTHER")
             raise
-        stream = ResponseStream(asyncio.get_running_loop())
+        stream = ResponseStream(running_loop())
         request.response_sender = ResponseSender(request, stream.put)
         if self.tracer.active:
             request.trace = self.tracer.begin(request, runtime)

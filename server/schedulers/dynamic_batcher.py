@@ -19,6 +19,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from ..batching import padded_inputs
 from ..errors import QueueFull, Unavailable
+from ..loops import running_loop
 from ..types import InferenceRequest
 from .base import DELAY_SCHEDULER_ENV, OrderGate, Scheduler, drop_cancelled, held_until
 
@@ -89,7 +90,7 @@ class DynamicBatcher(Scheduler):
         level.queue.append(entry)
         if entry.deadline_ns:  # expire it on time even while every instance is busy
             delay = (entry.deadline_ns - time.monotonic_ns()) / 1e9
-            asyncio.get_running_loop().call_later(max(delay, 0.0), self._on_deadline)
+            running_loop().call_later(max(delay, 0.0), self._on_deadline)
         self._wake()
 
     def _on_deadline(self) -> None:
@@ -104,7 +105,7 @@ class DynamicBatcher(Scheduler):
 
     async def _sleep(self, timeout: float | None) -> None:
         """Until the next ``_wake`` or ``timeout`` seconds: a future and a timer, no task (the hot path)."""
-        loop = asyncio.get_running_loop()
+        loop = running_loop()
         waiter = self._waiter = loop.create_future()
         timer = None if timeout is None else loop.call_later(timeout, _resolve, waiter)
         try:

@@ -29,6 +29,7 @@ import msgspec
 
 from .. import wire
 from ..errors import InternalError, ServerError
+from ..loops import running_loop
 from ..shared_memory import REGION
 from ..types import InferenceRequest, InferenceResponse
 from ..validation import RequestValidator
@@ -208,7 +209,7 @@ class DirectLink(asyncio.Protocol):
     def _schedule(self) -> None:
         if self.state == "up" and not self._flush_scheduled:
             self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
+            running_loop().call_soon(self._flush)
 
     def _flush(self) -> None:
         self._flush_scheduled = False
@@ -229,8 +230,9 @@ class DirectLink(asyncio.Protocol):
 class DirectRouter:
     """Picks, per request, whether it goes straight to an instance process, and which."""
 
-    def __init__(self, plane: RemoteDataPlane) -> None:
+    def __init__(self, plane: RemoteDataPlane, workers: int = 1) -> None:
         self.plane = plane
+        self.workers = max(1, workers)  # the frontend workers that share the instances (each routes on its own)
         self.links: dict[str, DirectLink] = {}
         self._ids = itertools.count(1)
         self._turn = 0
@@ -289,32 +291,46 @@ class DirectRouter:
     def _pick(self, addresses: list[str], runtime: RemoteRuntime) -> DirectLink:
         """The link for one request. The requests of one loop turn for a model go to one instance process, up to
         its ``max_batch_size`` (what a turn sends leaves in one write and can run as one batch there, as the
-        requests one queue holds would); the next turn's go to the instance with the fewest of this worker's
-        requests in flight (round robin among equals)."""
+        requests one queue holds would). For a model with a dynamic batcher, the next turn's go to the first
+        instance, in the snapshot's order (the same in every worker), where this worker has fewer requests in
+        flight than its share of a full batch (``max_batch_size`` / the workers): the requests of all workers meet
+        there and run as one batch, as they would in one queue, instead of as one small batch per worker and
+        instance. Otherwise, and once every instance holds that share, to the instance with the fewest of this
+        worker's requests in flight (round robin among equals)."""
+        limit = self._batch_limit(runtime)
         turn = self._turns.get(runtime.uid)
         if turn is not None:
             link, count = turn
-            if count < self._batch_limit(runtime) and link.state != "down":
+            if count < limit and link.state != "down":
                 self._turns[runtime.uid] = (link, count + 1)
                 return link
         links = self.links
-        best, best_load = None, None
-        count = len(addresses)
-        start = self._turn = (self._turn + 1) % count
-        for i in range(count):
-            address = addresses[(start + i) % count]
-            link = links.get(address)
-            load = len(link.streams) if link is not None else 0
-            if best_load is None or load < best_load:
-                best, best_load = address, load
-                if load == 0:
+        best = None
+        if limit > 1 and runtime.config.HasField("dynamic_batching"):
+            share = -(-limit // self.workers)
+            for address in addresses:
+                link = links.get(address)
+                if link is None or len(link.streams) < share:
+                    best = address
                     break
+        if best is None:
+            best_load = None
+            count = len(addresses)
+            start = self._turn = (self._turn + 1) % count
+            for i in range(count):
+                address = addresses[(start + i) % count]
+                link = links.get(address)
+                load = len(link.streams) if link is not None else 0
+                if best_load is None or load < best_load:
+                    best, best_load = address, load
+                    if load == 0:
+                        break
         link = links.get(best)
         if link is None:
             link = links[best] = DirectLink(self, best)
             link.connect()
         if not self._turns:
-            asyncio.get_running_loop().call_soon(self._turns.clear)
+            running_loop().call_soon(self._turns.clear)
         self._turns[runtime.uid] = (link, 1)
         return link
 

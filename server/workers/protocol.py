@@ -17,6 +17,7 @@ import msgspec
 
 from .. import arena, wire
 from ..generation import EngineInfo
+from ..loops import running_loop
 from ..types import InferenceRequest, InferenceResponse
 
 if TYPE_CHECKING:
@@ -370,7 +371,7 @@ class PendingResponses:
     async def _wait(self) -> None:
         pending = self._pending
         while not pending:
-            self._waiter = asyncio.get_running_loop().create_future()
+            self._waiter = running_loop().create_future()
             try:
                 await self._waiter
             except asyncio.CancelledError:

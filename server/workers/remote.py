@@ -417,7 +417,7 @@ async def open_frontend(link: CoreLink):
     if getattr(options, "frontend_direct", False):
         from .direct import DirectRouter
 
-        dataplane.direct = DirectRouter(dataplane)
+        dataplane.direct = DirectRouter(dataplane, options.frontend_workers)
         from .engines import EngineClients
 
         dataplane.engines = link.engines = EngineClients(dataplane, start.index + 1)

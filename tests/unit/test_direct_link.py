@@ -1,5 +1,6 @@
 """--frontend-direct's data path, without a server: a worker's requests of one loop turn for a model go to one
-instance process (up to its max_batch_size) and leave in one message; an instance process answers a loop turn's
+instance process (up to its max_batch_size) and leave in one message, and with a dynamic batcher every worker's
+requests go to the first instance until it holds a full batch (they meet in one batch there); an instance process answers a loop turn's
 responses in one message; its batcher waits sub-millisecond delays on a timerfd (the loop's own timers would fire
 at once, round after round, for the whole delay)."""
 
@@ -54,6 +55,48 @@ def test_one_turns_requests_go_to_one_instance_up_to_its_batch_size_then_the_lea
         assert other in (first[0], fourth)
         await asyncio.sleep(0)  # the next turn: the least loaded instance
         assert await _pick(router, addresses, model) is fourth
+
+    asyncio.run(main())
+
+
+def _batched(uid: int, max_batch_size: int):
+    config = mc.ModelConfig(max_batch_size=max_batch_size)
+    config.dynamic_batching.max_queue_delay_microseconds = 100
+    return types.SimpleNamespace(uid=uid, config=config)
+
+
+def test_with_a_dynamic_batcher_every_workers_requests_meet_at_the_first_instance_up_to_a_full_batch():
+    async def main():
+        addresses = ["a", "b"]
+        workers = [_router(addresses), _router(addresses)]
+        for router in workers:
+            router.workers = 2  # each worker's share of a batch of 8: 4
+        model = _batched(1, max_batch_size=8)
+        for _ in range(4):  # one request a turn from each worker: all to the first instance, where they batch
+            for router in workers:
+                assert (await _pick(router, addresses, model)).address == "a"
+            await asyncio.sleep(0)
+        for router in workers:  # each worker has its share there: the next instance
+            assert (await _pick(router, addresses, model)).address == "b"
+        await asyncio.sleep(0)
+        first = workers[0]
+        first.links["a"].streams.clear()  # that batch answered: the first instance again
+        assert (await _pick(first, addresses, model)).address == "a"
+
+    asyncio.run(main())
+
+
+def test_once_every_instance_holds_a_share_the_least_loaded_takes_the_next_turn():
+    async def main():
+        addresses = ["a", "b"]
+        router = _router(addresses)  # one worker: its share is the whole batch
+        model = _batched(1, max_batch_size=2)
+        picked = []
+        for _ in range(6):
+            picked.append((await _pick(router, addresses, model)).address)
+            await asyncio.sleep(0)
+        assert picked[:4] == ["a", "a", "b", "b"]
+        assert sorted(picked[4:]) == ["a", "b"]
 
     asyncio.run(main())
 
