@@ -85,6 +85,16 @@ def stop_session_servers_together() -> None:
             running.signalled = signal.SIGTERM
 
 
+def stop_servers(servers) -> None:
+    """Stop several servers side by side: SIGTERM to each, then wait for each."""
+    for running in servers:
+        if running.process.poll() is None and running.signalled is None:
+            running.process.send_signal(signal.SIGTERM)
+            running.signalled = signal.SIGTERM
+    for running in servers:
+        running.stop()
+
+
 class PortTaken(RuntimeError):
     """The server could not bind a port it was given (another process took it after it was found free)."""
 
