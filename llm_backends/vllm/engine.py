@@ -271,6 +271,12 @@ def set_engine_nice(engine: AsyncLLM, nice: int) -> list[int]:
     return changed
 
 
+# How long the engine's processes get to end on their own before vLLM kills them. By then the model is drained
+# (nothing runs on the engine): they only tidy up, and on a CPU the engine core waits for its worker longer than
+# vLLM's default grace (5 s), so every stop took the whole grace and ended in a kill anyway.
+ENGINE_STOP_GRACE_S = 2.0
+
+
 def stop_engine(engine: AsyncLLM) -> None:
     """Shut the engine's processes down (blocking)."""
-    engine.shutdown()
+    engine.shutdown(timeout=ENGINE_STOP_GRACE_S)
