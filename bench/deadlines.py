@@ -56,7 +56,7 @@ Reported, all rounds of a mode pooled:
 
     python bench/deadlines.py [--api both] [--size 100m] [--max-num-seqs 8] [--max-queue-size 0] [--tokens 32]
                               [--deadline-ms 1000] [--duration 15] [--rounds 2] [--loop-nice -10]
-                              [--loop-slice-us 100] [--engine-nice 10] [--same-session]
+                              [--loop-slice-us 100] [--engine-nice 10] [--same-session] [--client-nice 5]
 
 About 6 minutes for ``--rounds 2`` (one engine start, 8 sides of 15 s). Writes bench/results/deadlines-<time>.json
 (the pooled summary and each side of each round, with the load average at its start).
@@ -561,6 +561,10 @@ def main() -> None:
     parser.add_argument("--engine-nice", type=int, default=0,
                         help="the model's engine_nice config parameter (e.g. 10): the engine's processes at that nice "
                              "value, below the server's loop, with no privilege needed (0: the server's own)")
+    parser.add_argument("--client-nice", type=int, default=0,
+                        help="a nice value for the client processes (e.g. 5): the clients behind the server's loop "
+                             "for a CPU, as if they ran on another machine; their own share of the lateness then "
+                             "grows, which the last table takes out (with --same-session)")
     parser.add_argument("--same-session", action="store_true",
                         help="run the server in this process's session (one autogroup with the clients) instead of a "
                              "session of its own: with Linux's autogroup scheduling each session gets an equal share "
@@ -619,7 +623,8 @@ def main() -> None:
         print(f"server loop thread {proc.pid}: nice {os.getpriority(os.PRIO_PROCESS, proc.pid)}", flush=True)
     sides = {api: {"unflooded": [], "flooded": []} for api in apis}
     rounds_out: list[dict] = []
-    pool = ProcessPoolExecutor(args.client_processes)
+    pool = ProcessPoolExecutor(args.client_processes, initializer=os.nice if args.client_nice else None,
+                               initargs=(args.client_nice,) if args.client_nice else ())
     try:
         for api in apis:  # warm-up: each path with the engine full (its first batches are slow), no deadline
             run_side(pool, args.client_processes, base, api, args.max_num_seqs, 0, args.tokens, 60_000, 3.0, 0)
