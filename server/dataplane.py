@@ -183,23 +183,21 @@ class InferenceStream:
         self._stream.put(InferenceResponse(error=error, final=True))
 
 
-class GenerationStream:
-    """The typed deltas of one LLM generation (:meth:`DataPlane.generate`), handed by the backend's generation task
-    straight to the reader: no response objects, sender, scheduler queue or per-response bookkeeping between them.
-    What :class:`InferenceStream` records is recorded here once, at the first delta and at the end (statistics,
-    tracing, the model's requests in flight); closing it early cancels the request.
+class DeltaStream:
+    """The deltas of one typed LLM generation, handed by the backend's generation task (the sender) straight to the
+    reader: no response objects, sender, scheduler queue or per-response bookkeeping between them. The sender's half
+    is :meth:`send_delta` per engine step (from any thread: another one's call is passed to the reader's loop),
+    :meth:`send` for a whole answer and :meth:`send_error`; deltas the reader has not taken yet join into one (one
+    chunk and one write for them, as vLLM's output collector merges the outputs of a slow reader). The reader's is
+    the async iteration; closing it early cancels the request. What is recorded at the end is each kind's own:
+    :meth:`_end` (the backend ended the request and the reader has taken everything) and :meth:`cancel` (the reader
+    went away first). :class:`GenerationStream` is the DataPlane's; a frontend worker's engine client has its own
+    (``server/workers/engines.py``). A subclass gives the model's ``runtime`` (its ``name``)."""
 
-    The backend's side is the sender's (``request.response_sender`` is this stream): :meth:`send_delta` per engine
-    step, :meth:`send` for a whole answer, :meth:`send_error`; deltas the reader has not taken yet join into one
-    (one chunk and one write for them, as vLLM's output collector merges the outputs of a slow reader)."""
+    __slots__ = ("request", "_items", "_waiter", "_loop", "_loop_thread", "_closed", "_done", "_first_ns", "_error",
+                 "_on_error")
 
-    __slots__ = ("_dataplane", "runtime", "request", "_items", "_waiter", "_loop", "_loop_thread", "_closed",
-                 "_done", "_first", "_first_ns", "_error", "_on_error", "_running", "_compute_ns")
-
-    def __init__(self, dataplane: "DataPlane", runtime: ModelRuntime, request: InferenceRequest,
-                 loop: asyncio.AbstractEventLoop) -> None:
-        self._dataplane = dataplane
-        self.runtime = runtime
+    def __init__(self, request: InferenceRequest, loop: asyncio.AbstractEventLoop) -> None:
         self.request = request
         self._items: collections.deque[GenerationDelta] = collections.deque()
         self._waiter: asyncio.Future | None = None
@@ -207,12 +205,9 @@ class GenerationStream:
         self._loop_thread = threading.get_ident()
         self._closed = False  # the backend has sent its last delta or its error
         self._done = False  # the reader has seen the end (or closed the stream)
-        self._first = True
         self._first_ns = 0  # when the reader took the first delta (recorded at the end, with the rest)
         self._error: ServerError | None = None
         self._on_error = None
-        self._running: dict | None = None  # the scheduler's running tasks, where the generation task is one
-        self._compute_ns = -1  # the generation task's time, start to end (-1: still running)
 
     # -- the backend's side -------------------------------------------------------------------------------------
     @property
@@ -273,7 +268,7 @@ class GenerationStream:
                 waiter.set_result(None)
 
     # -- the reader's side --------------------------------------------------------------------------------------
-    def __aiter__(self) -> "GenerationStream":
+    def __aiter__(self) -> "DeltaStream":
         return self
 
     async def __anext__(self) -> GenerationDelta:
@@ -294,13 +289,49 @@ class GenerationStream:
             except asyncio.CancelledError:
                 self.cancel()
                 raise
-        if self._first:
-            self._first = False
+        if not self._first_ns:
             request = self.request
             self._first_ns = now = time.monotonic_ns()
             if request.trace is not None:
                 request.trace.first_response(now)
         return items.popleft()
+
+    def _end(self) -> None:
+        """The backend has ended the request and the reader has taken everything: record it."""
+        raise NotImplementedError
+
+    def cancel(self) -> None:
+        """The client went away: the backend aborts the engine request (and the stream records it)."""
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        self.cancel()
+
+    def on_error(self, hook) -> None:
+        """As :meth:`InferenceStream.on_error`: ``hook(error)`` once, when the backend ends the request with an
+        error, before the reader takes it."""
+        self._on_error = hook
+
+    def abort(self, error: ServerError) -> None:
+        """End the stream with ``error`` now (server shutdown) and cancel the backend's work."""
+        self.request.cancellation.cancel()
+        self.send_error(error)
+
+
+class GenerationStream(DeltaStream):
+    """The typed deltas of one LLM generation (:meth:`DataPlane.generate`; ``request.response_sender`` is this
+    stream). What :class:`InferenceStream` records is recorded here once, at the end (statistics, tracing, the
+    model's requests in flight), in one call."""
+
+    __slots__ = ("_dataplane", "runtime", "_running", "_compute_ns")
+
+    def __init__(self, dataplane: "DataPlane", runtime: ModelRuntime, request: InferenceRequest,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(request, loop)
+        self._dataplane = dataplane
+        self.runtime = runtime
+        self._running: dict | None = None  # the scheduler's running tasks, where the generation task is one
+        self._compute_ns = -1  # the generation task's time, start to end (-1: still running)
 
     def _end(self) -> None:
         """The backend has ended the request and the reader has taken everything: record it (one call)."""
@@ -313,7 +344,6 @@ class GenerationStream:
         _request_finished(runtime)
         error = self._error
         first = self._first_ns - arrival if self._first_ns else now - arrival  # (no delta: the end is the first)
-        self._first = False
         runtime.stats.record_generation(now - arrival, first, self._compute_ns,
                                         None if error is None else _FAILURE_REASON.get(error.status, "BACKEND"))
         self._compute_ns = -1  # recorded
@@ -359,19 +389,6 @@ class GenerationStream:
         elif (exc := task.exception()) is not None:
             log.error("model '%s': request generation failed", self.runtime.name, exc_info=exc)
             self.send_error(InternalError(f"model '{self.runtime.name}' failed to run the request"))
-
-    async def aclose(self) -> None:
-        self.cancel()
-
-    def on_error(self, hook) -> None:
-        """As :meth:`InferenceStream.on_error`: ``hook(error)`` once, when the backend ends the request with an
-        error, before the reader takes it."""
-        self._on_error = hook
-
-    def abort(self, error: ServerError) -> None:
-        """End the stream with ``error`` now (server shutdown) and cancel the backend's work."""
-        self.request.cancellation.cancel()
-        self.send_error(error)
 
 
 class _Generating:

@@ -24,13 +24,12 @@ its own requests in the engine, so a request at its deadline without a first tok
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import time
 from typing import TYPE_CHECKING
 
+from ..dataplane import DeltaStream
 from ..errors import InternalError, ServerError, Status, Unavailable
-from ..generation import GenerationDelta
 from ..stats import ModelStats
 from ..types import InferenceRequest
 
@@ -144,95 +143,21 @@ def add_llm_increments(metrics, labels: tuple[str, str], increments: dict[str, l
 _FAILURE_REASON = {Status.CANCELLED: "CANCELED", Status.UNAVAILABLE: "REJECTED"}
 
 
-class WorkerGenerationStream:
-    """One typed generation run on the worker's engine client: the Generator's sender (``send_delta``, ``send``,
-    ``send_error``) and the frontend's reader (the deltas; closing it early cancels the request, which aborts it in
-    the engine through this worker's client), as the core's ``GenerationStream`` is; statistics go to the worker's
-    own counters of the version, the generation's end to the core's count in flight."""
+class WorkerGenerationStream(DeltaStream):
+    """One typed generation run on the worker's engine client: the Generator's sender and the frontend's reader
+    (closing it early cancels the request, which aborts it in the engine through this worker's client) are the
+    core's (:class:`~tideserve.dataplane.DeltaStream`); what is recorded at the end is this worker's: statistics go
+    to its own counters of the version, the generation's end to the core's count in flight."""
 
-    __slots__ = ("_client", "_closed", "_done", "_error", "_first_ns", "_items", "_on_error", "_waiter", "request")
+    __slots__ = ("_client",)
 
     def __init__(self, client: _Client, request: InferenceRequest) -> None:
+        super().__init__(request, asyncio.get_running_loop())
         self._client = client
-        self.request = request
-        self._items: collections.deque[GenerationDelta] = collections.deque()
-        self._waiter: asyncio.Future | None = None
-        self._closed = False  # the Generator has sent its last delta or its error
-        self._done = False  # the reader has seen the end (or closed the stream)
-        self._first_ns = 0
-        self._error: ServerError | None = None
-        self._on_error = None
 
     @property
     def runtime(self):
         return self._client.remote
-
-    # -- the Generator's side (on the worker's loop) ---------------------------------------------------------------
-    @property
-    def is_closed(self) -> bool:
-        return self._closed
-
-    def send_delta(self, delta: GenerationDelta | None, final: bool = False) -> None:
-        if self._closed:
-            return
-        if final:
-            self._closed = True
-        items = self._items
-        if delta is not None:
-            if items:  # not taken yet: the new delta joins it
-                items[-1].extend(delta)
-                if not final:
-                    return
-            else:
-                items.append(delta)
-        self._wake()
-
-    def send(self, response=None, final: bool = False) -> None:
-        if response is not None and response.error is not None:
-            self.send_error(response.error)
-            return
-        self.send_delta(response.generation if response is not None else None, final)
-
-    def send_error(self, error: ServerError) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._error = error
-        self._wake()
-        if self._on_error is not None:
-            hook, self._on_error = self._on_error, None
-            hook(error)
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None:
-            self._waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
-
-    # -- the reader's side -----------------------------------------------------------------------------------------
-    def __aiter__(self) -> WorkerGenerationStream:
-        return self
-
-    async def __anext__(self) -> GenerationDelta:
-        items = self._items
-        while not items:
-            if self._done:
-                raise StopAsyncIteration
-            if self._closed:
-                self._end()
-                if self._error is not None:
-                    raise self._error
-                raise StopAsyncIteration
-            waiter = self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await waiter
-            except asyncio.CancelledError:
-                self.cancel()
-                raise
-        if not self._first_ns:
-            self._first_ns = time.monotonic_ns()
-        return items.popleft()
 
     def _end(self) -> None:
         self._done = True
@@ -263,17 +188,6 @@ class WorkerGenerationStream:
             stats.record_first_response(self._first_ns - self.request.arrival_ns)
         stats.record_failure(now - self.request.arrival_ns, "CANCELED")
         self._client.finished()
-
-    async def aclose(self) -> None:
-        self.cancel()
-
-    def on_error(self, hook) -> None:
-        """``hook(error)`` once, when the Generator ends the request with an error, before the reader takes it."""
-        self._on_error = hook
-
-    def abort(self, error: ServerError) -> None:
-        self.request.cancellation.cancel()
-        self.send_error(error)
 
 
 class _NoClient(Exception):
