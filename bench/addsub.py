@@ -197,8 +197,20 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def perf_analyzer(protocol: str, port: int, concurrency: int, http_format: str, log: Path, server_pid: int) -> dict:
-    """One perf_analyzer run; ``protocol`` ``grpc-stream`` is gRPC with ``--streaming`` (ModelStreamInfer)."""
+def executions(http: int) -> tuple[int, int] | None:
+    """add_sub's (inference_count, execution_count) from the server's statistics (None where it cannot say)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/models/add_sub/stats", timeout=10) as r:
+            stats = json.loads(r.read())["model_stats"][0]
+        return int(stats["inference_count"]), int(stats["execution_count"])
+    except (OSError, ValueError, KeyError, IndexError):
+        return None
+
+
+def perf_analyzer(protocol: str, port: int, concurrency: int, http_format: str, log: Path, server_pid: int,
+                  http: int | None = None) -> dict:
+    """One perf_analyzer run; ``protocol`` ``grpc-stream`` is gRPC with ``--streaming`` (ModelStreamInfer).
+    With ``http`` (the server's HTTP port), also the requests per model execution over the run (its batching)."""
     cmd = [str(PEERS_HOME / "bin" / "perf_analyzer"), "-m", "add_sub", "-u", f"127.0.0.1:{port}",
            "-i", "grpc" if protocol == "grpc-stream" else protocol, "--concurrency-range", str(concurrency),
            "--measurement-mode", "time_windows", "-p", "2000", "-s", "25", "-r", "4", "-v"]
@@ -206,6 +218,7 @@ def perf_analyzer(protocol: str, port: int, concurrency: int, http_format: str, 
         cmd.append("--streaming")
     if protocol == "http" and http_format == "json":
         cmd += ["--input-tensor-format", "json", "--output-tensor-format", "json"]
+    counts_before = executions(http) if http else None
     cpu_before, started = tree_cpu_seconds(server_pid), time.monotonic()
     try:
         out, timed_out = subprocess.run(cmd, capture_output=True, text=True, timeout=300).stdout, False
@@ -217,6 +230,10 @@ def perf_analyzer(protocol: str, port: int, concurrency: int, http_format: str, 
     cpu = sum(roles.values())
     log.write_text(out)
     result = {"command": " ".join(cmd[1:]), "server_cpu_s": cpu, "cpu_s_by_role": roles, "wall_s": wall}
+    counts_after = executions(http) if counts_before else None
+    if counts_before and counts_after and counts_after[1] > counts_before[1]:
+        result["requests_per_execution"] = round((counts_after[0] - counts_before[0])
+                                                 / (counts_after[1] - counts_before[1]), 2)
     if timed_out:
         result["timed_out"] = True
     if not timed_out and (m := re.search(r"Throughput: ([\d.]+) infer/sec", out)):
@@ -279,11 +296,13 @@ def main() -> None:
                     for kind, (proc, http, grpc) in servers.items():
                         port = http if protocol == "http" else grpc
                         r = perf_analyzer(protocol, port, c, args.http_format,
-                                          work / f"pa-{kind.replace(':', '-').replace('@', '-').replace('/', '_')}-{protocol}-{c}-{round_}.txt", proc.pid)
+                                          work / f"pa-{kind.replace(':', '-').replace('@', '-').replace('/', '_')}-{protocol}-{c}-{round_}.txt", proc.pid,
+                                          http)
                         results["all"].setdefault(f"{kind}/{protocol}/{c}", []).append(r)
                         print(f"round {round_ + 1} {kind:13s} {protocol:11s} c={c:<3d} {r['infer_per_s']:9.0f} infer/s "
                               f"p50 {r.get('p50_ms', float('nan')):.2f} ms p99 {r.get('p99_ms', float('nan')):.2f} ms "
                               f"CPU {r.get('cpu_us_per_request', float('nan')):.0f} us/req "
+                              f"{r.get('requests_per_execution', float('nan')):.2f} req/exec "
                               f"{r.get('cpu_us_per_request_by_role', {})}"
                               + ("" if r["stable"] else "  (unstable)") + ("  (timed out)" if r.get("timed_out") else ""),
                               flush=True)
