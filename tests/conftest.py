@@ -58,16 +58,26 @@ def example_server(tmp_path_factory) -> RunningServer:
 @pytest.fixture(scope="session")
 def vllm_server(tmp_path_factory, tiny_model) -> RunningServer:
     """One vLLM engine for the session, shared by every module that needs these engine arguments (tiny Llama,
-    float32, ``max_model_len`` 512, eager): ``vllm_model``, and ``vllm_bad_path`` whose engine fails to start.
+    float32, ``max_model_len`` 512, eager, JSON without free whitespace): ``vllm_model``, and ``vllm_bad_path``
+    whose engine fails to start.
     The server starts with no model (explicit mode); both models then load through the repository API while a
     probe times the health endpoint (``health_latencies``; ``load_errors``: the loads' errors by model): the
     engine starts off the event loop."""
-    from llm_fixtures import VLLM_BAD_MODEL, VLLM_MAX_MODEL_LEN, VLLM_MODEL, load_model, vllm_env, write_vllm_model
+    from llm_fixtures import (
+        COMPACT_JSON_ENGINE,
+        VLLM_BAD_MODEL,
+        VLLM_MAX_MODEL_LEN,
+        VLLM_MODEL,
+        load_model,
+        vllm_env,
+        write_vllm_model,
+    )
 
     tmp = tmp_path_factory.mktemp("vllm_server")
     repository = tmp / "models"
     write_vllm_model(repository, VLLM_MODEL, {"model": str(tiny_model), "dtype": "float32",
-                                              "max_model_len": VLLM_MAX_MODEL_LEN, "enforce_eager": True})
+                                              "max_model_len": VLLM_MAX_MODEL_LEN, "enforce_eager": True,
+                                              **COMPACT_JSON_ENGINE})
     write_vllm_model(repository, VLLM_BAD_MODEL, {"model": "./no_such_weights", "enforce_eager": True})
     server = start_server([repository], "--log-verbose", "1", "--model-control-mode", "explicit",
                           "--allowed-model-root", str(tiny_model),

@@ -11,10 +11,13 @@ from pathlib import Path
 import numpy as np
 
 # the models of the session's vLLM server (``vllm_server`` in tests/conftest.py: one engine shared by
-# tests/e2e/test_vllm.py, test_vllm_generate_typed.py and test_bench_tool.py)
+# tests/e2e/test_vllm.py, test_vllm_generate_typed.py, test_bench_tool.py and test_openai.py)
 VLLM_MODEL = "vllm_model"
 VLLM_BAD_MODEL = "vllm_bad_path"  # its engine fails to start
 VLLM_MAX_MODEL_LEN = 512
+# A random model loops on whitespace inside JSON (tests/e2e/test_openai.py's structured outputs); vLLM 0.32 takes
+# this as an engine argument only.
+COMPACT_JSON_ENGINE = {"structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}}
 
 
 def vllm_env(tmp_dir: Path) -> dict[str, str]:
@@ -52,6 +55,23 @@ def load_model(server, name: str) -> None:
             pass
     except urllib.error.HTTPError as exc:
         server.load_errors[name] = (exc.code, json.loads(exc.read())["error"])
+
+
+def wait_engine_idle(server, model: str = VLLM_MODEL, timeout: float = 60) -> None:
+    """Wait until ``model``'s engine runs and queues nothing (a module sharing the session's engine starts where
+    a module with an engine of its own would: no request of an earlier module still in a batch)."""
+    import time
+
+    labels = {"model_name": model, "version": "1"}
+    deadline = time.monotonic() + timeout
+    while True:
+        text = server.metrics()
+        busy = sum(metric_value(text, f"tideserve:num_requests_{state}", **labels) or 0.0
+                   for state in ("running", "waiting"))
+        if not busy:
+            return
+        assert time.monotonic() < deadline, f"the engine of {model} still runs {busy} requests"
+        time.sleep(0.1)
 
 
 # A sitecustomize module (imported at the server's start-up through PYTHONPATH) that makes vLLM's

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from llm_fixtures import VLLM_MODEL, metric_value
+from llm_fixtures import VLLM_MODEL, metric_value, wait_engine_idle
 from tideserve.bench.tideserve_bench import plots
 from tideserve.bench.tideserve_bench.workload import LengthDist, SyntheticWorkload, Tokenizer
 
@@ -28,6 +28,7 @@ MODEL = VLLM_MODEL
 def llm_server(vllm_server):
     """The session's vLLM server (``vllm_server`` in tests/conftest.py): the same engine arguments (tiny Llama,
     float32, ``max_model_len`` 512, eager) as tests/e2e/test_vllm.py's, one engine for both."""
+    wait_engine_idle(vllm_server)
     return vllm_server
 
 

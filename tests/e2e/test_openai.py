@@ -14,22 +14,19 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from support import start_server
-from llm_fixtures import metric_value, vllm_env, write_vllm_model
+from llm_fixtures import VLLM_MAX_MODEL_LEN, VLLM_MODEL, metric_value, wait_engine_idle
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(600),  # the first test also waits for the engine: minutes on a busy 2-core machine
 ]
 
-MODEL = "llm"
-MAX_MODEL_LEN = 512
+MODEL = VLLM_MODEL
+MAX_MODEL_LEN = VLLM_MAX_MODEL_LEN
 PROMPT = "The quick brown fox"
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a color."}]
 GREEDY = {"temperature": 0}
 IGNORE_EOS = {"extra_body": {"ignore_eos": True}}
-# A random model loops on whitespace inside JSON; vLLM 0.32 takes this as an engine argument only.
-COMPACT_JSON_ENGINE = {"structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}}
 SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
           "required": ["color", "ok"], "additionalProperties": False}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
@@ -49,15 +46,11 @@ def tokenizer(tiny_model):
 
 
 @pytest.fixture(scope="module")
-def llm_server(tmp_path_factory, tiny_model):
-    tmp = tmp_path_factory.mktemp("openai_vllm")
-    write_vllm_model(tmp / "models", MODEL, {"model": str(tiny_model), "dtype": "float32",
-                                             "max_model_len": MAX_MODEL_LEN, "enforce_eager": True,
-                                             **COMPACT_JSON_ENGINE})
-    server = start_server([tmp / "models"], "--log-verbose", "1", "--allowed-model-root", str(tiny_model),
-                          tmp_dir=tmp, env=vllm_env(tmp), ready_timeout=540)
-    yield server
-    server.stop()
+def llm_server(vllm_server):
+    """The session's vLLM server (``vllm_server`` in tests/conftest.py: tiny Llama, float32, ``max_model_len``
+    512, eager, JSON without free whitespace, ``--log-verbose 1``), shared with tests/e2e/test_vllm.py."""
+    wait_engine_idle(vllm_server)
+    return vllm_server
 
 
 @pytest.fixture(scope="module")

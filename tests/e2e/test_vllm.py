@@ -26,6 +26,7 @@ from llm_fixtures import (
     llm_inputs,
     load_model,
     metric_value,
+    wait_engine_idle,
 )
 
 pytestmark = [
@@ -41,11 +42,12 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
 # -- fixtures -----------------------------------------------------------------------------------
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def llm_server(vllm_server):
     """The session's vLLM server (``vllm_server`` in tests/conftest.py, shared with other modules): it starts
     with no model (explicit mode); both models then load through the repository API while a probe times the
     health endpoint: the engine starts off the event loop."""
+    wait_engine_idle(vllm_server)
     return vllm_server
 
 

@@ -14,7 +14,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from llm_fixtures import VLLM_MODEL
+from llm_fixtures import VLLM_MODEL, wait_engine_idle
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -27,6 +27,7 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 def llm_server(vllm_server):
     """The session's vLLM server (``vllm_server`` in tests/conftest.py): the same engine arguments as
     tests/e2e/test_vllm.py's (tiny Llama, float32, ``max_model_len`` 512, eager), one engine for both."""
+    wait_engine_idle(vllm_server)
     return vllm_server
 
 
