@@ -73,8 +73,9 @@ def _report(capsys, text: str) -> None:
 
 
 def test_schemathesis_finds_no_server_error(toy_server, tmp_path, capsys):
-    """Examples, coverage and fuzzing phases over every operation (~30-40 s on two cores)."""
-    result = fuzz_api.run(toy_server.base_url, tmp_path / "schemathesis", max_examples=40, seed=1, workers=1,
+    """Examples, coverage and fuzzing phases over every operation (~25 s on two cores; 20 examples per operation
+    and phase: 5,566 requests, 40 made 6,566 in twice the time, docs/reliability.md)."""
+    result = fuzz_api.run(toy_server.base_url, tmp_path / "schemathesis", max_examples=20, seed=1, workers=1,
                           timeout=240)
     _report(capsys, result.summary())
     assert result.requests >= 1000, result.output[-3000:]
