@@ -7,7 +7,6 @@ import asyncio
 import threading
 
 import pytest
-
 from tideserve.dataplane import DeltaStream, GenerationStream
 from tideserve.errors import InternalError
 from tideserve.generation import GenerationDelta
