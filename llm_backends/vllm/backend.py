@@ -96,6 +96,7 @@ class VllmModel(Model):
         self._engine_info: EngineInfo | None = None
         self._kv_endpoints: list = []  # the KV-event endpoints this version's engine holds (config.KV_EVENT_ENDPOINTS)
         self._engine_clients: bytes | None = None  # where frontend workers reach the engine (EngineInfo.engine_clients)
+        self.vllm_registry: CollectorRegistry | None = None  # where the engine's vllm:* families are written
 
     def auto_complete_config(self) -> None:
         vllm_config.auto_complete(self.config)
@@ -250,7 +251,7 @@ class VllmModel(Model):
         # vLLM's own stat logger always runs (tideserve:* reads the same statistics); REPORT_CUSTOM_METRICS
         # "false", disable_log_stats (or a server without metrics) gives it a registry no scrape reads
         families = self.engine_families if vllm_config.exports_engine_families(self.options, kwargs) else None
-        registry = CollectorRegistry(auto_describe=False)
+        registry = self.vllm_registry = CollectorRegistry(auto_describe=False)  # (workers' increments: engines.py)
         if families is not None:  # the scrape sees the engine's families with model_name on every sample
             served = kwargs["served_model_name"]
             label = served if isinstance(served, str) else (list(served) or [self.ctx.name])[0]

@@ -11,7 +11,9 @@ GenerationRequest -> SamplingParams -> the engine -> GenerationDelta, with no ho
 What the core keeps: the worker tells it, in one :class:`~.protocol.WorkerGenerations` message per loop turn and
 version, how many generations it started and finished and its statistics counters for the version; the core
 counts the first two as the version's requests in flight (a drain or an unload waits for them) and adds the
-counters to the version's statistics (``ModelStats.remote``, as for the direct path's instance processes). A
+counters to the version's statistics (``ModelStats.remote``, as for the direct path's instance processes), and
+the increments of its ``tideserve:*`` LLM metrics and of its client's ``vllm:*`` families to the model's
+(:func:`engine_values`: vLLM's families count every client's requests, as with ``--api-server-count``). A
 worker that goes away has its unfinished generations counted as finished (the engine core then finishes or drops
 what it was generating for it: its outputs go to a client no longer there). The worker closes its client once the
 version leaves its snapshot (unloading) and its own generations there have ended.
@@ -83,6 +85,8 @@ class CoreCounts:
         model = runtime.model
         if message.llm and getattr(model, "metrics", None) is not None:
             add_llm_increments(model.metrics, (runtime.name, str(runtime.version)), message.llm)
+        if message.engine and (registry := getattr(model, "vllm_registry", None)) is not None:
+            add_engine_increments(registry, message.engine)
         if message.state is not None and callable(getattr(model, "engine_state", None)):
             from tideserve.llm_backends.vllm.engine import EngineState
 
@@ -137,6 +141,89 @@ def add_llm_increments(metrics, labels: tuple[str, str], increments: dict[str, l
                 bucket.inc(value)
         if values[-1]:
             child._sum.inc(values[-1])
+
+
+# The engine's own vllm:* families (vLLM's PrometheusStatLogger in each client; llm_backends/vllm/prometheus.py).
+# Each client's logger counts what its outputs carry: the iteration stats of its own requests (tokens, successes,
+# the latency histograms), and the scheduler stats of the steps the engine core sent to it (the engine sends each
+# step's scheduler stats to one client only: the prefix-cache counters are split between the clients, never
+# repeated). So the counters and histograms of all clients add up to the engine's; a worker sends the core the
+# increments of its registry. The gauges (running, waiting, KV cache usage) are the engine's one value: the core
+# takes a worker's as they stand after a step whose scheduler stats came to that worker (the most recent one).
+_OWN_GAUGES = frozenset({"vllm:engine_sleep_state", "vllm:cache_config_info", "vllm:lora_requests_info"})
+
+
+def _children(metric):
+    """(label values, child) of each child of a prometheus_client metric (the metric itself when unlabelled)."""
+    if not metric._labelnames:
+        return [((), metric)]
+    with metric._lock:
+        return list(metric._metrics.items())
+
+
+def engine_values(registry, counters: bool = True, gauges: bool = True) -> dict[tuple, list[float]]:
+    """The values of a vllm:* registry by (family, label values): with ``counters``, a counter's value, a
+    histogram's bucket counts (not cumulative) and sum; with ``gauges``, a gauge's value (those the scheduler's
+    stats set) under ``("gauge", family, label values)``."""
+    out: dict[tuple, list[float]] = {}
+    for metric in list(registry._collector_to_names):
+        kind = getattr(metric, "_type", None)
+        name = getattr(metric, "_name", None)
+        if not counters and kind != "gauge":
+            continue
+        if kind == "counter":
+            for labels, child in _children(metric):
+                out[(name, labels)] = [child._value.get()]
+        elif kind == "histogram":
+            for labels, child in _children(metric):
+                out[(name, labels)] = [bucket.get() for bucket in child._buckets] + [child._sum.get()]
+        elif kind == "gauge" and gauges and name not in _OWN_GAUGES:
+            for labels, child in _children(metric):
+                out[("gauge", name, labels)] = [child._value.get()]
+    return out
+
+
+def engine_increments(now: dict[tuple, list[float]], sent: dict[tuple, list[float]]) -> list:
+    """What to send of :func:`engine_values` ``now`` after ``sent``: counters' and histograms' increments (those
+    not zero), gauges' values; as the message's ``[family, label values, values]`` entries."""
+    out = []
+    for key, values in now.items():
+        if key[0] == "gauge":
+            out.append((key[1], list(key[2]), values))
+            continue
+        before = sent.get(key)
+        diff = values if before is None else [a - b for a, b in zip(values, before)]
+        if any(diff):
+            out.append((key[0], list(key[1]), diff))
+    return out
+
+
+def add_engine_increments(registry, entries) -> None:
+    """Add a worker's :func:`engine_increments` to the core's vllm:* registry (gauges: set)."""
+    metrics = {getattr(metric, "_name", None): metric for metric in list(registry._collector_to_names)}
+    for name, labels, values in entries:
+        metric = metrics.get(name)
+        if metric is None:
+            continue
+        try:
+            child = metric.labels(*labels) if metric._labelnames else metric
+        except ValueError:  # (another label set than this engine's)
+            continue
+        kind = metric._type
+        if kind == "gauge":
+            child.set(values[0])
+        elif kind == "counter":
+            if values[0] > 0:
+                child.inc(values[0])
+        elif kind == "histogram" and len(values) == len(child._buckets) + 1:
+            for bucket, value in zip(child._buckets, values):
+                if value > 0:
+                    bucket.inc(value)
+            if values[-1]:
+                child._sum.inc(values[-1])
+
+
+ENGINE_VALUES_EVERY_S = 0.5  # a worker reads its vllm:* registry at a generation's end, else at most this often
 
 
 # -- the worker's side --------------------------------------------------------------------------------------------
@@ -205,6 +292,9 @@ class _Client:
         self.stats = ModelStats(runtime.name, str(runtime.version))
         self.metrics = None  # the Generator's LLMMetrics (a registry of its own; increments go to the core)
         self._sent: dict[str, list[float]] = {}  # the LLM metrics' values at the last message
+        self.vllm_registry = None  # the vllm:* families of this client's PrometheusStatLogger (increments go to the core)
+        self._engine_sent: dict[tuple, list[float]] = {}  # their values at the last message that carried them
+        self._engine_read = 0.0  # when (monotonic) they were last read
         self.state = None  # the engine's scheduler state after a step whose stats came to this client, not yet sent
         self.blob = blob
         self.engine = None
@@ -265,8 +355,8 @@ class _Client:
         from tideserve.llm_backends.vllm.prometheus import prometheus_logger
 
         # the engine sends each step's scheduler stats to one client: those that come here go to the core
-        loggers = [lambda _config, _index=0: _StateLogger(self._state),
-                   prometheus_logger(CollectorRegistry(auto_describe=False))]  # (vllm:* families: the core's)
+        registry = CollectorRegistry(auto_describe=False)  # (their increments go to the core's: engine_increments)
+        loggers = [lambda _config, _index=0: _StateLogger(self._state), prometheus_logger(registry)]
         engine = AsyncLLM.from_vllm_config(
             spec["config"], stat_loggers=loggers,
             client_addresses={"input_address": spec["inputs"][index - 1], "output_address": spec["outputs"][index - 1]},
@@ -280,6 +370,7 @@ class _Client:
             generator = Generator(engine, self.name, str(self.remote.version), self.metrics,
                                   dtypes, max_queue_delay_ms=options.max_queue_delay_ms)
             generator.order.enabled = False  # this worker sees only its own requests (see the module docstring)
+            self.vllm_registry = registry
         except BaseException:
             engine.shutdown()
             raise
@@ -333,6 +424,24 @@ class _Client:
             diff = values if before is None else [a - b for a, b in zip(values, before)]
             if any(diff):
                 out[name] = diff
+        return out or None
+
+    def engine_increments(self, ended: bool, state: bool) -> list | None:
+        """The vllm:* families' increments since they were last sent (with the gauges where ``state``: this
+        client's logger has just set them from a step's scheduler stats), read when a generation ended
+        (``ended``) or ``ENGINE_VALUES_EVERY_S`` after the last read; None: nothing to send."""
+        registry = self.vllm_registry
+        if registry is None:
+            return None
+        now = time.monotonic()
+        if not ended and now - self._engine_read < ENGINE_VALUES_EVERY_S:
+            if not state:
+                return None
+            return engine_increments(engine_values(registry, counters=False), {}) or None
+        self._engine_read = now
+        values = engine_values(registry, gauges=state)
+        out = engine_increments(values, self._engine_sent)
+        self._engine_sent = {k: v for k, v in values.items() if k[0] != "gauge"}
         return out or None
 
     def finished(self) -> None:
@@ -441,14 +550,15 @@ class EngineClients:
             stats = self.stats.get(uid)
             counters = stats.export() if stats is not None else None
             client = self.clients.get(uid)
-            llm = state = None
+            llm = state = engine = None
             if client is not None:
                 llm = client.llm_increments()
                 if client.state is not None:
                     found, client.state = client.state, None
                     state = [found.running, found.waiting, found.kv_cache_usage]
+                engine = client.engine_increments(finished > 0, state is not None)
             try:
-                self.plane.link.send(WorkerGenerations(uid, started, finished, counters, llm, state))
+                self.plane.link.send(WorkerGenerations(uid, started, finished, counters, llm, state, engine))
             except ServerError:  # the core is gone
                 return
 

@@ -83,6 +83,66 @@ def test_streams_through_both_workers_match_the_core(llm_server):
     assert _success_count(llm_server) == before + 1 + 16
 
 
+def _metric_sums(url: str) -> dict[str, float]:
+    """Each sample name's sum over the model's samples (all label sets) of a /metrics scrape; the gauges'
+    sample counts under ``("count", name)``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url, timeout=30).text
+    sums: dict = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.labels.get("model_name") != MODEL:
+                continue
+            sums[sample.name] = sums.get(sample.name, 0) + sample.value
+            if family.type == "gauge":
+                sums[("count", sample.name)] = sums.get(("count", sample.name), 0) + 1
+    return sums
+
+
+def test_vllm_families_count_the_requests_of_every_client(llm_server):
+    """vLLM's own vllm:* families on /metrics (metrics port and HTTP port) count the generations the workers ran on
+    their engine clients too, each once, and the engine's gauges stay one value."""
+    urls = [f"http://127.0.0.1:{llm_server.metrics_port}/metrics", f"{llm_server.base_url}/metrics"]
+    counted = ("vllm:request_success_total", "vllm:generation_tokens_total", "vllm:e2e_request_latency_seconds_count",
+               "vllm:time_to_first_token_seconds_count", "vllm:request_generation_tokens_sum",
+               "tideserve:request_success_total", "tideserve:generation_tokens_total")
+    before = _metric_sums(urls[0])
+    runs_before = re.findall(r"runs on this worker's engine client (\d)", llm_server.log())
+    _core_text(llm_server, 7)  # on the core's own client
+    requests, tokens = 1, 7
+    for i in range(6):  # a new connection each time: the workers take turns
+        with openai.OpenAI(base_url=f"{llm_server.base_url}/v1", api_key="unused", max_retries=0, timeout=120) as c:
+            if i % 2:
+                chunks = list(c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0,
+                                                   stream=True, extra_body={"ignore_eos": True}))
+                assert chunks
+            else:
+                reply = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0,
+                                             extra_body={"ignore_eos": True})
+                assert reply.usage.completion_tokens == 5
+        requests, tokens = requests + 1, tokens + 5
+    runs = re.findall(r"runs on this worker's engine client (\d)", llm_server.log())[len(runs_before):]
+    assert set(runs) == {"1", "2"}, runs  # both workers ran some on their own clients
+    expected = {"vllm:request_success_total": requests, "vllm:generation_tokens_total": tokens,
+                "vllm:e2e_request_latency_seconds_count": requests, "vllm:time_to_first_token_seconds_count": requests,
+                "vllm:request_generation_tokens_sum": tokens, "tideserve:request_success_total": requests,
+                "tideserve:generation_tokens_total": tokens}
+    for url in urls:
+        deadline = time.monotonic() + 20  # the workers' increments come with their next message to the core
+        while True:
+            after = _metric_sums(url)
+            moved = {name: after.get(name, 0) - before.get(name, 0) for name in counted}
+            if moved == expected or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert moved == expected, (url, moved)
+        # the engine's gauges: one sample each for the model, the idle engine's
+        for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+            assert after.get(("count", gauge)) == 1, (gauge, after.get(("count", gauge)))
+        assert after["vllm:num_requests_running"] == 0 and after["vllm:num_requests_waiting"] == 0
+
+
 def test_generate_extension_on_a_worker_client(llm_server):
     expected = _core_text(llm_server, 6)
     body = {"text_input": PROMPT, "parameters": {"max_tokens": 6, "temperature": 0, "ignore_eos": True,

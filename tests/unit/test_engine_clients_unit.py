@@ -168,3 +168,79 @@ def test_the_exit_timeout_ends_the_generations_running_on_the_workers_clients():
 
     request, texts = asyncio.run(run())
     assert texts == ["a"] and request.cancellation.is_cancelled()
+
+
+def _engine_registry():
+    """A registry with families shaped as vLLM's PrometheusStatLogger makes them (labels model_name, engine)."""
+    from prometheus_client import Counter, Gauge, Histogram
+
+    registry = CollectorRegistry(auto_describe=False)
+    labels = ["model_name", "engine"]
+    families = {
+        "success": Counter("vllm:request_success", "successes", labels + ["finished_reason"], registry=registry),
+        "tokens": Counter("vllm:generation_tokens", "tokens", labels, registry=registry),
+        "ttft": Histogram("vllm:time_to_first_token_seconds", "ttft", labels, buckets=[0.1, 1.0], registry=registry),
+        "running": Gauge("vllm:num_requests_running", "running", labels, registry=registry),
+        "sleep": Gauge("vllm:engine_sleep_state", "sleep", labels + ["sleep_state"], registry=registry),
+    }
+    return registry, families
+
+
+def _samples(registry) -> dict[tuple, float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for family in registry.collect()
+            for s in family.samples if not s.name.endswith("_created")}
+
+
+def test_vllm_families_of_the_workers_clients_add_up_in_the_core():
+    """Each client's vLLM stat logger counts its own requests: the core adds a worker's counter and histogram
+    increments to its own (once each, whatever the number of messages) and takes the worker's gauges as set."""
+    from tideserve.workers.engines import add_engine_increments, engine_increments, engine_values
+
+    core, core_m = _engine_registry()
+    worker, worker_m = _engine_registry()
+    reference, ref_m = _engine_registry()  # one registry that saw every request
+    for families in (core_m, ref_m):  # a request on the core's own client
+        families["success"].labels("llm", "0", "length").inc()
+        families["tokens"].labels("llm", "0").inc(12)
+        families["ttft"].labels("llm", "0").observe(0.05)
+    core_m["running"].labels("llm", "0").set(3)
+    core_m["sleep"].labels("llm", "0", "awake").set(1)
+    sent: dict = {}
+    for round_ in range(3):  # three requests on the worker's client, a message after each
+        for families in (worker_m, ref_m):
+            families["success"].labels("llm", "0", "length").inc()
+            families["tokens"].labels("llm", "0").inc(10)
+            families["ttft"].labels("llm", "0").observe(0.5 * (round_ + 1))
+        worker_m["running"].labels("llm", "0").set(round_)
+        values = engine_values(worker)
+        entries = engine_increments(values, sent)
+        sent = {k: v for k, v in values.items() if k[0] != "gauge"}
+        add_engine_increments(core, entries)
+    ref_m["running"].labels("llm", "0").set(2)
+    ref_m["sleep"].labels("llm", "0", "awake").set(1)  # the core's own gauge: a worker's does not overwrite it
+    assert _samples(core) == _samples(reference)
+    got = _samples(core)
+    assert got[("vllm:request_success_total", (("engine", "0"), ("finished_reason", "length"),
+                                               ("model_name", "llm")))] == 4
+    assert got[("vllm:generation_tokens_total", (("engine", "0"), ("model_name", "llm")))] == 42
+    assert got[("vllm:time_to_first_token_seconds_count", (("engine", "0"), ("model_name", "llm")))] == 4
+    assert got[("vllm:num_requests_running", (("engine", "0"), ("model_name", "llm")))] == 2
+    # nothing new: nothing but the gauges to send; without gauges, nothing at all
+    values = engine_values(worker, gauges=False)
+    assert engine_increments(values, sent) == []
+    assert [entry[0] for entry in engine_increments(engine_values(worker, counters=False), sent)] == [
+        "vllm:num_requests_running"]
+
+
+def test_vllm_increments_travel_in_the_worker_message():
+    from tideserve.workers import protocol
+    from tideserve.workers.engines import engine_increments, engine_values
+
+    worker, families = _engine_registry()
+    families["tokens"].labels("llm", "0").inc(5)
+    entries = engine_increments(engine_values(worker, gauges=False), {})
+    message = WorkerGenerations(7, 1, 1, None, None, None, entries)
+    import msgspec
+
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(message), type=protocol.ToCore)
+    assert decoded.engine == [("vllm:generation_tokens", ["llm", "0"], [5.0])]
