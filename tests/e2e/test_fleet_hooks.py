@@ -51,11 +51,9 @@ PROTOCOL_METRICS = {
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    from tideserve.bench.examples.tiny_llama import make_model
-
+def fleet(tmp_path_factory, tiny_model):
     tmp = tmp_path_factory.mktemp("fleet")
-    tiny = make_model(tmp / "tiny_llama", "tiny")
+    tiny = tiny_model  # the session's (made once)
     events_port, replay_port = free_port(), free_port()
     kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events_port}",
                  "replay_endpoint": f"tcp://*:{replay_port}", "topic": TOPIC}
