@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import shutil
 import signal
-from dataclasses import dataclass, field
+import tempfile
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import uvicorn
@@ -25,7 +27,7 @@ from .limits import TensorLimits
 from .openai.limits import OpenAILimits
 from .openai.llm import OutputParsers
 from .openai.responses.mcp import McpSettings
-from .openai.responses.store import StoreSettings
+from .openai.responses.store import MEMORY, StoreSettings
 from .repository import ControlMode, ModelRepository
 from .schedulers.rate_limiter import RateLimiter, ResourceLimit
 from .serving import ServingInterface
@@ -199,6 +201,13 @@ class Frontends:
 
 class Server:
     def __init__(self, options: ServerOptions, backends: BackendRegistry | None = None) -> None:
+        self._store_dir: str | None = None
+        if options.frontend_workers > 1 and options.response_store.path == MEMORY:
+            # ':memory:' lives in one process; the frontend workers share a file instead, gone when the server stops
+            # (the same lifetime: a stored response is found by whichever worker a GET reaches)
+            self._store_dir = tempfile.mkdtemp(prefix="tideserve-responses-")
+            options = replace(options, response_store=replace(
+                options.response_store, path=str(Path(self._store_dir) / "responses.sqlite3")))
         self.options = options
         cpu = options.allow_metrics and options.allow_cpu_metrics and CpuMetrics.available()
         self.metrics = Metrics(CpuMetrics(options.metrics_interval_ms / 1000) if cpu else None)
@@ -286,6 +295,8 @@ class Server:
         await self.frontends.stop()
         await asyncio.gather(*self._background, return_exceptions=True)
         await asyncio.get_running_loop().run_in_executor(None, self.dataplane.tracer.shutdown)
+        if self._store_dir is not None:
+            shutil.rmtree(self._store_dir, ignore_errors=True)
 
     async def run(self) -> None:
         """Start, serve until SIGINT / SIGTERM, then stop gracefully."""

@@ -144,7 +144,7 @@ def _add_response_store_flags(p: argparse.ArgumentParser) -> None:
     """Where /v1/responses keeps stored responses (docs/openai.md, "Responses API")."""
     p.add_argument("--response-store", default=None, metavar="PATH",
                    help="SQLite file of the responses /v1/responses stores (store: true), kept across restarts; "
-                        "':memory:' keeps them in the process only (default: $XDG_CACHE_HOME/tideserve/"
+                        "':memory:' keeps them until the server stops (default: $XDG_CACHE_HOME/tideserve/"
                         "responses.sqlite3, else ~/.cache/tideserve/responses.sqlite3)")
     p.add_argument("--response-store-max-age-secs", type=lambda text: _seconds(text) if text.strip() != "0" else 0.0,
                    default=DEFAULT_STORE_AGE, help="stored responses older than this are deleted, 0: never "

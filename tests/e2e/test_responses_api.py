@@ -407,3 +407,26 @@ def test_agents_sdk_runs_a_function_tool(server):
     result = agents.Runner.run_sync(agent, script, run_config=agents.RunConfig(tracing_disabled=True))
     assert calls == ["Paris"]
     assert result.final_output == "Sunny in Paris"  # the tool's answer reached the model's context
+
+
+def test_memory_store_is_shared_by_frontend_workers(repository, tmp_path_factory):
+    """``--response-store :memory:`` with frontend workers: a stored response is found by whichever worker a GET
+    reaches (a temporary file the workers share), and the file is gone once the server stops."""
+    tmp = tmp_path_factory.mktemp("responses_memory_workers")
+    store_tmp = tmp / "tmp"
+    store_tmp.mkdir()
+    running = start_server([repository], "--response-store", ":memory:", "--frontend-workers", "2",
+                           tmp_dir=tmp, env={"TMPDIR": str(store_tmp)})
+    try:
+        url = f"{running.base_url}/v1/responses"
+        answer = httpx.post(url, json={"model": "agent", "input": "remember me"}, timeout=30)
+        assert answer.status_code == 200, answer.text
+        response_id = answer.json()["id"]
+        assert [p.name for p in store_tmp.iterdir() if p.name.startswith("tideserve-responses-")]
+        for _ in range(12):  # a new connection each: the kernel spreads them over both workers
+            got = httpx.get(f"{url}/{response_id}", timeout=30)
+            assert got.status_code == 200, got.text
+            assert got.json()["output"][0]["content"][0]["text"] == "remember me"
+    finally:
+        running.stop()
+    assert not [p.name for p in store_tmp.iterdir() if p.name.startswith("tideserve-responses-")]

@@ -4,8 +4,8 @@ One row per stored response: the response object as the API answers it, the requ
 ``GET /v1/responses/{id}/input_items``), the conversation it continued from (chat messages, for
 ``previous_response_id``) and, while a background response runs, the process that runs it. The file
 outlives the server, so a conversation continues after a restart, and several frontend worker processes
-share it (SQLite's own locking; WAL journal). ``:memory:`` keeps the store in the process (lost at exit,
-not shared between workers).
+share it (SQLite's own locking; WAL journal). ``:memory:`` keeps the store in the process (lost at exit;
+with frontend workers the server passes them a temporary file instead, ``server/app.py``).
 
 Limits: rows older than ``max_age_s`` and, past ``max_bytes``, the oldest rows are deleted as new ones
 are written. Every method blocks (disk I/O): the serving code calls them on a worker thread.
