@@ -20,14 +20,32 @@ VLLM_MAX_MODEL_LEN = 512
 COMPACT_JSON_ENGINE = {"structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}}
 
 
+_SESSION_VLLM_CACHE: list[Path] = []
+
+
+def session_vllm_cache() -> Path:
+    """vLLM's cache for every engine of this test session (made at the first call, removed at the session's end).
+    Shared, an engine start finds the model class's facts (``modelinfos/``) that the first engine start wrote:
+    without them vLLM inspects the class in a fresh Python process (torch and vLLM imported again, seconds)."""
+    if not _SESSION_VLLM_CACHE:
+        import atexit
+        import shutil
+        import tempfile
+
+        _SESSION_VLLM_CACHE.append(Path(tempfile.mkdtemp(prefix="tideserve-tests-vllm-cache-")))
+        atexit.register(shutil.rmtree, _SESSION_VLLM_CACHE[0], ignore_errors=True)
+    return _SESSION_VLLM_CACHE[0]
+
+
 def vllm_env(tmp_dir: Path) -> dict[str, str]:
-    """The environment a vLLM engine needs on a CPU-only machine, caches kept under ``tmp_dir``."""
+    """The environment a vLLM engine needs on a CPU-only machine, caches kept under ``tmp_dir`` (vLLM's own:
+    the session's, :func:`session_vllm_cache`)."""
     cache = tmp_dir / "cache"
     cache.mkdir(parents=True, exist_ok=True)
     return {
         "VLLM_CPU_KVCACHE_SPACE": "1",   # GiB; without it the CPU worker asks for most of the RAM
         "HF_HUB_OFFLINE": "1",
-        "VLLM_CACHE_ROOT": str(cache / "vllm"),
+        "VLLM_CACHE_ROOT": str(session_vllm_cache()),
         "HF_HOME": str(cache / "hf"),
         "TRITON_CACHE_DIR": str(cache / "triton"),
         "VLLM_NO_USAGE_STATS": "1",
