@@ -200,7 +200,10 @@ def engine_increments(now: dict[tuple, list[float]], sent: dict[tuple, list[floa
 
 def add_engine_increments(registry, entries) -> None:
     """Add a worker's :func:`engine_increments` to the core's vllm:* registry (gauges: set)."""
-    metrics = {getattr(metric, "_name", None): metric for metric in list(registry._collector_to_names)}
+    metrics = getattr(registry, "_tideserve_by_name", None)
+    if metrics is None or len(metrics) != len(registry._collector_to_names):  # (built once; again if one came)
+        metrics = {getattr(metric, "_name", None): metric for metric in list(registry._collector_to_names)}
+        registry._tideserve_by_name = metrics
     for name, labels, values in entries:
         metric = metrics.get(name)
         if metric is None:
