@@ -244,3 +244,25 @@ def test_vllm_increments_travel_in_the_worker_message():
 
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(message), type=protocol.ToCore)
     assert decoded.engine == [("vllm:generation_tokens", ["llm", "0"], [5.0])]
+
+
+def test_a_worker_client_reads_its_vllm_families_at_a_generations_end():
+    """A generation's end sends the counters' increments; a step's scheduler stats in between, only the gauges."""
+    from types import SimpleNamespace
+
+    from tideserve.workers.engines import _Client
+
+    client = _Client(None, SimpleNamespace(uid=3, name="llm", version=1), b"")
+    assert client.engine_increments(True, True) is None  # no client built yet
+    registry, families = _engine_registry()
+    client.vllm_registry = registry
+    families["tokens"].labels("llm", "0").inc(4)
+    families["running"].labels("llm", "0").set(1)
+    sent = client.engine_increments(True, True)
+    assert ("vllm:generation_tokens", ["llm", "0"], [4.0]) in sent
+    assert ("vllm:num_requests_running", ["llm", "0"], [1.0]) in sent
+    families["tokens"].labels("llm", "0").inc(2)
+    assert client.engine_increments(False, False) is None  # read a moment ago: nothing yet
+    # (vllm:engine_sleep_state is the core client's own: not sent)
+    assert [entry[0] for entry in client.engine_increments(False, True)] == ["vllm:num_requests_running"]
+    assert client.engine_increments(True, False) == [("vllm:generation_tokens", ["llm", "0"], [2.0])]
