@@ -17,10 +17,11 @@ from toy_backends import start_core as _start_core
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
-    """Before the last test's teardown (where the session's fixtures end), every session server gets its
+    """At the last test's teardown, once its function and module fixtures have ended and before the session's
+    fixtures end (the finalizer registered last on the session runs first), every session server gets its
     SIGTERM at once: their engines drain and stop side by side, each fixture then waits for its own."""
     if nextitem is None:
-        stop_session_servers_together()
+        item.session.addfinalizer(stop_session_servers_together)
     yield
 
 
