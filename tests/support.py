@@ -76,6 +76,21 @@ class RunningServer:
 _SESSION_SERVERS: list[RunningServer] = []
 
 
+def wait_http_ok(proc: subprocess.Popen, url: str, log: Path, timeout: float) -> None:
+    """Poll ``url`` until it answers 200 while ``proc`` runs; fail with ``log``'s text if it exits or time runs out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, log.read_text()
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.2)
+
+
 def stop_session_servers_together() -> None:
     """SIGTERM to every running session server at once (their fixtures then wait for each in turn): engines
     stop side by side instead of one after another."""

@@ -11,12 +11,9 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
-from support import REPO, TEST_MODELS, free_port
-
+from support import REPO, TEST_MODELS, free_port, wait_http_ok
 from tideserve.cli import build_parser, options_from_args
 
 DOCKERFILE = REPO / "Dockerfile"
@@ -55,17 +52,7 @@ def test_the_image_command_starts_the_server_from_a_shell(tmp_path):
         shell = subprocess.Popen(["/bin/sh", "-c", "exec " + shlex.join(line)], stdout=out, stderr=subprocess.STDOUT,
                                  env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
     try:
-        deadline = time.monotonic() + 180  # a loaded 2-core machine
-        while True:
-            assert shell.poll() is None, log.read_text()
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/health/ready", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
+        wait_http_ok(shell, f"http://127.0.0.1:{http}/v2/health/ready", log, timeout=180)  # a loaded 2-core machine
         shell.send_signal(signal.SIGTERM)
         assert shell.wait(30) == 0, log.read_text()
     finally:

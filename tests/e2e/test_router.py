@@ -23,15 +23,13 @@ import signal
 import subprocess
 import threading
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
 from llm_fixtures import metric_value, vllm_env, write_vllm_model
-from support import free_port, start_server, stop_servers
+from support import free_port, start_server, stop_servers, wait_http_ok
 from tideserve.bench.router import router_command, start_router
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -84,17 +82,7 @@ def _start_router(replicas, tmp_path_factory, policy: str):
     log = tmp_path_factory.mktemp("router_log") / "router.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, log.read_text()
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-                if response.status == 200:
-                    break
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        assert time.monotonic() < deadline, log.read_text()
-        time.sleep(0.2)
+    wait_http_ok(proc, f"http://127.0.0.1:{port}/health", log, timeout=120)
     return proc, f"http://127.0.0.1:{port}"
 
 
