@@ -67,7 +67,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
-import functools
 import itertools
 import json
 import os
@@ -512,6 +511,18 @@ def _trio(r: dict, key: str) -> str:
     return f"{r[key + '_p50_ms']:.1f} / {r[key + '_p99_ms']:.1f} / {r[key + '_max_ms']:.1f}"
 
 
+def flooded_table(summary: dict, apis: tuple[str, ...], title: str, columns: list) -> None:
+    """One report table of the flooded sides (pooled), a row per mode: ``columns`` are (header, key), the key's
+    p50 / p99 / max (``_trio``), or (header, function of the side's summary giving the cell)."""
+    print(f"\n{title}")
+    print("| mode | " + " | ".join(header for header, _ in columns) + " |")
+    print("|---" * (len(columns) + 1) + "|")
+    for api in apis:
+        r = summary[api]["flooded"]
+        cells = [cell(r) if callable(cell) else _trio(r, cell) for _, cell in columns]
+        print(f"| {api} | " + " | ".join(cells) + " |")
+
+
 def start_py_spy(directory: Path | None, pid: int, name: str, duration: float):
     """py-spy recording the server (``pid``) for ``duration`` s into ``directory/name.txt`` (None: not asked)."""
     if directory is None:
@@ -699,44 +710,35 @@ def main() -> None:
             print(f"| {api} | {side} | {r['sent']} | {r['served']} | {r['good']} | {r['goodput_rps']:.2f} "
                   f"| {r['goodput_steady_rps']:.2f} | {r['refused_deadline']} | {r['refused_busy']} | {r['errors']} "
                   f"| {r['in_flight_mean']:.1f} / {r['waiting_mean']:.1f} | {r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f} | {lateness} |")
-    print("\nRefusal lateness, split (ms after the deadline, flooded sides pooled; p50 / p99 / max): (a) the "
-          "server's timer; (b) from the timer to the answer's bytes written; server total (a + b); (c) the rest the "
-          "client saw (way in, way back, client loop); client total")
-    print("| mode | refusals (server-reported) | (a) timer | of which: loop waiting for a CPU | (a) less that wait: "
-          "the loop's own work (or blocked) | (b) timer to answer | server total | (c) client rest | of which: way in "
-          "| way back | client total | client loop lag p99 |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for api in apis:
-        r = summary[api]["flooded"]
-        trio = functools.partial(_trio, r)
-        print(f"| {api} | {r['refused_deadline']} ({r['server_reported']}) | {trio('server_timer_late')} "
-              f"| {trio('server_cpu_wait')} | {trio('server_timer_own_work')} | {trio('server_timer_to_answer')} "
-              f"| {trio('server_answer_late')} | {trio('client_rest')} | {trio('way_in')} | {trio('way_back')} "
-              f"| {trio('lateness')} | {r['client_lag_p99_ms']:.1f} |")
-    print("\nThe way in and the way back, flooded sides pooled (ms; p50 / p99 / max): the way in is the client's part "
-          "(send to the request's bytes written, aiohttp's trace) and the rest (bytes written to the server's first "
-          "parsed byte); the client's loop stalls (late wake-ups of its lag probe) within each way")
-    print("| mode | way in | client's part | to the server | client stalled, way in | way back | client stalled, way "
-          "back |")
-    print("|---|---|---|---|---|---|---|")
-    for api in apis:
-        r = summary[api]["flooded"]
-        trio = functools.partial(_trio, r)
-        print(f"| {api} | {trio('way_in')} | {trio('way_in_client')} | {trio('way_in_to_server')} "
-              f"| {trio('way_in_client_stall')} | {trio('way_back')} | {trio('way_back_client_stall')} |")
-    print(f"\nThe way in to the server by what came with it (requests whose bytes were written in the {BURST_MS} ms "
-          "before: at most 2 = alone, 8 or more = a retry burst), and the client's own share of the lateness (its "
-          "send: send to bytes written; its read: the way back) and the lateness without it; flooded sides pooled, "
-          "ms, p50 / p99 / max")
-    print("| mode | to the server, alone (n) | to the server, in a burst (n) | client's own share | lateness without it "
-          "| lateness |")
-    print("|---|---|---|---|---|---|")
-    for api in apis:
-        r = summary[api]["flooded"]
-        trio = functools.partial(_trio, r)
-        print(f"| {api} | {trio('way_in_to_server_alone')} ({r['way_in_to_server_alone']}) "
-              f"| {trio('way_in_to_server_burst')} ({r['way_in_to_server_burst']}) | {trio('client_own')} "
-              f"| {trio('lateness_without_client')} | {trio('lateness')} |")
+    flooded_table(summary, apis,
+                  "Refusal lateness, split (ms after the deadline, flooded sides pooled; p50 / p99 / max): (a) the "
+                  "server's timer; (b) from the timer to the answer's bytes written; server total (a + b); (c) the "
+                  "rest the client saw (way in, way back, client loop); client total",
+                  [("refusals (server-reported)", lambda r: f"{r['refused_deadline']} ({r['server_reported']})"),
+                   ("(a) timer", "server_timer_late"), ("of which: loop waiting for a CPU", "server_cpu_wait"),
+                   ("(a) less that wait: the loop's own work (or blocked)", "server_timer_own_work"),
+                   ("(b) timer to answer", "server_timer_to_answer"), ("server total", "server_answer_late"),
+                   ("(c) client rest", "client_rest"), ("of which: way in", "way_in"), ("way back", "way_back"),
+                   ("client total", "lateness"), ("client loop lag p99", lambda r: f"{r['client_lag_p99_ms']:.1f}")])
+    flooded_table(summary, apis,
+                  "The way in and the way back, flooded sides pooled (ms; p50 / p99 / max): the way in is the "
+                  "client's part (send to the request's bytes written, aiohttp's trace) and the rest (bytes written to "
+                  "the server's first parsed byte); the client's loop stalls (late wake-ups of its lag probe) within "
+                  "each way",
+                  [("way in", "way_in"), ("client's part", "way_in_client"), ("to the server", "way_in_to_server"),
+                   ("client stalled, way in", "way_in_client_stall"), ("way back", "way_back"),
+                   ("client stalled, way back", "way_back_client_stall")])
+    flooded_table(summary, apis,
+                  f"The way in to the server by what came with it (requests whose bytes were written in the {BURST_MS} "
+                  "ms before: at most 2 = alone, 8 or more = a retry burst), and the client's own share of the "
+                  "lateness (its send: send to bytes written; its read: the way back) and the lateness without it; "
+                  "flooded sides pooled, ms, p50 / p99 / max",
+                  [("to the server, alone (n)",
+                    lambda r: f"{_trio(r, 'way_in_to_server_alone')} ({r['way_in_to_server_alone']})"),
+                   ("to the server, in a burst (n)",
+                    lambda r: f"{_trio(r, 'way_in_to_server_burst')} ({r['way_in_to_server_burst']})"),
+                   ("client's own share", "client_own"), ("lateness without it", "lateness_without_client"),
+                   ("lateness", "lateness")])
     for api in apis:
         for side in ("unflooded", "flooded"):
             rows = [r for r in rounds_out if r["api"] == api and r["side"] == side]
