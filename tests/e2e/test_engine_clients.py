@@ -46,9 +46,9 @@ def _success_count(server) -> int:
     return stats["model_stats"][0]["inference_stats"]["success"]["count"]
 
 
-def _worker_runs(server) -> set[str]:
-    """The client indexes the workers ran requests on (their debug log)."""
-    return set(re.findall(r"runs on this worker's engine client (\d)", server.log()))
+def _worker_runs(server, since: int = 0) -> set[str]:
+    """The client indexes the workers ran requests on (their debug log), from the ``since``-th such line on."""
+    return set(re.findall(r"runs on this worker's engine client (\d)", server.log())[since:])
 
 
 def _core_text(server, max_tokens: int) -> str:
@@ -64,7 +64,10 @@ def test_streams_through_both_workers_match_the_core(llm_server):
     before = _success_count(llm_server)
     expected = _core_text(llm_server, 12)
     texts, chats = [], []
-    for _ in range(8):  # a new connection each time: the workers take turns
+    runs_before = len(re.findall(r"runs on this worker's engine client (\d)", llm_server.log()))
+    for i in range(24):  # a new connection each time: the kernel spreads them over the workers (by a hash)
+        if i >= 8 and _worker_runs(llm_server, runs_before) == {"1", "2"}:
+            break
         with openai.OpenAI(base_url=f"{llm_server.base_url}/v1", api_key="unused", max_retries=0, timeout=120) as c:
             chunks = list(c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
                                                extra_body={"ignore_eos": True}))
@@ -72,15 +75,16 @@ def test_streams_through_both_workers_match_the_core(llm_server):
             stream = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0,
                                                stream=True, extra_body={"ignore_eos": True})
             chats.append("".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices))
-    assert texts == [expected] * 8
+    assert texts == [expected] * len(texts)
     assert len(set(chats)) == 1 and chats[0]
     # the generations ran in the workers, on both of their clients, and the core counts them in its statistics
-    assert _worker_runs(llm_server) == {"1", "2"}, llm_server.log()[-4000:]
+    assert _worker_runs(llm_server, runs_before) == {"1", "2"}, llm_server.log()[-4000:]
+    counted = before + 1 + 2 * len(texts)
     deadline = time.monotonic() + 10
-    while _success_count(llm_server) < before + 1 + 16:
+    while _success_count(llm_server) < counted:
         assert time.monotonic() < deadline, (before, _success_count(llm_server))
         time.sleep(0.1)
-    assert _success_count(llm_server) == before + 1 + 16
+    assert _success_count(llm_server) == counted
 
 
 def _metric_sums(url: str) -> dict[str, float]:

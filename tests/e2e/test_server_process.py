@@ -26,6 +26,8 @@ import triton_python_backend_utils as pb_utils
 
 class TritonPythonModel:
     def execute(self, requests):
+        with open(__file__ + ".started", "a") as started:  # the tests wait for it, not for a fixed time
+            started.write("x")
         time.sleep(float(pb_utils.get_input_tensor_by_name(requests[0], "SECONDS").as_numpy()[0]))
         return [pb_utils.InferenceResponse([pb_utils.Tensor(
             "OUT", pb_utils.get_input_tensor_by_name(r, "SECONDS").as_numpy())]) for r in requests]
@@ -42,6 +44,29 @@ def write_slow_model(repo: Path, name: str = "slow") -> None:
     (repo / name / "1").mkdir(parents=True)
     (repo / name / "config.pbtxt").write_text(SLOW_CONFIG)
     (repo / name / "1" / "model.py").write_text(SLOW_MODEL)
+
+
+def wait_executing(repo: Path, name: str = "slow", timeout: float = 60) -> None:
+    """Until the slow model has started executing a request (its marker file): a loaded machine may take longer
+    than any fixed sleep to bring a request that far."""
+    marker = repo / name / "1" / "model.py.started"
+    deadline = time.monotonic() + timeout
+    while not marker.exists():
+        assert time.monotonic() < deadline, "the slow model never started executing"
+        time.sleep(0.02)
+
+
+def wait_not_ready(base_url: str, timeout: float = 30) -> None:
+    """Until readiness answers "not ready" (Triton's 400: the drain has begun)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"{base_url}/v2/health/ready", timeout=5):
+                pass
+        except urllib.error.HTTPError:
+            return
+        assert time.monotonic() < deadline, "readiness never turned false after SIGTERM"
+        time.sleep(0.02)
 
 
 def post(url: str, body: dict, timeout: float = 30) -> tuple[int, dict]:
@@ -99,17 +124,17 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(tmp_path):
     result = {}
 
     def call():
-        result["answer"] = post(f"{server.base_url}/v2/models/slow/infer", slow_request(2.0))
+        result["answer"] = post(f"{server.base_url}/v2/models/slow/infer", slow_request(4.0))
 
     caller = threading.Thread(target=call)
     caller.start()
-    time.sleep(0.7)  # the request is executing
+    wait_executing(tmp_path)
     server.process.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
+    wait_not_ready(server.base_url)
     status, _ = post(f"{server.base_url}/v2/models/slow/infer", slow_request(0.0), timeout=5)
     assert status == 503  # new work refused while draining
     caller.join(30)
-    assert result["answer"][0] == 200 and result["answer"][1]["outputs"][0]["data"] == [2.0]
+    assert result["answer"][0] == 200 and result["answer"][1]["outputs"][0]["data"] == [4.0]
     assert server.process.wait(30) == 0
 
 
@@ -127,7 +152,7 @@ def test_exit_timeout_bounds_the_drain(tmp_path, frontends):
 
     caller = threading.Thread(target=call, daemon=True)
     caller.start()
-    time.sleep(0.5)
+    wait_executing(tmp_path)
     started = time.monotonic()
     server.process.send_signal(signal.SIGTERM)
     assert server.process.wait(15) == 0
