@@ -467,10 +467,10 @@ class DirectServer:
         entry = _Entry(request)
         request.response_sender = ResponseSender(request, lambda response: self._respond(connection, rid, entry,
                                                                                           response))
-        now = time.monotonic_ns()
-        arrived = request.arrival_ns
-        # sent while a batch held the links unread: queued since it arrived, no earlier than that batch's start
-        request.queue_start_ns = max(arrived, self.held_from) if arrived < self.held_until else now
+        # queued since the worker took it (its arrival_ns: CLOCK_MONOTONIC, the same in every process), as the core's
+        # one queue counts from the request's arrival, the link's transit included; one sent while a batch held the
+        # links unread no earlier than that batch's start
+        request.queue_start_ns = max(request.arrival_ns, self.held_from)
         try:
             self.scheduler.enqueue(request)
         except ServerError as exc:
