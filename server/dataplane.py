@@ -28,7 +28,7 @@ from .responses import ResponseSender, ResponseStream
 from .runtime import ModelRuntime, ModelState
 from .serving import ServingInterface
 from .shared_memory import REGION, SharedMemoryRegistry, cuda_unsupported
-from .stats import Metrics
+from .stats import GENERATIONS_KEPT, Metrics
 from .tracing import Tracer
 from .types import InferenceRequest, InferenceResponse
 
@@ -344,8 +344,8 @@ class GenerationStream(DeltaStream):
         _request_finished(runtime)
         error = self._error
         first = self._first_ns - arrival if self._first_ns else now - arrival  # (no delta: the end is the first)
-        runtime.stats.record_generation(now - arrival, first, self._compute_ns,
-                                        None if error is None else _FAILURE_REASON.get(error.status, "BACKEND"))
+        _count(runtime.stats, (now - arrival, first, self._compute_ns,
+                               None if error is None else _FAILURE_REASON.get(error.status, "BACKEND"), now))
         self._compute_ns = -1  # recorded
         if request.trace is not None:
             dataplane.tracer.finish(request.trace, request, now)
@@ -362,7 +362,7 @@ class GenerationStream(DeltaStream):
         _request_finished(self.runtime)
         arrival = request.arrival_ns
         first = self._first_ns - arrival if self._first_ns else -1
-        self.runtime.stats.record_generation(now - arrival, first, self._compute_ns, "CANCELED")
+        _count(self.runtime.stats, (now - arrival, first, self._compute_ns, "CANCELED", now))
         self._compute_ns = -1  # recorded (a task still running records its execution when it ends)
         if request.trace is not None:
             self._dataplane.tracer.finish(request.trace, request, now)
@@ -379,7 +379,7 @@ class GenerationStream(DeltaStream):
         if request.trace is not None:
             request.trace.compute_done(end)
         if self._done:  # the reader went away first: its statistics are in, the execution's come now
-            self.runtime.stats.record_generation(-1, -1, compute, None)
+            _count(self.runtime.stats, (-1, -1, compute, None, end))
         else:
             self._compute_ns = compute
         if task.cancelled():
@@ -389,6 +389,15 @@ class GenerationStream(DeltaStream):
         elif (exc := task.exception()) is not None:
             log.error("model '%s': request generation failed", self.runtime.name, exc_info=exc)
             self.send_error(InternalError(f"model '{self.runtime.name}' failed to run the request"))
+
+
+def _count(stats, end: tuple) -> None:
+    """Keep a typed generation's end for its model's statistics (:meth:`ModelStats.count_generations` counts it when
+    they are read, or here once ``GENERATIONS_KEPT`` wait)."""
+    ends = stats.generations
+    ends.append(end)
+    if len(ends) >= GENERATIONS_KEPT:
+        stats.count_generations()
 
 
 class _Generating:

@@ -1,7 +1,8 @@
 """Per-model-version statistics: Triton's statistics extension and the Prometheus metrics.
 
 Every number is recorded here, once, by the DataPlane (requests) and the schedulers
-(queue and compute); the statistics endpoints and ``/metrics`` both read from it.
+(queue and compute); the statistics endpoints and ``/metrics`` both read from it. A typed LLM generation's end is
+kept as one tuple (``ModelStats.generations``) and counted when the counters are read.
 All updates happen on the event loop thread.
 """
 
@@ -21,6 +22,7 @@ from .cpu_metrics import CpuMetrics
 disable_created_metrics()  # no *_created series: Triton has none, and they double the scrape size
 
 FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
+GENERATIONS_KEPT = 256  # typed generations' ends kept uncounted at most (ModelStats.generations)
 
 # Milliseconds; spans sub-millisecond classic models to multi-second LLM generations.
 LATENCY_BUCKETS_MS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000,
@@ -93,6 +95,9 @@ class ModelStats:
         # the frontend workers (their latest exported counters, by process), and those of processes now gone
         self.remote: dict[object, dict] = {}
         self.retired: list[dict] = []
+        # the ends of typed LLM generations not counted yet, (elapsed_ns, first_ns, compute_ns, failure reason or
+        # None, end monotonic_ns) each: appended by the DataPlane's GenerationStream, counted by count_generations
+        self.generations: list[tuple[int, int, int, str | None, int]] = []
 
     # -- recorded by the DataPlane ---------------------------------------------------------
     def record_first_response(self, elapsed_ns: int) -> None:
@@ -116,24 +121,38 @@ class ModelStats:
                 first_response.counts[bucket] += 1
                 first_response.sum += ms
 
-    def record_generation(self, elapsed_ns: int, first_ns: int, compute_ns: int, reason: str | None) -> None:
-        """A typed LLM generation, in one call at its end (DataPlane's GenerationStream): its first response and
-        success, or failure for ``reason`` (``elapsed_ns`` -1: recorded already); its queue (none) and execution
-        (``compute_ns`` -1: the task still runs, or its scheduler records it)."""
-        if elapsed_ns >= 0:
-            if reason is None:
-                if first_ns == elapsed_ns:  # the first response was the end (no delta before it)
-                    self.record_success(elapsed_ns, True)
+    def count_generations(self) -> None:
+        """Count the typed LLM generations that ended since the last read (:attr:`generations`, which the DataPlane's
+        GenerationStream appends one tuple to per request, its only statistics work on the request's path): each
+        one's first response and success, or failure for its reason (``elapsed_ns`` -1: counted already), its queue
+        (none) and execution (``compute_ns`` -1: the task still ran, or its scheduler counted it). Every reader of
+        these counters calls this first (:meth:`as_dict`, :meth:`view`, :meth:`export`); the stream calls it too once
+        :data:`GENERATIONS_KEPT` wait."""
+        ends = self.generations
+        if not ends:
+            return
+        last = self.last_inference_ms
+        ended_ns = 0
+        for elapsed_ns, first_ns, compute_ns, reason, end_ns in ends:
+            if elapsed_ns >= 0:
+                ended_ns = end_ns
+                if reason is None:
+                    if first_ns == elapsed_ns:  # the first response was the end (no delta before it)
+                        self.record_success(elapsed_ns, True)
+                    else:
+                        self.record_first_response(first_ns)
+                        self.record_success(elapsed_ns)
                 else:
-                    self.record_first_response(first_ns)
-                    self.record_success(elapsed_ns)
-            else:
-                if first_ns >= 0:  # (-1: cancelled before its first response)
-                    self.record_first_response(first_ns)
-                self.record_failure(elapsed_ns, reason)
-        if compute_ns >= 0:
-            self.queue.add(0, 1)
-            self.record_execution(1, 1, 0, compute_ns, 0, 1)
+                    if first_ns >= 0:  # (-1: cancelled before its first response)
+                        self.record_first_response(first_ns)
+                    self.record_failure(elapsed_ns, reason)
+            if compute_ns >= 0:
+                self.queue.add(0, 1)
+                self.record_execution(1, 1, 0, compute_ns, 0, 1)
+        ends.clear()
+        if ended_ns:  # the last one's end in wall-clock time, not this read's
+            ended_ms = int(time.time() * 1000 - (time.monotonic_ns() - ended_ns) / 1e6)
+            self.last_inference_ms = max(last, ended_ms)
 
     def record_failure(self, elapsed_ns: int, reason: str) -> None:
         self.fail.add(elapsed_ns)
@@ -174,6 +193,7 @@ class ModelStats:
 
     def export(self) -> dict:
         """Every counter, as plain values (what a model process sends the core)."""
+        self.count_generations()
         out = {name: [getattr(self, name).count, getattr(self, name).ns] for name in self._DURATIONS}
         out["failures"] = dict(self.failures)
         out["inference_count"] = self.inference_count
@@ -220,6 +240,7 @@ class ModelStats:
 
     def view(self) -> "ModelStats":
         """These counters plus what the model's processes counted (itself when they counted nothing)."""
+        self.count_generations()
         if not self.remote and not self.retired:
             return self
         total = ModelStats(self.name, self.version)
@@ -235,6 +256,7 @@ class ModelStats:
 
     def as_dict(self) -> dict:
         """Triton's ``$model_stat`` JSON object."""
+        self.count_generations()
         if self.remote or self.retired:
             return self.view().as_dict()
         return {

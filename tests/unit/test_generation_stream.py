@@ -6,6 +6,7 @@ statistics (success, failure reasons, execution) are those of DataPlane.infer.""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -145,6 +146,35 @@ def test_deltas_come_as_they_are_and_statistics_are_recorded(tmp_path):
     assert inflight == 0 and not active
     assert stats["inference_stats"]["success"]["count"] == 1
     assert stats["execution_count"] == 1 and stats["inference_count"] == 1
+
+
+def test_the_ends_kept_are_counted_when_read_or_once_many_wait(tmp_path):
+    """A generation's end is kept as one tuple; the counters read (statistics, metrics) count it, with the last
+    inference at its end, not at the read; GENERATIONS_KEPT of them are counted without a read."""
+    from tideserve.stats import GENERATIONS_KEPT
+
+    async def main():
+        dataplane, runtime = await _dataplane(tmp_path)
+        stats = runtime.stats
+        await _read(dataplane.generate(_request("one")))
+        await asyncio.sleep(0)  # the generation task's end
+        kept = len(stats.generations)
+        counted_before_read = stats.success.count
+        await asyncio.sleep(0.05)
+        read_ms = time.time() * 1000
+        doc = stats.as_dict()
+        for _ in range(GENERATIONS_KEPT):
+            await _read(dataplane.generate(_request("more")))
+        await asyncio.sleep(0)
+        counted_unread = stats.success.count
+        await runtime.unload()
+        return kept, counted_before_read, read_ms, doc, counted_unread, len(stats.generations)
+
+    kept, counted_before_read, read_ms, doc, counted_unread, left = asyncio.run(main())
+    assert kept >= 1 and counted_before_read == 0
+    assert doc["inference_stats"]["success"]["count"] == 1 and doc["execution_count"] == 1
+    assert read_ms - 1000 < doc["last_inference"] < read_ms - 30  # the end's time, not the read's
+    assert counted_unread >= GENERATIONS_KEPT - 1 and left < GENERATIONS_KEPT
 
 
 def test_deltas_not_taken_yet_join(tmp_path):
