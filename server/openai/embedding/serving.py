@@ -96,7 +96,10 @@ def _prepare(model: EmbeddingModel, inputs: list[str | list[int]], truncate: int
     texts = [(i, p) for i, p in enumerate(inputs) if isinstance(p, str)]
     encoded: dict[int, list[int]] = {}
     if texts and tokenizer is not None:
-        encodings = tokenizer.encode_batch([p for _, p in texts], add_special_tokens=add_special_tokens)
+        # one text (most requests): encode, which keeps the GIL; encode_batch lets it go for its ~20 µs, an
+        # instance thread of the model takes it, and the event loop waits to get it back (docs/performance.md)
+        encodings = ([tokenizer.encode(texts[0][1], add_special_tokens=add_special_tokens)] if len(texts) == 1 else
+                     tokenizer.encode_batch([p for _, p in texts], add_special_tokens=add_special_tokens))
         encoded = {i: e.ids for (i, _), e in zip(texts, encodings)}
     vocabulary = tokenizer.get_vocab_size(with_added_tokens=True) if tokenizer is not None else None
     prompts, counts = [], []
@@ -142,12 +145,15 @@ async def _embed(dataplane, model: EmbeddingModel, prompts: list[str | list[int]
     tasks = []
     started = time.monotonic_ns()
     try:
-        for k, prompt in enumerate(prompts):
-            if k and k % SLICE == 0:
-                await asyncio.sleep(0)
-            inference = model.request(prompt, f"{request_id}-{k}")
-            tasks.append(asyncio.ensure_future(dataplane.infer_unary(inference)))
-        responses = await asyncio.gather(*tasks)
+        if len(prompts) == 1:  # one input (most requests): awaited here, no task and no gather
+            responses = [await dataplane.infer_unary(model.request(prompts[0], f"{request_id}-0"))]
+        else:
+            for k, prompt in enumerate(prompts):
+                if k and k % SLICE == 0:
+                    await asyncio.sleep(0)
+                inference = model.request(prompt, f"{request_id}-{k}")
+                tasks.append(asyncio.ensure_future(dataplane.infer_unary(inference)))
+            responses = await asyncio.gather(*tasks)
     except ServerError as exc:
         raise from_server_error(exc, prompt_param="input") from None
     finally:
