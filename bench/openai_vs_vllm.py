@@ -11,8 +11,20 @@ Per round: output tokens/s (the usage chunks' completion tokens over the batch's
 (request sent to its first chunk) and ITL p50 (between consecutive chunks, all streams pooled); each side
 reports the median of each measure over its rounds.
 
+CPU per 1,000 output tokens, per process kind (``/proc/<pid>/stat`` utime + stime, children excluded, read
+before and after each round's measured batch, the warm-up request outside it): ``api`` is the server process
+that was started (vLLM's api_server; tideserve's core process), ``engine`` its descendants whose process title
+is vLLM's (``VLLM::EngineCore``, ``VLLM::Worker``), ``other`` the rest (tideserve's frontend workers, Python's
+resource tracker). On a loaded machine these are steadier than the throughput: the API process's CPU per token
+is what the two servers do differently (the engine core is the same code on both sides).
+
     python bench/openai_vs_vllm.py [--streams 32 [64 ...]] [--tokens 128] [--size 100m|tiny] [--dtype bfloat16]
         [--eager] [--rounds 4] [--tideserve-args "--frontend-workers 2" [--tideserve-args ...]] [--one-at-a-time]
+
+``--tideserve-tree DIR`` (repeatable) adds a tideserve server served from another checkout of this repository
+(``bench/addsub.py``'s tree hook), e.g. ``git worktree add --detach /tmp/before HEAD~1``, to measure a change
+A/B in the same rounds; ``--no-vllm`` leaves vLLM out (the first tideserve side is then the reference of the
+ratios).
 
 ``--one-at-a-time`` starts each side for its turn of a round and stops it after, so only one engine is up at a
 time: the two CPU engines both pin their worker to core 0, and an idle engine beside the measured one still
@@ -114,28 +126,83 @@ class Server:
         stop_process(self.proc)
 
 
+# -- CPU per process kind ---------------------------------------------------------------------------
+CPU_KINDS = ("api", "engine", "other")
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s(pid: int) -> float:
+    """utime + stime of ``pid`` (children excluded), seconds; 0 when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _TICK  # (fields 14 and 15 of proc(5), after "pid (comm)")
+
+
+def _kind(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            title = cmdline.read()
+    except OSError:
+        return "other"
+    return "engine" if title.startswith(b"VLLM::") else "other"
+
+
+def cpu_by_kind(pid: int) -> dict[int, tuple[str, float]]:
+    """The server process ``pid`` and its descendants: pid -> (kind, CPU seconds so far)."""
+    import psutil
+
+    out = {pid: ("api", _own_cpu_s(pid))}
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return out
+    for child in children:
+        out[child.pid] = (_kind(child.pid), _own_cpu_s(child.pid))
+    return out
+
+
+def cpu_used(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds per kind between two readings (a process that started meanwhile counts from 0)."""
+    used = dict.fromkeys(CPU_KINDS, 0.0)
+    for pid, (kind, seconds) in after.items():
+        used[kind] += seconds - before.get(pid, (kind, 0.0))[1]
+    return used
+
+
 # -- load -----------------------------------------------------------------------------------------
-def load(port: int, streams: int, max_tokens: int) -> dict:
-    """One round: ``streams`` streaming chat completions at once, measured by tideserve-bench."""
+def load(port: int, streams: int, max_tokens: int, pid: int | None = None) -> dict:
+    """One round: ``streams`` streaming chat completions at once, measured by tideserve-bench; with ``pid``
+    (the server's process) also the CPU seconds per 1,000 output tokens of each process kind."""
     from tideserve.bench.tideserve_bench.api import measure
 
     url = f"http://127.0.0.1:{port}"
     measure("openai-chat", url, MODEL_NAME, ["warm up"], 8, extra={"temperature": 0})
+    before = cpu_by_kind(pid) if pid is not None else None
     result = measure("openai-chat", url, MODEL_NAME, prompts(streams), max_tokens, extra={"temperature": 0})
+    used = cpu_used(before, cpu_by_kind(pid)) if pid is not None else None
     summary = result.summary
     if summary["failed"] or summary["truncated"]:
         raise RuntimeError(f"{summary['failed']} failed, {summary['truncated']} truncated: "
                            f"{summary['errors'] or summary['truncations']}")
-    return {"output_tokens": summary["total_output_tokens"], "wall_s": summary["duration_s"],
-            "tokens_per_s": summary["output_throughput"], "ttft_p50_s": summary["ttft_ms"]["median"] / 1000,
-            "itl_p50_s": summary["itl_ms"]["median"] / 1000}
+    tokens = summary["total_output_tokens"]
+    out = {"output_tokens": tokens, "wall_s": summary["duration_s"],
+           "tokens_per_s": summary["output_throughput"], "ttft_p50_s": summary["ttft_ms"]["median"] / 1000,
+           "itl_p50_s": summary["itl_ms"]["median"] / 1000}
+    if used is not None:
+        for kind in CPU_KINDS:
+            out[f"{kind}_cpu_s_per_1k"] = used[kind] / tokens * 1000 if tokens else float("nan")
+    return out
 
 
 def medians(name: str, streams: int, ready: float, runs: list[dict]) -> dict:
     """Each measure's median over the side's rounds (all rounds kept in ``rounds``)."""
-    keys = ("output_tokens", "wall_s", "tokens_per_s", "ttft_p50_s", "itl_p50_s")
+    keys = ("output_tokens", "wall_s", "tokens_per_s", "ttft_p50_s", "itl_p50_s",
+            *(f"{kind}_cpu_s_per_1k" for kind in CPU_KINDS))
     return {"side": name, "streams": streams, "ready_s": ready,
-            **{k: statistics.median(r[k] for r in runs) for k in keys}, "rounds": runs}
+            **{k: statistics.median(r[k] for r in runs) for k in keys if k in runs[0]}, "rounds": runs}
 
 
 def main() -> None:
@@ -153,6 +220,10 @@ def main() -> None:
     parser.add_argument("--tideserve-args", action="append", default=None, metavar="FLAGS",
                         help="extra tideserve command-line flags, e.g. \"--frontend-workers 2\"; repeatable, each "
                              "one another tideserve server measured in the same rounds (default: one, no extra flags)")
+    parser.add_argument("--tideserve-tree", action="append", default=[], metavar="DIR",
+                        help="another tideserve side served from the checkout DIR (repeatable): a change A/B")
+    parser.add_argument("--no-vllm", action="store_true",
+                        help="no vLLM side (the ratios are then against the first tideserve side)")
     parser.add_argument("--one-at-a-time", action="store_true",
                         help="start each side for its turn and stop it after (one engine up at a time)")
     parser.add_argument("--pause", type=float, default=3.0, help="seconds of rest before each round (default 3)")
@@ -176,22 +247,30 @@ def main() -> None:
     # Both servers stay up (an idle engine waits on its sockets) and the load rounds alternate, so a busy
     # machine's background load falls on both sides alike. They start one after the other. With
     # --one-at-a-time each side is started for its turn and stopped after it.
-    sides: list[tuple[str, list[str], int, Path]] = []
-    vllm_port = free_port()
-    sides.append(("vLLM api_server", vllm_command(model, vllm_port, engine_args, args.vllm_disable_log_stats),
-                  vllm_port, work / "vllm.log"))
+    sides: list[tuple[str, list[str], int, Path, dict]] = []
+    if not args.no_vllm:
+        vllm_port = free_port()
+        sides.append(("vLLM api_server", vllm_command(model, vllm_port, engine_args, args.vllm_disable_log_stats),
+                      vllm_port, work / "vllm.log", {}))
     for index, flags in enumerate(variants):
         port = free_port()
         sides.append((f"tideserve {flags}".strip(),
                        tideserve_command(engine_args, port, work / f"tideserve-{index}", shlex.split(flags)),
-                       port, work / f"tideserve-{index}.log"))
+                       port, work / f"tideserve-{index}.log", {}))
+    if args.tideserve_tree:
+        from bench.addsub import tree_env
+
+        for index, tree in enumerate(args.tideserve_tree):
+            port = free_port()
+            sides.append((f"tideserve @{tree}", tideserve_command(engine_args, port, work / f"tree-{index}"),
+                          port, work / f"tree-{index}.log", tree_env(tree)))
     names = [side[0] for side in sides]
     up: dict[str, Server] = {}
     ready: dict[str, list[float]] = {name: [] for name in names}
 
     def start(side) -> Server:
-        name, cmd, port, log = side
-        server = up[name] = Server(name, cmd, port, log, env)
+        name, cmd, port, log, side_env = side
+        server = up[name] = Server(name, cmd, port, log, {**env, **side_env})
         ready[name].append(server.wait_ready())
         print(f"{name} ready in {ready[name][-1]:.0f}s", flush=True)
         return server
@@ -206,11 +285,13 @@ def main() -> None:
                 server = start(side) if args.one_at_a_time else up[side[0]]
                 for streams in args.streams:
                     time.sleep(args.pause)  # let the other server's engine go idle
-                    result = load(server.port, streams, args.tokens)
+                    result = load(server.port, streams, args.tokens, server.proc.pid)
                     result["load_average"] = os.getloadavg()[0]
                     runs[server.name, streams].append(result)
                     print(f"round {round_index + 1} {server.name} {streams} streams: {result['tokens_per_s']:.1f} "
-                          f"tok/s, TTFT p50 {result['ttft_p50_s']:.3f}s, ITL p50 {result['itl_p50_s'] * 1000:.1f}ms "
+                          f"tok/s, TTFT p50 {result['ttft_p50_s']:.3f}s, ITL p50 {result['itl_p50_s'] * 1000:.1f}ms, "
+                          f"CPU s per 1k tokens api {result['api_cpu_s_per_1k']:.4f} engine "
+                          f"{result['engine_cpu_s_per_1k']:.4f} other {result['other_cpu_s_per_1k']:.4f} "
                           f"(load average {result['load_average']:.1f})", flush=True)
                 if args.one_at_a_time:
                     up.pop(server.name).stop()
@@ -220,11 +301,15 @@ def main() -> None:
     rows = [medians(name, n, statistics.median(ready[name]), runs[name, n]) for n in args.streams for name in names]
 
     print("\n| streams | server | output tok/s | TTFT p50 (s) | ITL p50 (ms) | wall (s) | output tokens "
-          "| tok/s per round |\n|---|---|---|---|---|---|---|---|")
+          "| tok/s per round | API process CPU s / 1k tokens (per round) | engine CPU s / 1k | other CPU s / 1k |"
+          "\n|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         per_round = " / ".join(f"{r['tokens_per_s']:.0f}" for r in row["rounds"])
+        api_rounds = " / ".join(f"{r['api_cpu_s_per_1k']:.4f}" for r in row["rounds"])
         print(f"| {row['streams']} | {row['side']} | {row['tokens_per_s']:.1f} | {row['ttft_p50_s']:.3f} "
-              f"| {row['itl_p50_s'] * 1000:.1f} | {row['wall_s']:.1f} | {row['output_tokens']:.0f} | {per_round} |")
+              f"| {row['itl_p50_s'] * 1000:.1f} | {row['wall_s']:.1f} | {row['output_tokens']:.0f} | {per_round} "
+              f"| {row['api_cpu_s_per_1k']:.4f} ({api_rounds}) | {row['engine_cpu_s_per_1k']:.4f} "
+              f"| {row['other_cpu_s_per_1k']:.4f} |")
     ratios = []
     print()
     for streams in args.streams:
@@ -233,17 +318,20 @@ def main() -> None:
             ratio = {"streams": streams, "side": tide["side"],
                      "tokens_per_s": tide["tokens_per_s"] / vllm["tokens_per_s"],
                      "ttft_p50": tide["ttft_p50_s"] / vllm["ttft_p50_s"],
-                     "itl_p50": tide["itl_p50_s"] / vllm["itl_p50_s"] if vllm["itl_p50_s"] else float("nan")}
+                     "itl_p50": tide["itl_p50_s"] / vllm["itl_p50_s"] if vllm["itl_p50_s"] else float("nan"),
+                     "api_cpu_per_token": tide["api_cpu_s_per_1k"] / vllm["api_cpu_s_per_1k"]
+                     if vllm["api_cpu_s_per_1k"] else float("nan")}
             ratios.append(ratio)
-            print(f"{streams} streams, {tide['side']} / vLLM: throughput {ratio['tokens_per_s']:.3f}x, "
-                  f"TTFT p50 {ratio['ttft_p50']:.3f}x, ITL p50 {ratio['itl_p50']:.3f}x")
+            print(f"{streams} streams, {tide['side']} / {names[0]}: throughput {ratio['tokens_per_s']:.3f}x, "
+                  f"TTFT p50 {ratio['ttft_p50']:.3f}x, ITL p50 {ratio['itl_p50']:.3f}x, "
+                  f"API process CPU per token {ratio['api_cpu_per_token']:.3f}x")
     loads = [r["load_average"] for rs in runs.values() for r in rs]
     print(f"load average (1 min) over the rounds: {min(loads):.1f}-{max(loads):.1f}")
     out_dir = ROOT / "bench" / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / f"openai-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps({"streams": args.streams, "tokens": args.tokens, "engine_args": engine_args,
-                               "tideserve_args": variants,
+                               "tideserve_args": variants, "tideserve_trees": args.tideserve_tree,
                                "one_at_a_time": args.one_at_a_time, "results": rows, "ratios": ratios}, indent=2))
     print(f"wrote {out}")
 
