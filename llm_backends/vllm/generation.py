@@ -120,14 +120,6 @@ class _Abort:
             self.done = True
             self.batch.add(self.request_id, self.quiet)
 
-    async def now(self) -> None:
-        if not self.done:
-            self.done = True
-            level = logging.DEBUG if self.quiet else logging.INFO
-            log.log(level, "[vllm] Cancelling the request '%s'", self.request_id)
-            await self.engine.abort(self.request_id)
-            log.log(level, "[vllm] Successfully cancelled the request '%s'", self.request_id)
-
 
 class _Tokenizing:
     """Tokenizes prompts on the engine renderer's thread, those that arrive together in one hand-off.
@@ -412,6 +404,111 @@ def deadline_error(model_name: str, limit_ms: float, deadline_ns: int = 0, fired
                            f"{limit_ms:g} ms; retry later or on another replica", deadline_ns, fired_ns)
 
 
+class _Steps:
+    """What each engine output of one request does, in the order it comes: the token count for the LLM metrics,
+    the deadline (a request refused at its deadline reads on until the engine's abort comes), a cancellation,
+    then the output itself: a typed delta or a response to the sender when streamed, kept for the whole answer
+    when not."""
+
+    __slots__ = ("abort", "builder", "cached", "deadline", "last", "sender", "streaming", "tracker", "typed")
+
+    def __init__(self, sender, builder: ResponseBuilder, tracker: GenerationTracker, abort: _Abort,
+                 deadline: _Deadline | None, streaming: bool, cached: bool) -> None:
+        self.sender = sender
+        self.builder = builder
+        self.typed = builder.typed  # its deltas go to the sender as they are (GenerationStream.send_delta)
+        self.tracker = tracker
+        self.abort = abort
+        self.deadline = deadline
+        self.streaming = streaming
+        self.cached = cached
+        self.last = None  # the latest output
+
+    def take(self, output) -> None:
+        self.last = output
+        outs = output.outputs
+        self.tracker.tokens(len(outs[0].token_ids) if len(outs) == 1 else sum(len(c.token_ids) for c in outs))
+        deadline = self.deadline
+        if deadline is not None and not deadline.started:
+            if deadline.expired:  # answered already; abort again in case it came before the engine had it
+                if not deadline.reaborted and any(c.token_ids for c in outs):
+                    DeadlineProbe.count("expired_with_tokens")  # (its prefill had run)
+                if not output.finished and not deadline.reaborted:
+                    deadline.reaborted = True
+                    self.abort.batch.add(self.abort.request_id, True)
+                return
+            deadline.started = True
+            deadline.cancel()
+            DeadlineProbe.count("started")
+        abort = self.abort
+        if abort.requested:
+            if not output.finished:
+                abort.on_loop(abort.quiet)  # (the engine answers with a final 'abort' output)
+            return
+        if not self.streaming:
+            self.builder.add(output)
+        elif self.typed:
+            delta = self.builder.step(output)
+            if self.cached and output.finished and output.num_cached_tokens is not None:
+                delta.cached_tokens = int(output.num_cached_tokens)
+            self.sender.send_delta(delta, output.finished)
+        else:
+            response = self.builder.delta(output)
+            if self.cached and output.finished:
+                _note_cached_tokens(response, output)
+            self.sender.send(response, final=output.finished)
+
+
+class _OutputSink:
+    """Takes the place of vLLM's ``RequestOutputCollector`` of one request of one sequence: the engine's output
+    handler hands each output straight to :meth:`put`, which does the request's step (:class:`_Steps`: the typed
+    delta to the reader's stream) in the handler's own turn. The collector would wake the request's generation
+    task once per engine step (an ``asyncio.Event``, the task's step, ``AsyncLLM.generate``'s async generator),
+    for every request at every step: here the task wakes once, at the end (:attr:`done`). vLLM's own
+    ``generate`` keeps its collector for the request's task because that task writes the HTTP chunk; here the
+    reader (the HTTP handler's task) is a task of its own either way."""
+
+    __slots__ = ("closed", "done", "steps")
+
+    def __init__(self, steps: _Steps, done: asyncio.Future) -> None:
+        self.steps = steps
+        self.done = done  # the last output was taken (or the exception that ended the request)
+        self.closed = False  # the generation ended otherwise (cancelled, failed): outputs still coming are dropped
+
+    @classmethod
+    def attach(cls, engine: AsyncLLM, collector, steps: _Steps) -> _OutputSink | None:
+        """Put a sink where the engine's output processor keeps ``collector`` (None: not there, e.g. the request
+        already finished: the collector has its outputs). An output that came already goes first."""
+        state = engine.output_processor.request_states.get(collector.request_id)
+        if state is None or state.queue is not collector:
+            return None
+        sink = cls(steps, asyncio.get_running_loop().create_future())
+        state.queue = sink
+        pending, collector.output = collector.output, None
+        if pending is not None:
+            sink.put(pending)
+        return sink
+
+    def put(self, output) -> None:
+        """One output of the request (or the exception that ends it), from the engine's output handler: nothing
+        may raise into it (it serves every request)."""
+        done = self.done
+        if self.closed or done.done():
+            return
+        if isinstance(output, BaseException):
+            done.set_exception(output)
+            return
+        try:
+            self.steps.take(output)
+        except Exception as exc:
+            self.closed = True
+            done.set_exception(exc)
+            return
+        if output.finished:
+            self.closed = True
+            done.set_result(None)
+
+
 class Generator:
     """Serves requests on one engine; :meth:`run` is one request, start to FINAL.
 
@@ -491,61 +588,31 @@ class Generator:
             return
         tracker = GenerationTracker(self.metrics, self.model_name, self.version, arrival=request.arrival_ns / 1e9)
         request.cancellation.add_callback(abort.on_cancel)
-        typed = builder.typed  # its deltas go to the sender as they are (GenerationStream.send_delta)
-        last = None
         priority = request.priority if self.priority_scheduling else 0
         cached = cached or request.parameters.get(RETURN_CACHED_TOKENS) is True
+        steps = _Steps(sender, builder, tracker, abort, deadline, streaming,
+                       cached)  # what each engine output does
         self.order.add(request_id, params.n)
         if deadline is not None:
             deadline.order, deadline.engine_id = self.order, request_id
         try:
-            async for output in self.engine.generate(prompt, params, request_id, lora_request=lora,
-                                                     priority=priority):
-                last = output
-                outs = output.outputs
-                tracker.tokens(len(outs[0].token_ids) if len(outs) == 1 else sum(len(c.token_ids) for c in outs))
-                if deadline is not None and not deadline.started:
-                    if deadline.expired:  # answered already; abort again in case it came before the engine had it
-                        if not deadline.reaborted and any(c.token_ids for c in output.outputs):
-                            DeadlineProbe.count("expired_with_tokens")  # (its prefill had run)
-                        if not output.finished and not deadline.reaborted:
-                            deadline.reaborted = True
-                            abort.batch.add(request_id, True)
-                        continue
-                    deadline.started = True
-                    deadline.cancel()
-                    DeadlineProbe.count("started")
-                if abort.requested:
-                    if not output.finished:
-                        await abort.now()  # the engine answers with a final 'abort' output
-                    continue
-                if streaming and typed:
-                    delta = builder.step(output)
-                    if cached and output.finished and output.num_cached_tokens is not None:
-                        delta.cached_tokens = int(output.num_cached_tokens)
-                    sender.send_delta(delta, output.finished)
-                elif streaming:
-                    response = builder.delta(output)
-                    if cached and output.finished:
-                        _note_cached_tokens(response, output)
-                    sender.send(response, final=output.finished)
-                else:
-                    builder.add(output)
+            await self._generate(prompt, params, request_id, lora, priority, steps)
         except asyncio.CancelledError:  # the model is unloading
             if deadline is not None:
                 deadline.cancel()
-            self._finish(tracker, last, aborted=True)
+            self._finish(tracker, steps.last, aborted=True)
             sender.send_error(Unavailable(f"model '{self.model_name}' was unloaded while the request ran"))
             raise
         except Exception as exc:
             if deadline is not None:
                 deadline.cancel()
-            if last is not None:
-                self._finish(tracker, last, aborted=True)
+            if steps.last is not None:
+                self._finish(tracker, steps.last, aborted=True)
             sender.send_error(engine_error(exc))
             return
         finally:
             self.order.remove(request_id)
+        last = steps.last
         if deadline is not None:
             deadline.cancel()
             if deadline.expired:  # answered at the deadline (503); the engine has aborted it
@@ -561,6 +628,43 @@ class Generator:
             if cached:
                 _note_cached_tokens(response, last)
             sender.send(response, final=True)
+
+    async def _generate(self, prompt, params: SamplingParams, request_id: str, lora, priority: int,
+                        steps: _Steps) -> None:
+        """The request in the engine, each of its outputs to ``steps.take`` as it comes, until the last: what
+        ``AsyncLLM.generate`` does (the same errors, the same abort when cancelled or failed), without a task
+        switch per output for a request of one sequence (:class:`_OutputSink`)."""
+        engine = self.engine
+        collector = sink = None
+        try:
+            collector = await engine.add_request(request_id, prompt, params, lora_request=lora, priority=priority)
+            if params.n == 1:
+                sink = _OutputSink.attach(engine, collector, steps)
+            if sink is not None:
+                await sink.done
+            else:  # several sequences share the collector (or it is not where this vLLM keeps it): read it
+                finished = False
+                while not finished:
+                    output = collector.get_nowait() or await collector.get()
+                    finished = output.finished
+                    steps.take(output)
+        except asyncio.CancelledError:
+            if sink is not None:
+                sink.closed = True
+            if collector is not None:
+                await engine.abort(collector.request_id, internal=True)
+            raise
+        except (EngineDeadError, VLLMClientError, GracefulHTTPError):
+            raise
+        except Exception as exc:  # as AsyncLLM.generate: aborted, the cause kept
+            if sink is not None:
+                sink.closed = True
+            if collector is not None:
+                await engine.abort(collector.request_id, internal=True)
+            raise EngineGenerateError() from exc
+        finally:
+            if collector is not None:
+                collector.close()
 
     def _deadline(self, request: InferenceRequest) -> tuple[int, float]:
         """When the request must have started generating (monotonic ns; 0: never) and the limit in ms."""
