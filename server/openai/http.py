@@ -111,6 +111,8 @@ class OpenAIRoute:
         self.handler = handler
         self.body = body
         self.parse = not getattr(handler, "takes_bytes", False)  # a handler that parses its body's bytes itself
+        # a handler answered in well under this (a unary one) watches its connection only once it runs longer
+        self.watch_delay = getattr(handler, "disconnect_watch_s", 0.0)
 
     async def __call__(self, scope, receive, send) -> None:
         server = self.server
@@ -125,7 +127,7 @@ class OpenAIRoute:
         refusal = RefusalNow(send, _refusal_answer) if getattr(self.handler, "answers_refusals", False) else None
         REFUSAL.set(refusal)  # (this request's task alone: its runs' streams answer a deadline refusal at once)
         try:
-            with cancel_on_disconnect(receive):
+            with cancel_on_disconnect(receive, self.watch_delay):
                 reply = await self.handler(server, doc, scope)
                 if refusal is not None:
                     refusal.armed = False

@@ -50,6 +50,11 @@ async def create_embedding(server, doc, _scope) -> bytes:
                         option=orjson.OPT_SERIALIZE_NUMPY)
 
 
+# A request still running after this long starts watching its connection (a client gone away cancels it), as KServe
+# infer does (server/http/kserve.py): the many answered sooner cost no watcher task
+create_embedding.disconnect_watch_s = 0.25
+
+
 def _check(request: EmbeddingRequest, model: EmbeddingModel) -> None:
     if request.use_activation is False:
         raise BadRequest(f"model '{model.name}' normalises its embeddings itself: 'use_activation' false is not "
