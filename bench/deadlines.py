@@ -523,16 +523,19 @@ def flooded_table(summary: dict, apis: tuple[str, ...], title: str, columns: lis
         print(f"| {api} | " + " | ".join(cells) + " |")
 
 
-def start_py_spy(directory: Path | None, pid: int, name: str, duration: float):
-    """py-spy recording the server (``pid``) for ``duration`` s into ``directory/name.txt`` (None: not asked)."""
+def start_py_spy(directory: Path | None, pid: int, name: str, duration: float, native: bool = False):
+    """py-spy recording the server (``pid``) for ``duration`` s into ``directory/name.txt`` (None: not asked);
+    ``native``: with the C frames too (uvloop, httptools, pyzmq), which py-spy takes only by pausing the process
+    for each sample, so at 100 samples/s instead of 500 without pauses."""
     if directory is None:
         return None
     import subprocess
 
     directory.mkdir(parents=True, exist_ok=True)
     out = directory / f"{name}.txt"
-    return subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--duration", str(int(duration)), "--rate",
-                             "500", "--threads", "--format", "raw", "--output", str(out), "--nonblocking"],
+    mode = ["--rate", "100", "--native"] if native else ["--rate", "500", "--nonblocking"]
+    return subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--duration", str(int(duration)), *mode,
+                             "--threads", "--format", "raw", "--output", str(out)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -597,6 +600,9 @@ def main() -> None:
     parser.add_argument("--py-spy", type=Path, default=None, metavar="DIR",
                         help="record the server process with py-spy during each flooded side (per thread, idle "
                              "samples left out), a collapsed-stack file per side in DIR (py-spy on the PATH)")
+    parser.add_argument("--py-spy-native", action="store_true",
+                        help="with --py-spy: record the native frames too (py-spy pauses the server for each "
+                             "sample then: 100 samples/s, and the server runs slower while recorded)")
     parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "tideserve-bench-llm")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -651,7 +657,8 @@ def main() -> None:
                     time.sleep(args.pause)
                     loadavg = os.getloadavg()[0]
                     sched: list = []
-                    spy = start_py_spy(args.py_spy, proc.pid, f"{api}-{side}-r{round_index + 1}", args.duration) \
+                    spy = start_py_spy(args.py_spy, proc.pid, f"{api}-{side}-r{round_index + 1}", args.duration,
+                                       args.py_spy_native) \
                         if side == "flooded" else None
                     requests, lags, load = run_side(pool, args.client_processes, base, api, args.max_num_seqs,
                                               flood if side == "flooded" else 0, args.tokens, args.deadline_ms,
