@@ -247,6 +247,14 @@ def _write_whole(cycle, status: int, body: bytes, headers: list) -> bool:
     return True
 
 
+def uvicorn_cycle(send):
+    """uvicorn's httptools request-response cycle behind ``send``, whose attributes a streamed answer may read to
+    write its body chunks as ``send`` would (``server/openai/http.py``); None for another server."""
+    cycle = getattr(send, "__self__", None)
+    kind = type(cycle)
+    return cycle if kind is _UvicornCycle or kind is FastCycle else None
+
+
 def whole_body(receive) -> bytes | None:
     """The request body, taken from uvicorn's httptools cycle behind ``receive`` once all of it has arrived, as its
     ``receive`` would return it but without awaiting it (two coroutines and the ASGI message fewer per request);

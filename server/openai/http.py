@@ -26,6 +26,7 @@ from ..asgi import (
     cancel_on_disconnect,
     deadline_late_header,
     send_response,
+    uvicorn_cycle,
 )
 from ..asgi import received_ns as request_received_ns  # noqa: F401 (the /v1 routes read it beside request_timeout_us)
 from ..errors import ServerError
@@ -136,9 +137,11 @@ class OpenAIRoute:
                     await send_response(send, 200, reply, [header, *await _load_header(server, scope, doc)])
                     return
                 await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+                cycle = uvicorn_cycle(send)
                 try:  # from here on an error is an event of the stream
                     async for chunk in reply.events:
-                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                        if cycle is None or not _write_event(cycle, chunk):
+                            await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 except (OpenAIError, ServerError) as exc:
                     await send({"type": "http.response.body", "body": _error_event(exc), "more_body": True})
                 except Exception as exc:
@@ -159,6 +162,22 @@ class OpenAIRoute:
             if isinstance(reply, EventStream):
                 await reply.events.aclose()  # a generator left at a yield (client gone) ends here
                 await reply.close()
+
+
+def _write_event(cycle, chunk: bytes) -> bool:
+    """One event of a streamed answer written as uvicorn's httptools ``cycle`` writes an ``http.response.body``
+    message with ``more_body`` of a chunked answer, without the message (per event one coroutine, one dict and
+    uvicorn's checks of the message fewer; the same bytes). False, having written nothing, where its ``send`` must
+    serve: the connection paused for flow control (its drain), closed or answered, the answer not chunked, an
+    empty event, a cycle unlike the one this was written for."""
+    try:
+        if (not chunk or cycle.disconnected or cycle.response_complete or cycle.chunked_encoding is not True
+                or cycle.flow.write_paused):
+            return False
+        cycle.transport.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+    except AttributeError:
+        return False
+    return True
 
 
 TIMEOUT_HEADER = b"x-request-timeout-ms"
