@@ -80,6 +80,11 @@ async def _chat(port: int, tokens: int, on_chunk=None) -> list[bytes]:
     return events
 
 
+# the server's periodic tasks, no part of any request: counted, they would join the path of a request that runs
+# longer than their period (a loaded machine)
+BACKGROUND = frozenset({"VllmModel._watch_engine"})  # llm_backends/vllm/backend.py: the dead-engine watch, every 1 s
+
+
 async def trace(tokens: int = 32, model_dir: Path | None = None) -> dict:
     from tideserve.app import Server, ServerOptions
     from tideserve.bench.examples.tiny_llama import make_model
@@ -111,7 +116,7 @@ async def trace(tokens: int = 32, model_dir: Path | None = None) -> dict:
         if event == "call" and phase[0] != "":
             code = frame.f_code
             name = code.co_filename
-            if name.startswith(roots) and name != own:
+            if name.startswith(roots) and name != own and code.co_qualname not in BACKGROUND:
                 seen[phase[0]].add(name)
                 counts = functions.setdefault(name, {})
                 counts[code.co_qualname] = counts.get(code.co_qualname, 0) + 1
