@@ -109,12 +109,39 @@ def start_tideserve(repo: Path, log: Path, env: dict, ready_model: str | None, t
 
 
 def stop_process(proc: subprocess.Popen, timeout: float = 60) -> None:
-    """SIGTERM the process group, SIGKILL it if it has not ended within ``timeout``."""
+    """SIGTERM the process group, SIGKILL it if it has not ended within ``timeout``; return once no process of the
+    group runs any more, not only its leader: a vLLM engine's worker may spin on a CPU for seconds after the server
+    process that started it exited (its engine core waits for it), and would slow the next server a benchmark
+    starts (its own worker pinned to the same core)."""
     if proc.poll() is not None:
         return
+    deadline = time.monotonic() + timeout
     os.killpg(proc.pid, signal.SIGTERM)
     try:
         proc.wait(timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+    while group_running(proc.pid):
+        if time.monotonic() > deadline:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            deadline = time.monotonic() + 10
+        time.sleep(0.05)
+
+
+def group_running(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` still runs (zombies, waiting to be reaped, do not count)."""
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as stat:
+                fields = stat.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != b"Z":
+            return True
+    return False
