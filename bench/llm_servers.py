@@ -5,6 +5,7 @@ included)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -122,14 +123,11 @@ def stop_process(proc: subprocess.Popen, timeout: float = 60) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    while group_running(proc.pid):
-        if time.monotonic() > deadline:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            deadline = time.monotonic() + 10
+    while group_running(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.05)
+    if group_running(proc.pid):  # what is left of the group after the timeout
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def group_running(pgid: int) -> bool:

@@ -63,7 +63,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
-from tideserve.bench.llm_servers import free_port, stop_process
+from tideserve.bench.llm_servers import cpu_seconds, free_port, stop_process
 
 MODEL_NAME = "llm"
 SUBJECTS = ["the river", "a quiet town", "the old library", "an engineer", "the winter market", "a lighthouse",
@@ -128,17 +128,14 @@ class Server:
 
 # -- CPU per process kind ---------------------------------------------------------------------------
 CPU_KINDS = ("api", "engine", "other")
-_TICK = os.sysconf("SC_CLK_TCK")
 
 
 def _own_cpu_s(pid: int) -> float:
     """utime + stime of ``pid`` (children excluded), seconds; 0 when it is gone."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            fields = stat.read().rsplit(b")", 1)[1].split()
+        return cpu_seconds(pid)
     except OSError:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / _TICK  # (fields 14 and 15 of proc(5), after "pid (comm)")
 
 
 def _kind(pid: int) -> str:
