@@ -34,7 +34,9 @@ each round.
 
 All servers are up at once (each idle while the other is measured) and every round measures each side in
 turn (tideserve, vLLM, ONNX Runtime batch 1, ONNX Runtime batched), so the machine's load drifts over all
-sides alike; the table shows each side's median over the rounds.
+sides alike; the table shows each side's median over the rounds. Each side starts once every server's
+process tree is idle (under a tenth of a core over 0.25 s, at most 10 s; ``settle_s`` in the JSON): vLLM's
+engine keeps a core busy for about a second after its last request.
 
     python bench/embeddings.py [--concurrency 32] [--requests 2000] [--rounds 2] [--peer none|vllm]
                                [--ensemble-path] [--client lean|httpx] [--encoding-format float|base64]
@@ -211,6 +213,22 @@ def tree_cpu_s(pid: int) -> tuple[float, float]:
     return own, sum(found.values())
 
 
+def settle(pids: list[int], quiet: float = 0.1, window: float = 0.25, limit: float = 10.0) -> float:
+    """Wait until the servers' process trees (``pids``) together use under ``quiet`` of a core over ``window``
+    seconds (at most ``limit`` seconds); the seconds waited. vLLM's engine keeps a core busy for about 1 s after
+    its last request, so without this the side measured next (tideserve's first round, right after vLLM's
+    warm-up) shared its cores with it."""
+    started = time.perf_counter()
+    last = sum(sum(tree_cpu_s(pid)) for pid in pids)
+    while time.perf_counter() - started < limit:
+        time.sleep(window)
+        now = sum(sum(tree_cpu_s(pid)) for pid in pids)
+        if now - last < quiet * window:
+            break
+        last = now
+    return time.perf_counter() - started
+
+
 def ensemble_repository(root: Path) -> Path:
     """A repository holding ``text_embedder_ensemble``: text_embedder's config without
     ``openai_tokenize_in_frontend`` (its steps are the example repository's)."""
@@ -231,7 +249,9 @@ def encoder_counts(http: int) -> tuple[int, int]:
     return stats["inference_count"], stats["execution_count"]
 
 
-def served_round(url: str, texts: list[str], args, counts=None, model: str = MODEL, pid: int | None = None) -> dict:
+def served_round(url: str, texts: list[str], args, counts=None, model: str = MODEL, pid: int | None = None,
+                 servers: tuple[int, ...] = ()) -> dict:
+    settled = settle(list(servers))
     before = counts() if counts else None
     cpu = tree_cpu_s(pid) if pid else None
     result = asyncio.run(load(url, model, texts, args.concurrency, args.requests, args.client, args.encoding_format))
@@ -239,6 +259,7 @@ def served_round(url: str, texts: list[str], args, counts=None, model: str = MOD
         end = tree_cpu_s(pid)
         result["server_cpu_us_per_request"] = 1e6 * (sum(end) - sum(cpu)) / args.requests
         result["children_cpu_us_per_request"] = 1e6 * (end[1] - cpu[1]) / args.requests
+    result["settle_s"] = settled
     if counts:
         after = counts()
         result["avg_batch"] = (after[0] - before[0]) / max(1, after[1] - before[1])
@@ -277,8 +298,9 @@ class InProcess:
         self.session = onnxruntime.InferenceSession(str(EXAMPLE / "text_encoder" / "1" / "model.onnx"),
                                                     providers=["CPUExecutionProvider"])
 
-    def round(self, texts: list[str], batch: int, count: int) -> dict:
-        return in_process(self.tokenizer, self.session, texts, batch, count)
+    def round(self, texts: list[str], batch: int, count: int, servers: tuple[int, ...] = ()) -> dict:
+        settled = settle(list(servers))
+        return {**in_process(self.tokenizer, self.session, texts, batch, count), "settle_s": settled}
 
 
 def in_process(tokenizer, session, texts: list[str], batch: int, count: int) -> dict:
@@ -367,19 +389,20 @@ def main() -> int:
             asyncio.run(load(url, ENSEMBLE if name == "tideserve_ensemble" else MODEL, texts, args.concurrency,
                              min(200, args.requests), args.client, args.encoding_format))
         local = InProcess()
+        servers = (*pids.values(), *((peer.pid,) if peer is not None else ()))  # each side starts once all are idle
         rounds: dict[str, list[dict]] = {name: [] for name in (*urls, "onnxruntime_batch1", "onnxruntime_batched")}
         for number in range(args.rounds):
             rounds["tideserve"].append(served_round(urls["tideserve"], texts, args, lambda: encoder_counts(http),
-                                                    pid=pids["tideserve"]))
+                                                    pid=pids["tideserve"], servers=servers))
             if "tideserve_ensemble" in urls:
                 rounds["tideserve_ensemble"].append(served_round(
                     urls["tideserve_ensemble"], texts, args, lambda: encoder_counts(ensemble_http), ENSEMBLE,
-                    pids["tideserve_ensemble"]))
+                    pids["tideserve_ensemble"], servers))
             if "vllm" in urls:
-                rounds["vllm"].append(served_round(urls["vllm"], texts, args, pid=peer.pid))
+                rounds["vllm"].append(served_round(urls["vllm"], texts, args, pid=peer.pid, servers=servers))
             batch = max(1, round(rounds["tideserve"][-1]["avg_batch"]))
-            rounds["onnxruntime_batch1"].append(local.round(texts, 1, max(50, args.requests // 4)))
-            rounds["onnxruntime_batched"].append(local.round(texts, batch, args.requests))
+            rounds["onnxruntime_batch1"].append(local.round(texts, 1, max(50, args.requests // 4), servers))
+            rounds["onnxruntime_batched"].append(local.round(texts, batch, args.requests, servers))
             print(f"round {number + 1}: " + ", ".join(
                 f"{name} {r[-1].get('rps', r[-1].get('sentences_per_s')):.1f}/s" for name, r in rounds.items()),
                   flush=True)
