@@ -275,8 +275,63 @@ def set_engine_nice(engine: AsyncLLM, nice: int) -> list[int]:
 # (nothing runs on the engine): they only tidy up, and on a CPU the engine core waits for its worker longer than
 # vLLM's default grace (5 s), so every stop took the whole grace and ended in a kill anyway.
 ENGINE_STOP_GRACE_S = 2.0
+# How long :func:`stop_engine` waits for the processes it kills to be gone.
+ENGINE_KILL_WAIT_S = 5.0
 
 
 def stop_engine(engine: AsyncLLM) -> None:
-    """Shut the engine's processes down (blocking)."""
+    """Shut the engine's processes down (blocking) and return once none of them runs.
+
+    vLLM's engine core gets ``ENGINE_STOP_GRACE_S`` to end; past it vLLM kills the engine core and its workers. An
+    engine core that ends within the grace (one that got the signal itself, as a terminal's Ctrl-C or a group's
+    SIGTERM sends it) may leave its worker behind: a vLLM CPU worker's own exit runs torch's teardown of its
+    operator registrations, seconds of one CPU, after this server is gone and into whatever the machine runs next.
+    Whatever of the engine's processes (found before the shutdown) still runs after it is killed, as vLLM kills
+    what a late engine core leaves: the model is drained, nothing is left to tidy."""
+    processes = _processes(engine_processes(engine))
     engine.shutdown(timeout=ENGINE_STOP_GRACE_S)
+    end_processes(processes)
+
+
+def _processes(pids: list[int]) -> list:
+    import psutil
+
+    found = []
+    for pid in pids:
+        try:
+            found.append(psutil.Process(pid))  # (its start time: a pid reused later is not this process)
+        except psutil.Error:
+            pass
+    return found
+
+
+def end_processes(processes: list, wait_s: float = ENGINE_KILL_WAIT_S) -> list:
+    """SIGKILL each of ``processes`` (psutil.Process) that still runs and wait up to ``wait_s`` for them to be gone
+    (a zombie counts as gone: its parent reaps it). Returns those killed."""
+    import psutil
+
+    def running(proc) -> bool:
+        try:
+            return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    killed = [proc for proc in processes if running(proc)]
+    for proc in killed:
+        log.info("the vLLM engine's process %d (%s) outlived the engine's shutdown: killing it", proc.pid,
+                 _name(proc))
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    deadline = time.monotonic() + wait_s
+    while any(running(proc) for proc in killed) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return killed
+
+
+def _name(proc) -> str:
+    try:
+        return proc.name()
+    except Exception:  # noqa: BLE001 - a name for the log only
+        return "?"

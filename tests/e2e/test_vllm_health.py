@@ -7,10 +7,16 @@ Triton's test patches vLLM, the server's ``AsyncLLM.check_health`` fails here wh
 (tests/llm_fixtures.py): a healthy engine serves and stays READY; once the check fails, the next request
 is answered "Model is unavailable due to unhealthy vLLM engine" and the model is unloaded, so the one
 after it finds no model. A model with the check off then serves although the check would fail: nothing
-asks it. A model with a value that is not a boolean fails its load before any engine starts.
+asks it. A model with a value that is not a boolean fails its load before any engine starts. Last, Ctrl-C
+reaches the server and all its processes at once, as a terminal sends it: no process of the server is left once it
+has exited.
 """
 
 from __future__ import annotations
+
+import os
+import signal
+import time
 
 import httpx
 import pytest
@@ -176,3 +182,34 @@ def test_with_the_check_off_a_failing_check_changes_nothing(server, grpc_client)
         text, error = _stream_infer(server, CHECK_OFF)
         assert error is None and text
     assert _state(grpc_client, CHECK_OFF)[:2] == (True, "READY")
+
+
+def test_ctrl_c_to_every_process_leaves_none_once_the_server_exits(server, grpc_client):
+    """SIGINT to the server, its frontend workers and its engine's processes at once (a terminal's Ctrl-C reaches
+    the whole foreground group; this server shares the test runner's, so each gets it by pid): when the server has
+    exited none of them runs. The engine core ends at once on its own signal and vLLM's worker would run on for
+    seconds (torch's teardown at its exit) but for the server killing it."""
+    import psutil
+
+    assert _state(grpc_client, CHECK_OFF)[:2] == (True, "READY")  # (the test before loaded it: an engine runs)
+    processes = psutil.Process(server.process.pid).children(recursive=True)
+    names = {p.pid: p.name() for p in processes}
+    assert any("Worker" in name for name in names.values()), names
+    for proc in [psutil.Process(server.process.pid), *processes]:
+        try:
+            os.kill(proc.pid, signal.SIGINT)
+        except ProcessLookupError:
+            pass
+    assert server.process.wait(120) == 0
+    server.signalled = signal.SIGINT
+
+    def running(proc) -> bool:
+        try:
+            return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    deadline = time.monotonic() + 0.5  # a zombie's reaping by the init process, nothing more
+    while (left := [(p.pid, names[p.pid]) for p in processes if running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not left, (left, server.log()[-3000:])
