@@ -170,6 +170,10 @@ class InstanceContext:
 class ModelInstance:
     """One execution slot of a model. Override :meth:`execute` (plain or ``async``)."""
 
+    # A plain execute that spends its time in native code releasing the GIL (ONNX Runtime's run): the event loop
+    # hands the GIL to the instance's thread with each batch instead of keeping it until a switch interval forces it
+    releases_gil = False
+
     def __init__(self, model: "Model", ctx: InstanceContext) -> None:
         self.model = model
         self.ctx = ctx

@@ -54,6 +54,7 @@ class OnnxInstance(TensorModelInstance):
     """One ONNX Runtime session; runs each batch with one ``session.run``."""
 
     model: OnnxModel
+    releases_gil = True  # session.run lets the GIL go for the whole run
 
     def __init__(self, model: OnnxModel, ctx) -> None:
         super().__init__(model, ctx)
