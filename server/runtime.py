@@ -38,6 +38,7 @@ class InstanceSlot:
         self.instance = instance
         self.is_async = inspect.iscoroutinefunction(instance.execute)
         self.hands_over = not self.is_async and instance.releases_gil  # see _run_in_thread
+        self.last_run_ns = 0  # how long its last batch took (execute, hand-overs included)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=instance.ctx.name)
         self.limits = None  # what the rate limiter makes it wait for (schedulers/rate_limiter.py), if on
 
@@ -52,6 +53,9 @@ _uids = itertools.count(1)
 # How long the event loop waits, at most, for an instance's thread to take a batch it handed over (a busy machine
 # may not run the thread at once; the loop then carries on and the thread waits for the GIL as before).
 HANDOVER_WAIT_S = 0.002
+# Only an instance whose last batch ran this long is handed the GIL: for a model that runs in microseconds the
+# thread's wait for the GIL is no idle worth a forced switch per batch.
+HANDOVER_MIN_RUN_NS = 1_000_000
 
 
 def _run_in_thread(slot: InstanceSlot, requests: list[InferenceRequest]) -> asyncio.Future:
@@ -271,7 +275,7 @@ class ModelRuntime:
         try:
             if slot.is_async:
                 result = await slot.instance.execute(requests)
-            elif slot.hands_over:
+            elif slot.hands_over and slot.last_run_ns >= HANDOVER_MIN_RUN_NS:
                 result = await _run_in_thread(slot, requests)
             else:
                 result = await asyncio.get_running_loop().run_in_executor(
@@ -281,6 +285,7 @@ class ModelRuntime:
             log.debug("model '%s' execute raised", self.name, exc_info=True)
             result, error = None, as_server_error(exc)
         end = time.monotonic_ns()
+        slot.last_run_ns = end - start
         if traced:
             for request in requests:
                 if request.trace is not None:
