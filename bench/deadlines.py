@@ -592,6 +592,9 @@ def main() -> None:
                         help="run the server without TIDESERVE_DEADLINE_PROBE=1 (its loop notes its CPU wait every "
                              "2 ms, so a refusal's header can tell the machine's share of a late timer from the "
                              "loop's own)")
+    parser.add_argument("--no-kernel-arrival", dest="kernel_arrival", action="store_false",
+                        help="run the server with TIDESERVE_KERNEL_ARRIVAL=0: a deadline counts from the parser's "
+                             "first byte, not from when the kernel says the request's bytes arrived (TCP_INFO)")
     parser.add_argument("--no-prime", dest="prime", action="store_false",
                         help="before each side, do not reset the engine's prefix cache and send every prompt once")
     parser.add_argument("--generate-tensors", action="store_true",
@@ -619,6 +622,8 @@ def main() -> None:
         env["TIDESERVE_LOOP_SLICE_US"] = str(args.loop_slice_us)
     if args.generate_tensors:
         env["TIDESERVE_GENERATE_TENSORS"] = "1"
+    if not args.kernel_arrival:
+        env["TIDESERVE_KERNEL_ARRIVAL"] = "0"
     probe_file = work / "deadline-probe.json" if args.probe else None
     model = make_model(args.model_dir / args.size, args.size)
     repo = write_vllm_repository(work, model, args.max_num_seqs, args.max_queue_size,

@@ -19,6 +19,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
+import socket
+import struct
 import time
 
 import orjson
@@ -43,10 +46,59 @@ RECEIVED_NS = "tideserve.received_ns"
 """The scope key of when the server began to parse the request (``time.monotonic_ns``, set by the HTTP protocol):
 a queue deadline counts from there, not from when a busy event loop got to the request's handler."""
 
+CONNECTION_SOCKET = "tideserve.socket"
+"""The scope key of the request's connection socket (set by the HTTP protocol where :data:`KERNEL_ARRIVAL` holds),
+for :func:`received_ns` to ask the kernel when the request's bytes arrived; taken out of the scope at that first
+question."""
+
+
+def _tick_ns() -> int:
+    """One kernel tick (jiffy) in ns: the resolution of ``CLOCK_MONOTONIC_COARSE``, which the tick advances; 0 where
+    not known (not Linux)."""
+    try:
+        return round(time.clock_getres(6) * 1e9)  # CLOCK_MONOTONIC_COARSE (Linux), not named by the time module
+    except (OSError, ValueError):
+        return 0
+
+
+_TCP_INFO = getattr(socket, "TCP_INFO", None)
+_LAST_DATA_RECV = 52  # struct tcp_info (Linux): tcpi_last_data_recv, a __u32 of ms since the last data segment
+_TICK_NS = _tick_ns()
+# what a ms count of whole ticks may exceed the time since the data came by: one tick, as the kernel counts it in
+# whole ticks, and one ms more where a tick is no whole number of ms (the count rounded)
+_TICK_SLACK_NS = _TICK_NS + (0 if _TICK_NS % 1_000_000 == 0 else 1_000_000)
+KERNEL_ARRIVAL = (_TCP_INFO is not None and 0 < _TICK_NS <= 20_000_000
+                  and os.environ.get("TIDESERVE_KERNEL_ARRIVAL", "1") != "0")
+"""Whether :func:`received_ns` asks the kernel when a request's bytes arrived (Linux TCP; ``TIDESERVE_KERNEL_ARRIVAL=0``:
+not, the deadline then counts from the parser's first byte alone)."""
+
+
+def kernel_arrival_ns(sock, received: int) -> int:
+    """The earlier of ``received`` and the latest time that is surely after the connection's last data segment
+    arrived, by the kernel's count (``TCP_INFO``'s ``tcpi_last_data_recv``: ms since, counted in kernel ticks, so
+    a tick and its rounding are taken off, and a time never before the bytes came is the result). The request's
+    bytes waited in the socket while the event loop ran other connections' work (a burst of arrivals): a deadline
+    counted from here does not start that wait late. ``received`` where the kernel does not say."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, _LAST_DATA_RECV + 4)
+        since_ns = struct.unpack_from("=I", info, _LAST_DATA_RECV)[0] * 1_000_000 - _TICK_SLACK_NS
+    except (OSError, struct.error):
+        return received
+    if since_ns <= 0:
+        return received
+    return min(received, time.monotonic_ns() - since_ns)  # now read after the kernel's count: never too early
+
 
 def received_ns(scope) -> int:
-    """When the server began to parse the request (monotonic ns), or 0 where the protocol did not say."""
-    return scope.get(RECEIVED_NS, 0)
+    """When the request reached the server (monotonic ns): when the server began to parse it, or where the
+    kernel says that its bytes waited in the socket before (:func:`kernel_arrival_ns`), from when they arrived;
+    0 where the protocol did not say. The kernel is asked once per request (the socket leaves the scope then):
+    call this only for a request with a deadline (a ``getsockopt``, some microseconds)."""
+    received = scope.get(RECEIVED_NS, 0)
+    sock = scope.pop(CONNECTION_SOCKET, None)
+    if sock is not None and received:
+        received = scope[RECEIVED_NS] = kernel_arrival_ns(sock, received)
+    return received
 
 
 DEADLINE_LATE_HEADER = b"tideserve-deadline-late-us"

@@ -635,7 +635,7 @@ async def handle_generate(dataplane, reader: BodyReader, scope, receive, send, m
             if key == b"traceparent":
                 request.trace_context = value.decode("latin-1")
         if request.timeout_us and 0 < received_ns(scope) < request.arrival_ns:
-            request.arrival_ns = received_ns(scope)  # Triton's 'timeout' counts from when the server read the request
+            request.arrival_ns = received_ns(scope)  # Triton's 'timeout' counts from when the request reached the server
         if typed is not None:
             if not streaming:
                 request.streaming = False  # one answer

@@ -32,7 +32,7 @@ import orjson
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from ..asgi import RECEIVED_NS, FastCycle
+from ..asgi import CONNECTION_SOCKET, KERNEL_ARRIVAL, RECEIVED_NS, FastCycle
 
 log = logging.getLogger(__name__)
 
@@ -176,10 +176,14 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._shortest = min(limits.header_timeout, limits.body_timeout, self.timeout_keep_alive)
         # the app's direct handlers (KServe infer: tideserve.http.app.HttpApp.infer_handler), None for another app
         self._handler = getattr(self.app, "infer_handler", None) if FastCycle is not None else None
+        self._socket = None  # the connection's socket where a deadline may ask the kernel (connection_made)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self.scope[RECEIVED_NS] = time.monotonic_ns()
+        scope = self.scope
+        scope[RECEIVED_NS] = time.monotonic_ns()
+        if self._socket is not None:  # a deadline also asks the kernel when the bytes came (asgi.received_ns)
+            scope[CONNECTION_SOCKET] = self._socket
 
     # -- what the connection waits for, and the one timer that bounds it -------------------
     def _wait_for(self, what: int, timeout: float) -> None:
@@ -274,6 +278,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     # -- asyncio.Protocol -----------------------------------------------------------------
     def connection_made(self, transport) -> None:
+        self._socket = transport.get_extra_info("socket") if KERNEL_ARRIVAL else None
         super().connection_made(CoalescingTransport(transport, self.loop))
         self._wait_for(_HEAD, self.limits.header_timeout)
 

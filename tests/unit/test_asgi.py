@@ -166,3 +166,29 @@ async def test_blocks_past_their_delay_watch_and_those_ended_sooner_never_do():
     leaving.left.set()
     with pytest.raises(ClientGone):
         await task
+
+
+@pytest.mark.skipif(not asgi.KERNEL_ARRIVAL, reason="the kernel's TCP_INFO and tick (Linux)")
+def test_a_deadline_counts_from_when_the_kernel_had_the_bytes_never_before_they_came():
+    """Bytes that waited in the socket (a busy loop) count from their arrival as the kernel tells it, in whole
+    ticks rounded toward the read: never before the client sent them; the kernel is asked once per request."""
+    import socket
+    import time
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        client = socket.create_connection(listener.getsockname())
+        server, _ = listener.accept()
+        with client, server:
+            sent = time.monotonic_ns()
+            client.sendall(b"POST / HTTP/1.1\r\n")
+            time.sleep(0.05)  # the loop busy elsewhere: the bytes wait
+            server.recv(100)
+            read = time.monotonic_ns()
+            scope = {asgi.RECEIVED_NS: read, asgi.CONNECTION_SOCKET: server}
+            arrived = asgi.received_ns(scope)
+            assert sent <= arrived < read - 20_000_000  # 50 ms waited: at most two ticks (10 ms each at HZ 100) lost
+            assert asgi.CONNECTION_SOCKET not in scope and scope[asgi.RECEIVED_NS] == arrived
+            assert asgi.received_ns(scope) == arrived  # asked once: the scope keeps the answer
+    assert asgi.received_ns({asgi.RECEIVED_NS: 5}) == 5 and asgi.received_ns({}) == 0
+    # a socket the kernel cannot say it for (closed): the parser's time
+    assert asgi.kernel_arrival_ns(server, 7) == 7

@@ -61,8 +61,9 @@ async def create_chat_completion(server, body: bytes, scope) -> bytes | EventStr
     try:
         inference = llm.request(prompt, sampling, stream=stream, logprobs=bool(request.logprobs),
                                 add_special_tokens=False, request_id=request_id)
-        llm.admission(inference, request.priority, server.limits.prompt_tokens_details, request_timeout_us(scope),
-                      request_received_ns(scope))
+        timeout_us = request_timeout_us(scope)
+        llm.admission(inference, request.priority, server.limits.prompt_tokens_details, timeout_us,
+                      request_received_ns(scope) if timeout_us else 0)  # the kernel is asked only for a deadline
         run = Run(server.dataplane, llm, inference, request.n)
         if stream:
             await run.peek()

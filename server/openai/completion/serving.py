@@ -50,6 +50,7 @@ async def create_completion(server, doc, scope) -> bytes | EventStream:
     n = request.n
     request_id = f"cmpl-{uuid.uuid4().hex}"
     timeout_us = request_timeout_us(scope)
+    received = request_received_ns(scope) if timeout_us else 0  # the kernel is asked only for a deadline
     echoes = [(p if isinstance(p, str) else llm.decode(p)) if request.echo else "" for p in prompts]
     runs: list[Run] = []
     try:
@@ -59,8 +60,7 @@ async def create_completion(server, doc, scope) -> bytes | EventStream:
             inference = llm.request(prompt, sampling, stream=stream, logprobs=request.logprobs is not None,
                                     add_special_tokens=request.add_special_tokens, request_id=f"{request_id}-{k}",
                                     prompt_logprobs=request.prompt_logprobs)
-            llm.admission(inference, request.priority, server.limits.prompt_tokens_details, timeout_us,
-                          request_received_ns(scope))
+            llm.admission(inference, request.priority, server.limits.prompt_tokens_details, timeout_us, received)
             runs.append(Run(server.dataplane, llm, inference, n, index=k * n))
         if stream:
             await peek_all(runs)

@@ -52,7 +52,7 @@ async def create_message(server, doc, scope) -> bytes | EventStream:
     message_id = f"msg_{uuid.uuid4().hex}"
     try:
         run = await start(server, chat, llm, stream=request.stream, request_id=message_id,
-                          max_tokens_field="max_tokens", timeout_us=timeout_us, received_ns=request_received_ns(scope))
+                          max_tokens_field="max_tokens", timeout_us=timeout_us, received_ns=request_received_ns(scope) if timeout_us else 0)
     except OpenAIError as exc:
         raise renamed(exc) from None
     head = {"id": message_id, "type": "message", "role": "assistant", "model": llm.name}

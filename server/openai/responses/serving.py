@@ -97,7 +97,7 @@ async def create_response(server, body: bytes, scope) -> bytes | EventStream:
     try:
         run = await start(server, chat, llm, stream=request.stream, request_id=response_id,
                           max_tokens_field="max_output_tokens", timeout_us=timeout_us,
-                          received_ns=request_received_ns(scope),
+                          received_ns=request_received_ns(scope) if timeout_us else 0,
                           meanwhile=(lambda: job.prepare(chat, llm)) if request.stream else None)
     except OpenAIError as exc:
         raise renamed(exc) from None
