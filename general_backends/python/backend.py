@@ -70,13 +70,20 @@ class InstanceThread:
 
     Work comes through a queue, or, while the thread runs an event loop of its own (:meth:`serve`: a model
     process's direct links, ``direct.py``), through that loop: the loop's callbacks and the work posted to the
-    thread then take turns on it."""
+    thread then take turns on it. A model process can also give the thread something to do while its queue is
+    empty (:attr:`idle`: read the process's socket and run the batches it brings inline, ``stub.py``)."""
 
     def __init__(self, name: str, scope: ModelScope) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()  # the switch to and from a loop against posts from other threads
         self._loop: asyncio.AbstractEventLoop | None = None
         self.busy = False
+        # Run (on the thread) while the queue is empty, instead of waiting on it; returns True to be run again,
+        # False to wait on the queue. While it waits itself it sets ``idling`` and watches for ``idle_wake``,
+        # which a post then calls (after the work is queued: it returns, and the thread runs the work).
+        self.idle: Callable[[], bool] | None = None
+        self.idle_wake: Callable[[], None] | None = None
+        self.idling = False
         self._thread = threading.Thread(target=self._run, args=(scope,), name=name, daemon=True)
         self._thread.start()
 
@@ -101,12 +108,25 @@ class InstanceThread:
             loop = self._loop
             if loop is None:
                 self._queue.put(item)
+                if self.idling:
+                    self.idle_wake()
                 return
         loop.call_soon_threadsafe(self._call, item)
+
+    def run(self, fn, *args) -> None:
+        """Run ``fn(*args)`` now, on the thread (from :attr:`idle`), as posted work runs."""
+        self._call((None, fn, args))
+
+    def has_work(self) -> bool:
+        """Whether work waits in the queue (for :attr:`idle`, after it set ``idling``)."""
+        return not self._queue.empty()
 
     def _run(self, scope: ModelScope) -> None:
         set_scope(scope)
         while True:
+            idle = self.idle
+            if idle is not None and self._queue.empty() and idle():
+                continue
             item = self._queue.get()
             if item is None:
                 return
@@ -165,6 +185,8 @@ class InstanceThread:
         with self._lock:
             loop = self._loop
             self._queue.put(None)
+            if loop is None and self.idling:
+                self.idle_wake()
         if loop is not None:
             try:
                 loop.call_soon_threadsafe(loop.stop)

@@ -13,9 +13,17 @@ write the responses back (tensors through the response arena). Everything a mode
 - custom metrics: :class:`ProcessMetrics` keeps each series in a shared page the server reads;
 - logging: every record goes to the server's log (:class:`LogForwarder`).
 
-A reader thread takes the server's messages: a batch goes straight to the instance's thread (where
-model code runs, as in the server), BLS responses and the model's lifecycle to an event loop on the
-main thread, which runs BLS calls and ``auto_complete_config`` / ``initialize`` / ``finalize``. Writes
+The server's messages are read by one thread at a time. Once a model that is not decoupled has its instance,
+that is the instance's thread (where model code runs, as in the server) while it has nothing else to do: it
+reads the socket and runs each batch it reads inline, so a batch costs no hand-over between threads (no
+wake-up of a second thread, no passing of the GIL). While it runs a batch nobody reads, unless something needs
+reading: a reply the process awaits (a BLS call, a model control: the reader thread takes over when one is sent
+or in flight) or a cancellation of a batch that runs long (the reader thread looks every few milliseconds while a
+batch runs, and takes over after ``LONG_BATCH_S``). The reader thread reads otherwise (before the instance
+exists, for decoupled models, with direct links, while the instance's thread runs other work) and hands a batch
+to the instance's thread, which goes on reading after it. BLS responses and the model's lifecycle go to an
+event loop on the main thread, which runs BLS calls and ``auto_complete_config`` / ``initialize`` /
+``finalize``. ``TIDESERVE_PROCESS_READER=thread`` keeps the reader thread reading always. Writes
 are blocking, under a lock, from whichever thread answers; what a batch returns goes out in one write. The process exits when
 the server asks (after ``finalize``), when its socket closes (the server is gone), or when the model
 calls ``sys.exit`` in execute.
@@ -29,9 +37,11 @@ import ctypes
 import itertools
 import logging
 import os
+import select
 import socket
 import sys
 import threading
+import time
 from functools import partial
 from pathlib import Path
 
@@ -55,6 +65,15 @@ from .backend import ModelExit, PythonBackend, PythonInstance, PythonModel
 log = logging.getLogger(__name__)
 
 METRICS_PAGE = 64 * 1024  # bytes of shared memory per page of custom metric values
+# The instance's thread reads the socket between its batches (see the module's doc); "thread": never.
+INSTANCE_READS = os.environ.get("TIDESERVE_PROCESS_READER", "instance") != "thread"
+LONG_BATCH_S = 0.01  # a batch that runs this long while nobody reads: the reader thread takes over reading
+STANDBY_CHECK_S = 0.01  # how often the reader thread looks, while the instance's thread may run such a batch
+STANDBY_IDLE_S = 1.0  # no batch for this long: the reader thread stops looking until the next batch starts
+
+# Who reads the socket (Stub._holder): the reader thread, the instance's thread, or nobody (None: the
+# instance's thread runs a batch it read, or one the reader thread handed it, and reads again after it).
+THREAD, INSTANCE = "thread", "instance"
 
 
 def run(spec: protocol.ProcessSpec, sock_fd: int, request_fd: int, response_fd: int) -> int:
@@ -136,6 +155,17 @@ class Stub:
         self.calls: dict[int, RemoteCall] = {}  # BLS calls in flight
         self.controls: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
+        # who reads the socket (THREAD, INSTANCE or None) and whether the instance's thread may (see the module's
+        # doc); only the holder changes it, but for None -> THREAD (the reader thread takes over)
+        self._role = threading.Lock()
+        self._holder: str | None = THREAD
+        self._inline = False
+        self._standby = threading.Event()  # wakes the reader thread while it does not read
+        self._standby_deep = False  # it waits for no timeout (no batch for STANDBY_IDLE_S)
+        self._batch_since = 0.0  # when the batch the instance's thread runs while nobody reads started (0: none)
+        self._last_batch = 0.0
+        self._wake_fd: int | None = None  # an eventfd that ends the instance's thread's poll (work posted to it)
+        self._poll: select.poll | None = None
         # the model's handles to the server, and its custom metrics
         self.remote_infer = RemoteInfer(self)
         self.remote_control = RemoteControl(self)
@@ -164,30 +194,178 @@ class Stub:
             os.close(fd)
 
     def _read(self) -> None:
-        """The reader thread: hands each message to whoever handles it (the instance's thread for a batch,
-        the event loop for BLS responses and the model's lifecycle)."""
+        """The reader thread: while it reads, hands each message to whoever handles it (the instance's thread
+        for a batch, the event loop for BLS responses and the model's lifecycle); else waits to take over."""
         while True:
-            try:
-                messages = self.reader.receive(self.sock)
-            except OSError:
-                messages = None
-            if messages is None:  # the server is gone: nobody is left to answer
-                _flush_output()
-                os._exit(0)
-            for message in messages:
+            if self._holder != THREAD:
+                self._park()
+                continue
+            for message in self._receive():
                 try:
-                    self._handle(message)
+                    if type(message) is protocol.Execute:
+                        self._hand_over(message)
+                    else:
+                        self._handle(message)
                 except Exception:
                     log.exception("model process '%s': cannot handle %s", self.spec.label, type(message).__name__)
+
+    def _receive(self) -> list:
+        try:
+            messages = self.reader.receive(self.sock)
+        except OSError:
+            messages = None
+        if messages is None:  # the server is gone: nobody is left to answer
+            _flush_output()
+            os._exit(0)
+        return messages
+
+    def _park(self) -> None:
+        """The reader thread while it does not read: it looks every STANDBY_CHECK_S whether the batch the
+        instance's thread runs while nobody reads has run LONG_BATCH_S (then it reads: a cancellation reaches the
+        batch), or at once when woken (a reply is awaited)."""
+        self._standby_deep = True  # before reading _batch_since: a batch that starts now wakes it (_run_inline)
+        deep = not self._batch_since and time.monotonic() - self._last_batch > STANDBY_IDLE_S
+        if not deep:
+            self._standby_deep = False
+        self._standby.wait(None if deep else STANDBY_CHECK_S)
+        self._standby.clear()
+        self._standby_deep = False
+        since = self._batch_since
+        if since and time.monotonic() - since >= LONG_BATCH_S:
+            self._take_over()
+
+    def _take_over(self) -> None:
+        """The reader thread reads while the instance's thread runs its batch (from any thread)."""
+        with self._role:
+            if self._holder is None:
+                self._holder = THREAD
+                self._standby.set()
+
+    def _batch(self, message: protocol.Execute) -> tuple:
+        block = self.requests_in.block(message.payload, self._fd_of(message.payload))
+        requests = message.requests
+        cores = [self._request(meta, block) for meta in requests]
+        return message.batch, cores, [meta.rid for meta in requests]
+
+    def _hand_over(self, message: protocol.Execute) -> None:
+        """(The reader thread.) The batch goes to the instance's thread; where that thread may read, it reads
+        after the batch, and this thread stops reading (it finishes the messages it read)."""
+        args = self._batch(message)
+        if self._inline:
+            with self._role:
+                if self._holder == THREAD:
+                    self._holder = None
+            self.instance.thread.post(self._run_inline, *args)
+        else:
+            self.instance.thread.post(self._run_batch, *args)
+
+    def _enable_instance_reads(self, instance: PythonInstance) -> None:
+        """The instance's thread reads the socket while its queue is empty (a model that is not decoupled)."""
+        if not INSTANCE_READS or instance.decoupled or not hasattr(os, "eventfd"):
+            return
+        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        poll = select.poll()
+        poll.register(self.sock.fileno(), select.POLLIN)
+        poll.register(self._wake_fd, select.POLLIN)
+        self._poll = poll
+        thread = instance.thread
+        thread.idle_wake = self._wake
+        thread.idle = self._read_on_instance
+        self._inline = True
+
+    def _disable_instance_reads(self) -> None:
+        """From now on the reader thread reads (the instance's thread runs the direct links' loop)."""
+        if self._inline:
+            self._inline = False
+            self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.eventfd_write(self._wake_fd, 1)
+        except OSError:
+            pass
+
+    def _read_on_instance(self) -> bool:
+        """(The instance's thread, while its queue is empty.) Read the socket and run the batches it brings; False
+        when this thread does not read (it waits on its queue), True to be called again."""
+        thread = self.instance.thread
+        if self._holder != INSTANCE:  # (None: the reader thread is handing this thread a batch)
+            return False
+        if not self._inline:
+            self._give_up()
+            thread.idle = None
+            return False
+        thread.idling = True
+        if thread.has_work():
+            thread.idling = False
+            self._give_up()  # posted work (finalize, the direct links' loop) may await replies meanwhile
+            return True
+        try:
+            ready = self._poll.poll()
+        finally:
+            thread.idling = False
+        readable = False
+        for fd, _events in ready:
+            if fd == self._wake_fd:
+                try:
+                    os.eventfd_read(self._wake_fd)
+                except OSError:
+                    pass
+            else:
+                readable = True
+        if readable:
+            batches = []  # run after the other messages read with them (a cancellation of theirs among them)
+            for message in self._receive():
+                try:
+                    if type(message) is protocol.Execute:
+                        batches.append(self._batch(message))
+                    else:
+                        self._handle(message)
+                except Exception:
+                    log.exception("model process '%s': cannot handle %s", self.spec.label, type(message).__name__)
+            for args in batches:
+                thread.run(self._run_inline, *args)
+        return True
+
+    def _give_up(self) -> None:
+        """(The instance's thread, holding the role.) The reader thread reads from now on."""
+        with self._role:
+            if self._holder == INSTANCE:
+                self._holder = THREAD
+                self._standby.set()
+
+    def _run_inline(self, batch: int, requests: list[CoreRequest], rids: list[int]) -> None:
+        """(The instance's thread.) Run a batch with nobody reading the socket (unless a reply is awaited: the
+        reader thread reads then); read again after it."""
+        with self._role:
+            if self._holder == INSTANCE:
+                self._holder = None
+            if self._holder is None and (self.calls or self.controls):
+                self._holder = THREAD
+                self._standby.set()
+            unread = self._holder is None
+        if unread:
+            self._batch_since = time.monotonic()
+            if self._standby_deep:
+                self._standby.set()
+        try:
+            self._run_batch(batch, requests, rids)
+        finally:
+            self._batch_since = 0.0
+            self._last_batch = time.monotonic()
+            with self._role:
+                if self._holder is None:
+                    if self._inline:
+                        self._holder = INSTANCE
+                    else:
+                        self._holder = THREAD
+                        self._standby.set()
 
     def _handle(self, message) -> None:
         loop = self.loop
         match message:
-            case protocol.Execute(batch=batch, requests=requests, payload=payload):
-                block = self.requests_in.block(payload, self._fd_of(payload))
-                cores = [self._request(meta, block) for meta in requests]
-                del block
-                self.instance.thread.post(self._run_batch, batch, cores, [meta.rid for meta in requests])
+            case protocol.Execute():
+                self.instance.thread.post(self._run_batch, *self._batch(message))
             case wire.Cancel(rid=rid):
                 request = self.requests.get(rid)
                 if request is not None:
@@ -333,6 +511,7 @@ class Stub:
         created.on_exit = self.exit_process
         await created.initialize()
         self.instance = created
+        self._enable_instance_reads(created)
         self.spec.label = instance.name
         _name_process(instance.name)
 
@@ -341,6 +520,7 @@ class Stub:
         if self.direct is None:
             from .direct import DirectServer
 
+            self._disable_instance_reads()  # its thread runs the links' loop
             self.direct = await DirectServer.open(self, path)
 
     def _direct_counters(self, call: int) -> None:
@@ -367,6 +547,7 @@ class Stub:
         """Send a BLS request to the server (on the loop); its responses come to the returned call."""
         call = next(self._ids)
         remote = self.calls[call] = RemoteCall(self, call)
+        self._take_over()  # its responses are read while a batch runs
         refs, payload, fd = self.responses_out.put(list(request.inputs.values()))
         meta = wire.request_message(call, request, refs)
         self.send(protocol.Call(call, meta, payload, unary), fd=fd)
@@ -380,6 +561,7 @@ class Stub:
     async def control(self, make) -> protocol.ControlResult:
         call = next(self._ids)
         future = self.controls[call] = self.loop.create_future()
+        self._take_over()  # its result is read while a batch runs
         self.send(make(call))
         result = await future
         if result.error is not None:

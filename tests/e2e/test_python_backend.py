@@ -671,6 +671,73 @@ async def test_cancelling_a_decoupled_bls_call_stops_the_called_model(tmp_path, 
     assert not repeat.requests_in_flight  # 100 x 20 ms would take two seconds
 
 
+WAITER = """
+    import threading, time
+    import numpy as np
+    import triton_python_backend_utils as pb_utils
+
+    class TritonPythonModel:
+        def initialize(self, args):
+            self.thread = threading.get_ident()
+
+        def execute(self, requests):
+            responses = []
+            for request in requests:
+                seconds = float(pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()[0])
+                deadline = time.monotonic() + seconds
+                while time.monotonic() < deadline and not request.is_cancelled():
+                    time.sleep(0.001)
+                if seconds < 0:  # a BLS call from execute, whose responses the process reads meanwhile
+                    bls = pb_utils.InferenceRequest(model_name="echo", requested_output_names=["OUT"],
+                                                    inputs=[pb_utils.Tensor("IN", np.array([0.01], np.float32))])
+                    assert not bls.exec().has_error()
+                same = threading.get_ident() == self.thread
+                responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array(
+                    [float(request.is_cancelled()), float(same)], np.float32))]))
+            return responses
+"""
+
+
+async def test_a_model_process_reads_its_messages_while_execute_runs(tmp_path, make_core):
+    """The instance's thread reads its process's socket between batches and runs them inline: execute still runs
+    on the thread that ran initialize, a BLS call from execute gets its responses, and a request cancelled while
+    a batch runs long is seen cancelled there."""
+    write_model(tmp_path, "waiter", WAITER, FP32_IO)
+    write_model(tmp_path, "echo", """
+        import triton_python_backend_utils as pb_utils
+
+        class TritonPythonModel:
+            def execute(self, requests):
+                return [pb_utils.InferenceResponse([pb_utils.get_input_tensor_by_name(r, "IN")]) for r in requests]
+    """, FP32_IO)
+    core = await make_core(tmp_path, load=["waiter", "echo"])
+    for seconds in (0.0, 0.03, -1.0, 0.0, 0.0):  # short and longer batches, one with a BLS call, in turn
+        response = await core.infer("waiter", IN=np.array([seconds], np.float32))
+        assert response.output("OUT").data.tolist() == [0.0, 1.0]
+    many = await asyncio.gather(*(core.infer("waiter", IN=np.array([0.002], np.float32)) for _ in range(16)))
+    assert all(r.output("OUT").data.tolist() == [0.0, 1.0] for r in many)
+    request = InferenceRequest("waiter", {"IN": Tensor.from_numpy("IN", np.array([30.0], np.float32))})
+    stream = core.dataplane.infer(request)
+    task = asyncio.ensure_future(stream.__anext__())
+    instance = core.instance("waiter")
+    deadline = time.monotonic() + 5
+    while not instance.requests_in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)  # the batch runs, nobody reading its process's socket but for the cancellation
+    started = time.monotonic()
+    request.cancellation.cancel()
+    try:
+        await asyncio.wait_for(task, 5)
+    except Exception:  # noqa: BLE001 - how a cancelled request ends is not what this test asks
+        pass
+    await stream.aclose()
+    while instance.requests_in_flight and time.monotonic() < started + 5:
+        await asyncio.sleep(0.01)
+    assert not instance.requests_in_flight and time.monotonic() - started < 2  # not the 30 s it asked for
+    response = await core.infer("waiter", IN=np.array([0.0], np.float32))  # and it serves on
+    assert response.output("OUT").data.tolist() == [0.0, 1.0]
+
+
 async def test_inputs_are_writable_and_reload_runs_the_new_code(tmp_path, make_core):
     model_py = """
         import triton_python_backend_utils as pb_utils
