@@ -219,6 +219,7 @@ def perf_analyzer(protocol: str, port: int, concurrency: int, http_format: str, 
     if protocol == "http" and http_format == "json":
         cmd += ["--input-tensor-format", "json", "--output-tensor-format", "json"]
     counts_before = executions(http) if http else None
+    switches_before = tree_switches(server_pid)
     cpu_before, started = tree_cpu_seconds(server_pid), time.monotonic()
     try:
         out, timed_out = subprocess.run(cmd, capture_output=True, text=True, timeout=300).stdout, False
@@ -226,6 +227,7 @@ def perf_analyzer(protocol: str, port: int, concurrency: int, http_format: str, 
         out, timed_out = exc.stdout or "", True
         out = out.decode(errors="replace") if isinstance(out, bytes) else out
     wall, cpu_after = time.monotonic() - started, tree_cpu_seconds(server_pid)
+    switches_after = tree_switches(server_pid)
     roles = {role: cpu_after.get(role, 0.0) - cpu_before.get(role, 0.0) for role in cpu_after}
     cpu = sum(roles.values())
     log.write_text(out)
@@ -250,10 +252,44 @@ def perf_analyzer(protocol: str, port: int, concurrency: int, http_format: str, 
         requests = result["infer_per_s"] * wall
         result["cpu_us_per_request"] = cpu / requests * 1e6
         result["cpu_us_per_request_by_role"] = {role: round(t / requests * 1e6, 1) for role, t in roles.items()}
+        result["switches_per_request_by_role"] = {  # processes that ran all along (a process that exited is left out)
+            role: round((count - switches_before.get(role, 0)) / requests, 2) for role, count in switches_after.items()
+            if role in switches_before}
     return result
 
 
 PROTOCOLS = ("http", "grpc", "grpc-stream")
+
+
+def tree_switches(root: int) -> dict[str, int]:
+    """Context switches (voluntary + involuntary) of every thread of process ``root`` and its live descendants, by
+    role: per request, a count a loaded machine changes much less than CPU time or throughput (each is a thread
+    that slept or was preempted: the hand-offs between threads and processes a request costs)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):
+            continue
+    children: dict[int, list[int]] = {}
+    for pid, parent in parents.items():
+        children.setdefault(parent, []).append(pid)
+    totals: dict[str, int] = {}
+    todo = [root]
+    while todo:
+        pid = todo.pop()
+        todo.extend(children.get(pid, ()))
+        count = 0
+        for status in Path(f"/proc/{pid}/task").glob("*/status"):
+            try:
+                for line in status.read_text().splitlines():
+                    if "ctxt_switches:" in line:
+                        count += int(line.split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+        role = _role(str(pid))
+        totals[role] = totals.get(role, 0) + count
+    return totals
 
 
 def main() -> None:
@@ -303,7 +339,8 @@ def main() -> None:
                               f"p50 {r.get('p50_ms', float('nan')):.2f} ms p99 {r.get('p99_ms', float('nan')):.2f} ms "
                               f"CPU {r.get('cpu_us_per_request', float('nan')):.0f} us/req "
                               f"{r.get('requests_per_execution', float('nan')):.2f} req/exec "
-                              f"{r.get('cpu_us_per_request_by_role', {})}"
+                              f"{r.get('cpu_us_per_request_by_role', {})} "
+                              f"switches/req {r.get('switches_per_request_by_role', {})}"
                               + ("" if r["stable"] else "  (unstable)") + ("  (timed out)" if r.get("timed_out") else ""),
                               flush=True)
     finally:
