@@ -114,6 +114,19 @@ class _StateLogger(StatLoggerBase):
         pass
 
 
+# How often an idle reader of vLLM's shared-memory message queue (worker, engine core) rechecks it, set in the engine's
+# processes by tideserve's vLLM plugin (llm_backends/vllm_plugin.py; vLLM's own value is 5000 ms). An environment
+# variable of the same name set before the server starts wins.
+SHM_RECHECK_MS = "20"
+
+
+def _engine_environment() -> None:
+    """What the engine's processes (spawned from this one) inherit: the setting tideserve's vLLM plugin applies."""
+    from tideserve.llm_backends.vllm_plugin import ENV
+
+    os.environ.setdefault(ENV, SHM_RECHECK_MS)
+
+
 def engine_arg_defaults() -> dict[str, Any]:
     return field_defaults(AsyncEngineArgs)
 
@@ -124,6 +137,7 @@ def start_engine(kwargs: dict[str, Any], on_state: Callable[[EngineState], None]
 
     ``registry``: where vLLM's own Prometheus logger writes the model's ``vllm:*`` families (None: the
     engine's default, prometheus_client's process-wide registry; the backend always passes one)."""
+    _engine_environment()
     loggers: list = [lambda _config, _index=0: _StateLogger(on_state)]
     if registry is not None:
         loggers.append(prometheus_logger(registry))
@@ -157,6 +171,7 @@ def start_engine_with_clients(kwargs: dict[str, Any], on_state: Callable[[Engine
     that cannot take them (data parallel) starts as usual and the second value is None: the workers relay."""
     import pickle
 
+    _engine_environment()
     loggers: list = [lambda _config, _index=0: _StateLogger(on_state)]
     if registry is not None:
         loggers.append(prometheus_logger(registry))
