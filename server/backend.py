@@ -218,15 +218,17 @@ class Model:
         typed requests, tokenizer files, context length, structured outputs); None for other models."""
         return None
 
-    def generation(self, request: "InferenceRequest"):
-        """A typed LLM generation (``request.generation``; ``engine_info().typed_requests``) as one coroutine that
-        runs it to its end, answering through ``request.response_sender`` (a ``GenerationStream``:
-        ``send_delta``); the pass-through scheduler runs it as a task of its own, with no instance ``execute``
-        around it. None: the model takes typed requests through ``execute`` like any other."""
+    def generation(self, stream):
+        """A typed LLM generation (``engine_info().typed_requests``) as one coroutine that runs it to its end. The
+        request is its ``GenerationStream`` (``generation``, ``id``, ``priority``, ``timeout_us``, ``arrival_ns``,
+        ``internal_id``; ``is_cancelled()`` and ``on_cancel(abort)``), which takes its answers (``send_delta``,
+        ``send_error``); the pass-through scheduler runs it as a task of its own, with no instance ``execute``
+        around it. None: the model takes typed requests through ``execute`` like any other (as an
+        InferenceRequest with ``generation`` set)."""
         return None
 
     def generation_entry(self):
-        """``generation`` resolved once: a callable ``(request) -> coroutine`` that the DataPlane keeps while the
+        """``generation`` resolved once: a callable ``(stream) -> coroutine`` that the DataPlane keeps while the
         model serves (its typed requests then run no backend code beside it); None: ``generation`` per request."""
         return None
 

@@ -18,9 +18,9 @@ from tritonclient.grpc import model_config_pb2 as mc
 from . import __version__, load_report
 from .backend import ServerHandles
 from .datatypes import config_to_datatype
-from .errors import (Cancelled, InternalError, InvalidArgument, NotFound, QueueFull, ServerError, Status, Unavailable,
+from .errors import (InternalError, InvalidArgument, NotFound, QueueFull, ServerError, Status, Unavailable,
                      Unsupported)
-from .generation import GenerationDelta
+from .generation import GenerationDelta, GenerationRequest
 from .loops import running_loop
 from .repository import ModelRepository
 from .response_cache import ResponseCache, request_key
@@ -30,7 +30,7 @@ from .serving import ServingInterface
 from .shared_memory import REGION, SharedMemoryRegistry, cuda_unsupported
 from .stats import GENERATIONS_KEPT, Metrics
 from .tracing import Tracer
-from .types import InferenceRequest, InferenceResponse
+from .types import InferenceRequest, InferenceResponse, request_ids
 
 # Triton protocol extensions this server implements (listed in the server metadata).
 EXTENSIONS = ["classification", "model_repository", "model_repository(unload_dependents)", "schedule_policy",
@@ -184,21 +184,41 @@ class InferenceStream:
 
 
 class DeltaStream:
-    """The deltas of one typed LLM generation, handed by the backend's generation task (the sender) straight to the
-    reader: no response objects, sender, scheduler queue or per-response bookkeeping between them. The sender's half
-    is :meth:`send_delta` per engine step (from any thread: another one's call is passed to the reader's loop),
-    :meth:`send` for a whole answer and :meth:`send_error`; deltas the reader has not taken yet join into one (one
-    chunk and one write for them, as vLLM's output collector merges the outputs of a slow reader). The reader's is
-    the async iteration; closing it early cancels the request. What is recorded at the end is each kind's own:
-    :meth:`_end` (the backend ended the request and the reader has taken everything) and :meth:`cancel` (the reader
-    went away first). :class:`GenerationStream` is the DataPlane's; a frontend worker's engine client has its own
-    (``server/workers/engines.py``). A subclass gives the model's ``runtime`` (its ``name``)."""
+    """One typed LLM generation: the request (what the frontend asked: ``model_name``, ``generation``, ``id``,
+    ``priority``, ``timeout_us``, ``arrival_ns``, ``trace_context``; the engine's request id ``internal_id``; the
+    ``trace``) and its deltas, handed by the backend's generation task (the sender) straight to the reader: no request
+    or response objects, sender, scheduler queue or per-response bookkeeping between them. The backend takes the
+    stream as its request. The sender's half is :meth:`send_delta` per engine step (from any thread: another one's
+    call is passed to the reader's loop), :meth:`send` for a whole answer and :meth:`send_error`; deltas the reader
+    has not taken yet join into one (one chunk and one write for them, as vLLM's output collector merges the outputs
+    of a slow reader); :meth:`is_cancelled` and :meth:`on_cancel` (the backend's abort) are the request's
+    cancellation. The reader's is the async iteration; closing it early cancels the request. What is recorded at the
+    end is each kind's own: :meth:`_end` (the backend ended the request and the reader has taken everything) and
+    :meth:`cancel` (the reader went away first). :class:`GenerationStream` is the DataPlane's; a frontend worker's
+    engine client has its own (``server/workers/engines.py``). A subclass gives the model's ``runtime`` (its
+    ``name``)."""
 
-    __slots__ = ("request", "_items", "_waiter", "_loop", "_loop_thread", "_closed", "_done", "_first_ns", "_error",
-                 "_on_error")
+    __slots__ = ("model_name", "model_version", "id", "generation", "priority", "timeout_us", "arrival_ns",
+                 "queue_start_ns", "internal_id", "trace_context", "trace", "_cancelled", "_on_cancel",
+                 "_items", "_waiter", "_loop", "_loop_thread", "_closed", "_done", "_first_ns", "_error", "_on_error")
 
-    def __init__(self, request: InferenceRequest, loop: asyncio.AbstractEventLoop) -> None:
-        self.request = request
+    def __init__(self, loop: asyncio.AbstractEventLoop, model_name: str, generation: GenerationRequest, *,
+                 model_version: str = "", id: str = "", priority: int = 0, timeout_us: int = 0, arrival_ns: int = 0,
+                 trace_context: Any = None) -> None:
+        self.model_name = model_name
+        self.model_version = model_version
+        self.id = id
+        self.generation = generation
+        self.priority = priority
+        self.timeout_us = timeout_us  # the request's deadline to start generating (0: the model's own)
+        self.arrival_ns = arrival_ns or time.monotonic_ns()  # (a deadline counts from when the server read it)
+        self.queue_start_ns = 0
+        self.internal_id = next(request_ids)  # (shared with InferenceRequest: the engine's request ids are unique)
+        # a client's W3C traceparent (str), or the traced request of an ensemble step (its RequestTrace); None: none
+        self.trace_context = trace_context
+        self.trace = None  # the request's RequestTrace when it is traced (set by the DataPlane)
+        self._cancelled = False
+        self._on_cancel = None  # the backend's abort (on_cancel)
         self._items: collections.deque[GenerationDelta] = collections.deque()
         self._waiter: asyncio.Future | None = None
         self._loop = loop
@@ -208,6 +228,26 @@ class DeltaStream:
         self._first_ns = 0  # when the reader took the first delta (recorded at the end, with the rest)
         self._error: ServerError | None = None
         self._on_error = None
+
+    # -- the request's cancellation (on the loop's thread) -----------------------------------------------------
+    def is_cancelled(self) -> bool:
+        return self._cancelled
+
+    def on_cancel(self, abort) -> None:
+        """``abort()`` once when the request is cancelled (the client went away, the server shuts down), at once if
+        it is already: the backend's abort of its engine request."""
+        if self._cancelled:
+            abort()
+        else:
+            self._on_cancel = abort
+
+    def _cancel_request(self) -> None:
+        if self._cancelled:
+            return
+        self._cancelled = True
+        abort, self._on_cancel = self._on_cancel, None
+        if abort is not None:
+            abort()
 
     # -- the backend's side -------------------------------------------------------------------------------------
     @property
@@ -290,10 +330,9 @@ class DeltaStream:
                 self.cancel()
                 raise
         if not self._first_ns:
-            request = self.request
             self._first_ns = now = time.monotonic_ns()
-            if request.trace is not None:
-                request.trace.first_response(now)
+            if self.trace is not None:
+                self.trace.first_response(now)
         return items.popleft()
 
     def _end(self) -> None:
@@ -314,20 +353,19 @@ class DeltaStream:
 
     def abort(self, error: ServerError) -> None:
         """End the stream with ``error`` now (server shutdown) and cancel the backend's work."""
-        self.request.cancellation.cancel()
+        self._cancel_request()
         self.send_error(error)
 
 
 class GenerationStream(DeltaStream):
-    """The typed deltas of one LLM generation (:meth:`DataPlane.generate`; ``request.response_sender`` is this
-    stream). What :class:`InferenceStream` records is recorded here once, at the end (statistics, tracing, the
-    model's requests in flight), in one call."""
+    """One typed LLM generation in the core (:meth:`DataPlane.generate`): what :class:`InferenceStream` records is
+    recorded here once, at the end (statistics, tracing, the model's requests in flight), in one call."""
 
     __slots__ = ("_dataplane", "runtime", "_running", "_compute_ns")
 
-    def __init__(self, dataplane: "DataPlane", runtime: ModelRuntime, request: InferenceRequest,
-                 loop: asyncio.AbstractEventLoop) -> None:
-        super().__init__(request, loop)
+    def __init__(self, dataplane: "DataPlane", runtime: ModelRuntime, loop: asyncio.AbstractEventLoop,
+                 model_name: str, generation: GenerationRequest, **identity) -> None:
+        super().__init__(loop, model_name, generation, **identity)
         self._dataplane = dataplane
         self.runtime = runtime
         self._running: dict | None = None  # the scheduler's running tasks, where the generation task is one
@@ -336,9 +374,9 @@ class GenerationStream(DeltaStream):
     def _end(self) -> None:
         """The backend has ended the request and the reader has taken everything: record it (one call)."""
         self._done = True
-        request, runtime = self.request, self.runtime
+        runtime = self.runtime
         now = time.monotonic_ns()
-        arrival = request.arrival_ns
+        arrival = self.arrival_ns
         dataplane = self._dataplane
         dataplane.active.discard(self)
         _request_finished(runtime)
@@ -347,37 +385,35 @@ class GenerationStream(DeltaStream):
         _count(runtime.stats, (now - arrival, first, self._compute_ns,
                                None if error is None else _FAILURE_REASON.get(error.status, "BACKEND"), now))
         self._compute_ns = -1  # recorded
-        if request.trace is not None:
-            dataplane.tracer.finish(request.trace, request, now)
+        if self.trace is not None:
+            dataplane.tracer.finish(self.trace, self, now)
 
     def cancel(self) -> None:
         """The client went away: the backend aborts the engine request."""
         if self._done:
             return
         self._done = True
-        request = self.request
         now = time.monotonic_ns()
         self._dataplane.active.discard(self)
-        request.cancellation.cancel()
+        self._cancel_request()
         _request_finished(self.runtime)
-        arrival = request.arrival_ns
+        arrival = self.arrival_ns
         first = self._first_ns - arrival if self._first_ns else -1
         _count(self.runtime.stats, (now - arrival, first, self._compute_ns, "CANCELED", now))
         self._compute_ns = -1  # recorded (a task still running records its execution when it ends)
-        if request.trace is not None:
-            self._dataplane.tracer.finish(request.trace, request, now)
+        if self.trace is not None:
+            self._dataplane.tracer.finish(self.trace, self, now)
 
     def _generated(self, task: asyncio.Task) -> None:
         """The generation task ended (the pass-through scheduler's bookkeeping, done here for the typed path):
         its compute time is recorded with the rest at the stream's end, or now when the reader has gone; a task
         that failed or was cancelled (the model unloaded) answers the request."""
-        request = self._running.pop(task, None) if self._running is not None else None
-        if request is None:
+        if self._running is None or self._running.pop(task, None) is None:
             return
         end = time.monotonic_ns()
-        compute = end - request.queue_start_ns
-        if request.trace is not None:
-            request.trace.compute_done(end)
+        compute = end - self.queue_start_ns
+        if self.trace is not None:
+            self.trace.compute_done(end)
         if self._done:  # the reader went away first: its statistics are in, the execution's come now
             _count(self.runtime.stats, (-1, -1, compute, None, end))
         else:
@@ -704,10 +740,13 @@ class DataPlane(ServingInterface):
         self.active.add(inference)
         return inference
 
-    def generate(self, request: InferenceRequest) -> GenerationStream:
-        """A typed LLM generation (``request.generation``): the model's backend runs it as a task of its own and
-        hands its deltas to the returned stream (no validation of tensors, no response cache, no shared memory:
-        a typed request has no tensors). Raises a ServerError if it cannot be accepted.
+    def generate(self, model_name: str, generation: GenerationRequest, *, model_version: str = "", id: str = "",
+                 priority: int = 0, timeout_us: int = 0, arrival_ns: int = 0,
+                 trace_context: Any = None) -> GenerationStream:
+        """A typed LLM generation: the model's backend runs it as a task of its own and hands its deltas to the
+        returned stream, which is the request the backend takes (no InferenceRequest, no validation of tensors, no
+        response cache, no shared memory: a typed request has no tensors). Raises a ServerError if it cannot be
+        accepted.
 
         A ready model's generation entry (:class:`_Generating`: its runtime, the backend's generation coroutine,
         the pass-through scheduler's running tasks and ``max_queue_size``) is resolved once and kept until the
@@ -716,47 +755,45 @@ class DataPlane(ServingInterface):
         the pass-through scheduler does for it (admission, the task, the model's requests in flight)."""
         if not self._accepting:
             raise Unavailable("the server is shutting down and accepts no new requests")
-        entry = None if request.model_version else self._generating.get(request.model_name)
+        entry = None if model_version else self._generating.get(model_name)
+        loop = asyncio.get_running_loop()
         if entry is None:
-            runtime = self.repository.get(request.model_name, request.model_version)
-            entry = self._generation_entry(request, runtime)
+            runtime = self.repository.get(model_name, model_version)
+            entry = self._generation_entry(model_name, model_version, runtime)
+            stream = GenerationStream(self, runtime, loop, model_name, generation, model_version=model_version, id=id,
+                                      priority=priority, timeout_us=timeout_us, arrival_ns=arrival_ns,
+                                      trace_context=trace_context)
             if entry is None:
-                return self._generate_scheduled(request, runtime)
-        runtime = entry.runtime
-        if request.generation is None or request.inputs:
-            runtime.stats.record_failure(time.monotonic_ns() - request.arrival_ns, "OTHER")
-            raise InvalidArgument("a typed generation request carries no input tensors")
+                return self._generate_scheduled(stream, runtime)
+        else:
+            runtime = entry.runtime
+            stream = GenerationStream(self, runtime, loop, model_name, generation, id=id, priority=priority,
+                                      timeout_us=timeout_us, arrival_ns=arrival_ns, trace_context=trace_context)
         running = entry.running
         if entry.max_queue_size:
             capacity = runtime.model.engine_capacity() or 0
             waiting = len(running) - capacity
             if waiting >= entry.max_queue_size:
-                runtime.stats.record_failure(time.monotonic_ns() - request.arrival_ns, "REJECTED")
+                runtime.stats.record_failure(time.monotonic_ns() - stream.arrival_ns, "REJECTED")
                 raise QueueFull(f"model '{runtime.name}' is busy: {waiting} requests wait for its engine "
                                 f"(max_queue_size {entry.max_queue_size}); retry later or on another replica")
-        loop = asyncio.get_running_loop()
-        stream = GenerationStream(self, runtime, request, loop)
-        request.response_sender = stream
         if self.tracer.active:
-            request.trace = self.tracer.begin(request, runtime)
-        request.queue_start_ns = now = time.monotonic_ns()
-        if request.is_cancelled():  # (as a scheduler drops a request cancelled while queued)
-            stream.send_error(Cancelled("request was cancelled before it ran"))
-        else:
-            if request.trace is not None:
-                request.trace.compute = (now, 0)
-            task = loop.create_task(entry.run(request))
-            running[task] = request
-            stream._running = running
-            task.add_done_callback(stream._generated)
+            stream.trace = self.tracer.begin(stream, runtime)
+        stream.queue_start_ns = now = time.monotonic_ns()
+        if stream.trace is not None:
+            stream.trace.compute = (now, 0)
+        task = loop.create_task(entry.run(stream))
+        running[task] = stream
+        stream._running = running
+        task.add_done_callback(stream._generated)
         _request_started(runtime)
         self.active.add(stream)
         return stream
 
-    def _generation_entry(self, request: InferenceRequest, runtime: ModelRuntime) -> "_Generating | None":
+    def _generation_entry(self, model_name: str, model_version: str, runtime: ModelRuntime) -> "_Generating | None":
         """The model's generation entry, kept for the next requests; None when its typed requests go through its
         scheduler (not the pass-through one, no generation coroutine, a version named, an ensemble)."""
-        if request.model_version or runtime.steps:
+        if model_version or runtime.steps:
             return None
         engine = runtime.engine
         run = runtime.model.generation_entry() if engine is not None and engine.typed_requests else None
@@ -767,25 +804,22 @@ class DataPlane(ServingInterface):
             return None
         entry = _Generating(runtime, run, scheduler.running, scheduler.max_queue_size)
         if self._keep_generating:
-            self._generating[request.model_name] = entry
+            self._generating[model_name] = entry
         return entry
 
-    def _generate_scheduled(self, request: InferenceRequest, runtime: ModelRuntime) -> GenerationStream:
+    def _generate_scheduled(self, stream: GenerationStream, runtime: ModelRuntime) -> GenerationStream:
         """A typed generation through the model's scheduler (``ModelRuntime.generate``)."""
         engine = runtime.engine
-        if request.generation is None or request.inputs or engine is None or not engine.typed_requests:
-            runtime.stats.record_failure(time.monotonic_ns() - request.arrival_ns, "OTHER")
-            raise InvalidArgument("a typed generation request carries no input tensors" if request.inputs else
-                                  f"model '{runtime.name}' takes no typed generation requests; send its input "
+        if engine is None or not engine.typed_requests:
+            runtime.stats.record_failure(time.monotonic_ns() - stream.arrival_ns, "OTHER")
+            raise InvalidArgument(f"model '{runtime.name}' takes no typed generation requests; send its input "
                                   "tensors")
-        stream = GenerationStream(self, runtime, request, asyncio.get_running_loop())
-        request.response_sender = stream
         if self.tracer.active:
-            request.trace = self.tracer.begin(request, runtime)
+            stream.trace = self.tracer.begin(stream, runtime)
         try:
-            runtime.generate(request)
+            runtime.generate(stream)
         except ServerError as exc:
-            runtime.stats.record_failure(time.monotonic_ns() - request.arrival_ns,
+            runtime.stats.record_failure(time.monotonic_ns() - stream.arrival_ns,
                                          _FAILURE_REASON.get(exc.status, "OTHER"))
             raise
         _request_started(runtime)

@@ -242,13 +242,14 @@ class ModelRuntime:
         request.queue_start_ns = time.monotonic_ns()
         self.scheduler.enqueue(request)
 
-    def generate(self, request: InferenceRequest) -> None:
-        """Start a typed LLM generation (DataPlane.generate): the scheduler runs the model's generation coroutine
-        at once (the pass-through scheduler), or schedules it as any request."""
+    def generate(self, stream) -> None:
+        """Start a typed LLM generation (DataPlane.generate; its GenerationStream is the request): the scheduler
+        runs the model's generation coroutine at once (the pass-through scheduler), or schedules it as any
+        request."""
         if self._state is not ModelState.READY:
             raise Unavailable(f"model '{self.name}' version {self.version} is not ready")
-        request.queue_start_ns = time.monotonic_ns()
-        self.scheduler.generate(request)
+        stream.queue_start_ns = time.monotonic_ns()
+        self.scheduler.generate(stream)
 
     async def execute(self, slot: InstanceSlot, requests: list[InferenceRequest], record: bool = True) -> None:
         """Run one batch on one instance, answer whatever the backend left unanswered.

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from tritonclient.grpc import model_config_pb2 as mc
 
     from .backend import ModelContext
-    from .generation import EngineInfo, GenerationDelta
+    from .generation import EngineInfo, GenerationDelta, GenerationRequest
     from .types import InferenceRequest, InferenceResponse
 
 
@@ -56,7 +56,7 @@ class GenerationStream(Protocol):
     ``StopAsyncIteration``. Closing it early (``cancel()`` or ``aclose()``) cancels the request (the engine aborts
     it)."""
 
-    request: InferenceRequest
+    model_name: str  # the model asked for
 
     def __aiter__(self) -> AsyncIterator[GenerationDelta]: ...
 
@@ -144,10 +144,14 @@ class ServingInterface(abc.ABC):
         raises here (in the core) or from the stream's first step (in a worker)."""
 
     @abc.abstractmethod
-    def generate(self, request: InferenceRequest) -> GenerationStream:
-        """A typed LLM generation (``request.generation``, a :class:`tideserve.generation.GenerationRequest`; no
-        input tensors) for a model whose engine takes them (``ServedModel.engine.typed_requests``): its
+    def generate(self, model_name: str, generation: GenerationRequest, *, model_version: str = "", id: str = "",
+                 priority: int = 0, timeout_us: int = 0, arrival_ns: int = 0,
+                 trace_context: Any = None) -> GenerationStream:
+        """A typed LLM generation (a :class:`tideserve.generation.GenerationRequest`, with the request's id,
+        priority, deadline ``timeout_us`` counted from ``arrival_ns`` (0: now) and a client's traceparent) for a
+        model whose engine takes them (``ServedModel.engine.typed_requests``): its
         :class:`~tideserve.generation.GenerationDelta` s as they come, what vLLM's ``EngineClient.generate`` is.
+        The stream carries the request (the backend takes it as such) and its cancellation (closing it early).
         Statistics, metrics, tracing, deadlines and cancellation are those of :meth:`infer`. A request refused
         before it is scheduled raises here (in the core) or from the stream's first step (in a worker)."""
 

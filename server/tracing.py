@@ -303,8 +303,9 @@ class Tracer:
 
     # -- tracing --------------------------------------------------------------------------------------------
     def begin(self, request, runtime) -> RequestTrace | None:
-        """The trace of ``request`` if it is to be traced (sampled by rate and count, or an ensemble step of
-        a traced request, or carrying a client's traceparent in opentelemetry mode), else None."""
+        """The trace of ``request`` (an InferenceRequest, or a typed generation's stream) if it is to be traced
+        (sampled by rate and count, or an ensemble step of a traced request, or carrying a client's traceparent in
+        opentelemetry mode), else None."""
         context = request.trace_context
         if isinstance(context, RequestTrace):
             context.children += 1
@@ -321,7 +322,8 @@ class Tracer:
         if remote is not None:
             trace.trace_id, trace.remote_parent = remote[0], remote
         if "TENSORS" in self._value(setting, "level"):
-            trace.tensors = [_tensor_entry(trace.id, "TENSOR_QUEUE_INPUT", t) for t in request.inputs.values()]
+            inputs = getattr(request, "inputs", None)  # (a typed generation's stream has none)
+            trace.tensors = [_tensor_entry(trace.id, "TENSOR_QUEUE_INPUT", t) for t in (inputs or {}).values()]
         return trace
 
     def _sample(self, setting: _Setting) -> bool:

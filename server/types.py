@@ -76,7 +76,7 @@ class CancellationToken:
         callback()
 
 
-_request_counter = itertools.count(1)
+request_ids = itertools.count(1)  # InferenceRequest.internal_id (and a typed generation's: DeltaStream)
 
 
 class InferenceRequest:
@@ -102,7 +102,7 @@ class InferenceRequest:
         self.cancellation = CancellationToken()
         self.arrival_ns = time.monotonic_ns()
         self.response_sender = None  # set by the DataPlane before scheduling
-        self.internal_id = next(_request_counter)
+        self.internal_id = next(request_ids)
         self.batch_size = 1          # set by validation: rows along the batch dimension
         self.queue_start_ns = 0
         # False when the client's protocol takes one response (HTTP infer, gRPC ModelInfer,

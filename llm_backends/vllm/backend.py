@@ -118,12 +118,12 @@ class VllmModel(Model):
                                            engine_clients=self._engine_clients)
         return self._engine_info
 
-    def generation(self, request: InferenceRequest):
-        """A typed request (the OpenAI frontend's) as the coroutine that generates it, start to end, its deltas
-        sent to the request's GenerationStream: no instance ``execute`` around it."""
+    def generation(self, stream):
+        """A typed request (its GenerationStream: the OpenAI frontend's) as the coroutine that generates it, start
+        to end, its deltas sent to the stream: no instance ``execute`` around it."""
         if self.options.health_check:
-            return self._checked(request)
-        return self.generator.run(request)
+            return self._checked(stream)
+        return self.generator.run(stream)
 
     def generation_entry(self):
         """``generation`` resolved once (the DataPlane keeps it while the model serves)."""
@@ -131,11 +131,11 @@ class VllmModel(Model):
             return None
         return self._checked if self.options.health_check else self.generator.run
 
-    async def _checked(self, request: InferenceRequest) -> None:
+    async def _checked(self, stream) -> None:
         if not await self.check_health():
-            request.response_sender.send_error(Unavailable(UNHEALTHY))
+            stream.send_error(Unavailable(UNHEALTHY))
             return
-        await self.generator.run(request)
+        await self.generator.run(stream)
 
     @property
     def state(self) -> EngineState | None:

@@ -354,11 +354,11 @@ class _Deadline:
     rest, and no request is refused before its deadline."""
 
     __slots__ = ("abort", "deadline_ns", "engine_id", "expired", "handle", "limit_ms", "loop", "model_name",
-                 "order", "reaborted", "request", "started")
+                 "order", "reaborted", "request", "sender", "started")
 
-    def __init__(self, request: InferenceRequest, deadline_ns: int, limit_ms: float, abort: _Abort,
-                 model_name: str) -> None:
+    def __init__(self, request, sender, deadline_ns: int, limit_ms: float, abort: _Abort, model_name: str) -> None:
         self.request = request
+        self.sender = sender
         self.abort = abort
         self.deadline_ns = deadline_ns
         self.limit_ms = limit_ms
@@ -391,7 +391,7 @@ class _Deadline:
         if (probe := _probe(self.loop)) is not None:
             error.cpu_wait_ns = probe.waited_since(self.deadline_ns)
         # the answer first (the handler's task is woken before the abort's starts), the engine's abort after it
-        self.request.response_sender.send_error(error)
+        self.sender.send_error(error)
         self.abort.on_loop(quiet=True)  # (a no-op in the engine when the request is still rendering: it never gets
         # there)
 
@@ -535,8 +535,12 @@ class Generator:
                                  enabled=not self.priority_scheduling)
         ask_for_short_slice()  # (the loop's thread, beside the engine's busy processes, when asked: see there)
 
-    async def run(self, request: InferenceRequest) -> None:
-        sender = request.response_sender
+    async def run(self, request) -> None:
+        """One request, start to end: a typed generation, whose stream (the DataPlane's ``GenerationStream``, a
+        frontend worker's) is the request and takes its deltas, or an InferenceRequest (Triton's tensors, or a
+        typed generation a scheduler queued), answered through its ``response_sender``."""
+        typed = not isinstance(request, InferenceRequest)  # a typed generation's stream
+        sender = request if typed else request.response_sender
         generation = request.generation
         try:
             if generation is not None:  # a typed request, read as it is: its sampling fields become SamplingParams
@@ -568,14 +572,14 @@ class Generator:
             DeadlineProbe.count("expired_rendering")  # (before the engine had it)
             sender.send_error(deadline_error(self.model_name, limit_ms, deadline_ns, now))
             return
-        streaming = inputs.stream and request.streaming
+        streaming = inputs.stream and (typed or request.streaming)
         request_id = f"{self.model_name}-{request.internal_id}"
         loop = asyncio.get_running_loop()
         if self.aborts is None or self.aborts.loop is not loop:
             self.aborts = _AbortBatch(self.engine, loop)
         abort = _Abort(self.engine, request_id, loop, self.aborts)
         # the deadline's timer runs from here: a prompt still rendering (tokenizing) at the deadline is refused then
-        deadline = _Deadline(request, deadline_ns, limit_ms, abort, self.model_name) if deadline_ns else None
+        deadline = _Deadline(request, sender, deadline_ns, limit_ms, abort, self.model_name) if deadline_ns else None
         try:
             prompt = await self._render(inputs.prompt, inputs.add_special_tokens)
         except Exception as exc:  # the prompt does not fit the model (too long, bad token ids...)
@@ -587,9 +591,12 @@ class Generator:
             DeadlineProbe.count("expired_rendering")
             return
         tracker = GenerationTracker(self.metrics, self.model_name, self.version, arrival=request.arrival_ns / 1e9)
-        request.cancellation.add_callback(abort.on_cancel)
+        if typed:
+            request.on_cancel(abort.on_cancel)
+        else:
+            request.cancellation.add_callback(abort.on_cancel)
+            cached = cached or request.parameters.get(RETURN_CACHED_TOKENS) is True
         priority = request.priority if self.priority_scheduling else 0
-        cached = cached or request.parameters.get(RETURN_CACHED_TOKENS) is True
         steps = _Steps(sender, builder, tracker, abort, deadline, streaming,
                        cached)  # what each engine output does
         self.order.add(request_id, params.n)
@@ -666,7 +673,7 @@ class Generator:
             if collector is not None:
                 collector.close()
 
-    def _deadline(self, request: InferenceRequest) -> tuple[int, float]:
+    def _deadline(self, request) -> tuple[int, float]:
         """When the request must have started generating (monotonic ns; 0: never) and the limit in ms."""
         limits = [ms for ms in (self.max_queue_delay_ms, request.timeout_us / 1000) if ms > 0]
         if not limits:

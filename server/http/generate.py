@@ -422,19 +422,24 @@ class _Fallback(Exception):
 
 @dataclass(slots=True)
 class TypedGenerate:
-    """A generate request on the typed path: the request and what its answers carry."""
+    """A generate request on the typed path: the request (its model, typed generation, id, priority and deadline)
+    and what its answers carry."""
 
-    request: InferenceRequest
-    model_version: str
+    model_name: str
+    generation: GenerationRequest
+    request_id: str
+    priority: int
+    timeout_us: int
+    model_version: str  # the version that answers
     prefix: str  # the whole answer starts with the prompt (``exclude_input_in_output`` false, not streamed)
     returns: tuple[str, ...]  # the extra outputs asked for, in the tensor path's order
 
     def doc(self, delta: GenerationDelta) -> dict[str, Any]:
         """One answer's JSON object, as :func:`generate_response_doc` writes the tensor path's response."""
         doc: dict[str, Any] = {}
-        if self.request.id:
-            doc["id"] = self.request.id
-        doc["model_name"] = self.request.model_name
+        if self.request_id:
+            doc["id"] = self.request_id
+        doc["model_name"] = self.model_name
         doc["model_version"] = self.model_version
         texts = delta.texts
         if self.prefix:
@@ -589,10 +594,9 @@ class _TypedFields:
                                        add_special_tokens=flags.get(_ADD_SPECIAL_TOKENS, True), lora_name=lora,
                                        logprobs=flags.get("return_logprobs", False),
                                        cumulative_logprob=flags.get("return_cumulative_logprob", False))
-        request = InferenceRequest(model_name, {}, model_version=model_version, id=self.request_id,
-                                   priority=self.priority, timeout_us=self.timeout_us, generation=generation)
         returns = tuple(name for flag, name in _RETURNS if flags.get(flag, False))
-        return TypedGenerate(request, served_version, self.prompt if prepend else "", returns)
+        return TypedGenerate(model_name, generation, self.request_id, self.priority, self.timeout_us,
+                             served_version, self.prompt if prepend else "", returns)
 
 
 # -- handling --------------------------------------------------------------------------------
@@ -626,31 +630,35 @@ async def handle_generate(dataplane, reader: BodyReader, scope, receive, send, m
         doc = parse_generate_body(body, reader.max_json_depth)
         typed = typed_generate_request(served, model_name, model_version, body, doc, reader.max_input_size) \
             if TYPED_PATH else None
-        if typed is None:
-            request = decode_generate_request(model_name, model_version, body, served.config, reader.max_input_size,
-                                              reader.max_json_depth, doc)
-        else:
-            request = typed.request
+        traceparent = None
         for key, value in scope["headers"]:
             if key == b"traceparent":
-                request.trace_context = value.decode("latin-1")
-        if request.timeout_us and 0 < received_ns(scope) < request.arrival_ns:
-            request.arrival_ns = received_ns(scope)  # Triton's 'timeout' counts from when the request reached the server
+                traceparent = value.decode("latin-1")
+        # (Triton's 'timeout' counts from when the request reached the server)
         if typed is not None:
             if not streaming:
-                request.streaming = False  # one answer
+                typed.generation.stream = False  # one answer
+            stream = dataplane.generate(model_name, typed.generation, model_version=model_version, id=typed.request_id,
+                                        priority=typed.priority, timeout_us=typed.timeout_us,
+                                        arrival_ns=received_ns(scope) if typed.timeout_us else 0,
+                                        trace_context=traceparent)
+            if not streaming:
                 with cancel_on_disconnect(receive):
-                    delta = await _one_delta(dataplane.generate(request))
+                    delta = await _one_delta(stream)
                 payload = codec.dumps(typed.doc(delta))
-            else:
-                stream = dataplane.generate(request)
-        elif not streaming:
-            request.streaming = False  # the model's one response
-            with cancel_on_disconnect(receive):
-                response = await _one_response(dataplane.infer(request))
-            payload = encode_generate_response(response)
         else:
-            stream = dataplane.infer(request)
+            request = decode_generate_request(model_name, model_version, body, served.config, reader.max_input_size,
+                                              reader.max_json_depth, doc)
+            request.trace_context = traceparent
+            if request.timeout_us and 0 < received_ns(scope) < request.arrival_ns:
+                request.arrival_ns = received_ns(scope)
+            if not streaming:
+                request.streaming = False  # the model's one response
+                with cancel_on_disconnect(receive):
+                    response = await _one_response(dataplane.infer(request))
+                payload = encode_generate_response(response)
+            else:
+                stream = dataplane.infer(request)
     except ServerError as exc:
         log.debug("generate request for model '%s' failed: %s", model_name, exc.message)
         await send_error(send, exc.http_code, exc.message, exc.retry_after_s, exc)
@@ -683,7 +691,7 @@ async def _one_delta(stream) -> GenerationDelta:
         await stream.aclose()
     if whole is None:
         raise Unsupported("generate expects model to produce exactly 1 response, use generate stream for model that "
-                          f"generates various number of responses (model '{stream.request.model_name}' sent 0)")
+                          f"generates various number of responses (model '{stream.model_name}' sent 0)")
     return whole
 
 
@@ -750,7 +758,7 @@ async def _typed_stream(typed: TypedGenerate, stream, scope, receive, send) -> N
         except ServerError as exc:
             yield _event(error_body(exc.message))
         except Exception as exc:
-            log.exception("generate_stream for model '%s' failed", stream.request.model_name)
+            log.exception("generate_stream for model '%s' failed", typed.model_name)
             yield _event(error_body(f"internal error: {type(exc).__name__}: {exc}"))
         finally:
             await stream.aclose()

@@ -116,10 +116,11 @@ async def start(server, request: ChatCompletionRequest, llm: LLMModel, *, stream
     fields = {"max_tokens": max_tokens_field, "structured_outputs": constrained_by}
     run = None
     try:
-        inference = llm.request(prompt, sampling, stream=stream, logprobs=False, add_special_tokens=False,
-                                request_id=request_id)
-        llm.admission(inference, request.priority, limits.prompt_tokens_details, timeout_us, received_ns)
-        run = Run(server.dataplane, llm, inference, 1)
+        inference = llm.start(server.dataplane, prompt, sampling, stream=stream, logprobs=False,
+                              add_special_tokens=False, request_id=request_id, priority=request.priority,
+                              cached_tokens=limits.prompt_tokens_details, timeout_us=timeout_us,
+                              received_ns=received_ns)
+        run = Run(llm, inference, 1)
         if meanwhile is not None:
             asyncio.get_running_loop().call_soon(meanwhile)
         if stream:

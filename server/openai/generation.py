@@ -25,10 +25,10 @@ class Run:
     __slots__ = ("_done", "_pending", "cached_tokens", "index", "prompt_logprobs", "prompt_tokens", "reader",
                  "stream", "typed")
 
-    def __init__(self, dataplane, llm: LLMModel, request, n: int, index: int = 0) -> None:
-        # raises ServerError when the request is refused; a typed request's deltas come as they are
-        self.typed = request.generation is not None
-        self.stream = dataplane.generate(request) if self.typed else dataplane.infer(request)
+    def __init__(self, llm: LLMModel, stream, n: int, index: int = 0) -> None:
+        # ``stream``: the request's (LLMModel.start); a typed request's deltas come as they are
+        self.typed = llm.typed
+        self.stream = stream
         if (refusal := REFUSAL.get()) is not None:  # a deadline refusal is answered where it is made
             refusal.watch(self.stream)
         self.reader = None if self.typed else StepReader(llm, n)  # (a typed request's deltas are its Steps)

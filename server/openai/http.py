@@ -27,6 +27,7 @@ from ..asgi import (
     deadline_late_header,
     send_response,
     uvicorn_cycle,
+    whole_body,
 )
 from ..asgi import received_ns as request_received_ns  # noqa: F401 (the /v1 routes read it beside request_timeout_us)
 from ..errors import ServerError
@@ -90,12 +91,21 @@ class OpenAIServer:
         return await asyncio.get_running_loop().run_in_executor(self._workers, fn, *args)
 
     async def read_json(self, scope, receive, parse: bool = True) -> Any:
-        """The request's JSON body, read within the HTTP frontend's limits (server/http/body.py); with ``parse``
-        false its bytes (a handler that validates them straight into its request model, :func:`.protocol.parse`)."""
-        _require_json(scope)
+        """The request's JSON body, read within the HTTP frontend's limits; with ``parse`` false its bytes (a handler
+        that validates them straight into its request model, :func:`.protocol.parse`). A body that is not encoded
+        and has all arrived (the usual chat request: it came with its headers) is taken from uvicorn's cycle as it is
+        (``asgi.whole_body``); any other (compressed, still arriving, another server) is read by the HTTP frontend's
+        body reader (server/http/body.py)."""
+        encoded = _require_json(scope)
         reader = self.body
         try:
-            body = await reader.read_request(scope, receive)
+            body = None if encoded else whole_body(receive)
+            if body is None:
+                body = await reader.read_request(scope, receive)
+            elif len(body) > reader.max_input_size:
+                from ..http.body import too_large  # (its package imports this module)
+
+                raise too_large(len(body), reader.max_input_size)
             return reader.parse_json(body, "request body") if parse else body
         except ServerError as exc:
             raise from_server_error(exc) from None
@@ -216,17 +226,20 @@ async def _load_header(server: OpenAIServer, scope, doc: Any) -> list[tuple[byte
     return [header] if header is not None else []
 
 
-def _require_json(scope) -> None:
-    """A body of another media type (or none named) is a 400 before it is read, as vLLM's server answers."""
+def _require_json(scope) -> bool:
+    """A body of another media type (or none named) is a 400 before it is read, as vLLM's server answers; True when
+    the body is encoded (a Content-Encoding other than identity: the body reader inflates it)."""
+    media = None
+    encoded = False
     for key, value in scope["headers"]:
         if key == b"content-type":
-            media = value.split(b";", 1)[0].strip().lower()
-            if media == b"application/json":
-                return
-            shown = media.decode("latin-1")[:80]
-            break
-    else:
-        shown = "none"
+            if media is None:
+                media = value.split(b";", 1)[0].strip().lower()
+        elif key == b"content-encoding":
+            encoded = value.strip().lower() not in (b"", b"identity")
+    if media == b"application/json":
+        return encoded
+    shown = "none" if media is None else media.decode("latin-1")[:80]
     raise BadRequest(f"Unsupported Media Type: the request body must be 'application/json' (Content-Type: "
                      f"{shown})")
 

@@ -117,10 +117,15 @@ class LLMModel:
         return _FLAGS[output] in self.input_types and output in self.outputs
 
     # -- requests -------------------------------------------------------------------------
-    def request(self, prompt: str | list[int], sampling: dict[str, Any], *, stream: bool, logprobs: bool,
-                add_special_tokens: bool = True, request_id: str = "", prompt_logprobs: bool = False
-                ) -> InferenceRequest:
-        """The request of one prompt; raises BadRequest for what the model cannot take."""
+    def start(self, dataplane, prompt: str | list[int], sampling: dict[str, Any], *, stream: bool, logprobs: bool,
+              add_special_tokens: bool = True, request_id: str = "", prompt_logprobs: bool = False, priority: int = 0,
+              cached_tokens: bool = False, timeout_us: int = 0, received_ns: int = 0):
+        """Start the request of one prompt: its stream from the DataPlane, of typed deltas (``generate``, a model
+        whose engine takes typed requests) or of responses (``infer``); raises BadRequest for what the model cannot
+        take, the DataPlane's refusal. ``priority`` is its scheduling priority; ``timeout_us`` its deadline
+        (``x-request-timeout-ms``: an LLM refuses it when it has not started generating by then, counted from
+        ``received_ns``, when the server began to read it); ``cached_tokens`` asks a vLLM model for its
+        prefix-cache hits (``usage.prompt_tokens_details``)."""
         if prompt_logprobs and not self.prompt_logprobs:
             raise BadRequest(f"model '{self.name}' does not return the prompt's log probabilities, which 'echo' with "
                              "'logprobs' needs (a vLLM model has them)", "echo")
@@ -135,10 +140,10 @@ class LLMModel:
                                   " Please request fewer output tokens.")
         if self.typed:
             generation = GenerationRequest(prompt, sampling, stream, add_special_tokens,
-                                           self.name if self.base else None, logprobs, prompt_logprobs)
-            request = InferenceRequest(self.base or self.name, {}, id=request_id, generation=generation)
-            request.streaming = stream
-            return request
+                                           self.name if self.base else None, logprobs, prompt_logprobs,
+                                           cached_tokens)
+            return dataplane.generate(self.base or self.name, generation, id=request_id, priority=priority,
+                                      timeout_us=timeout_us, arrival_ns=received_ns if timeout_us else 0)
         inputs: dict[str, Tensor] = {}
         outputs = None
         if isinstance(prompt, str):
@@ -166,22 +171,12 @@ class LLMModel:
             self._sampling_inputs(sampling, inputs)
         parameters: dict[str, Any] = {"lora_name": self.name} if self.base else {}  # as Triton's vLLM backend
         request = InferenceRequest(self.base or self.name, inputs, id=request_id, parameters=parameters,
-                                   outputs=[RequestedOutput(o) for o in outputs] if outputs else None)
+                                   outputs=[RequestedOutput(o) for o in outputs] if outputs else None,
+                                   priority=priority, timeout_us=timeout_us)
         request.streaming = stream
-        return request
-
-    def admission(self, request: InferenceRequest, priority: int, cached_tokens: bool,
-                  timeout_us: int = 0, received_ns: int = 0) -> InferenceRequest:
-        """Set the request's scheduling priority and deadline (``x-request-timeout-ms``: an LLM refuses it when it
-        has not started generating by then, counted from ``received_ns``, when the server began to read it), and
-        ask a vLLM model for its prefix-cache hits (``usage.prompt_tokens_details``)."""
-        request.priority = priority
-        request.timeout_us = timeout_us
         if timeout_us and 0 < received_ns < request.arrival_ns:
             request.arrival_ns = received_ns
-        if cached_tokens and request.generation is not None:
-            request.generation.cached_tokens = True
-        return request
+        return dataplane.infer(request)
 
     def _sampling_inputs(self, sampling: dict[str, Any], inputs: dict[str, Tensor]) -> None:
         for key, value in sampling.items():

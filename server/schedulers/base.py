@@ -15,6 +15,7 @@ from ..errors import Cancelled
 from ..types import InferenceRequest, InferenceResponse
 
 if TYPE_CHECKING:
+    from ..dataplane import GenerationStream
     from ..runtime import InstanceSlot, ModelRuntime
 
 log = logging.getLogger(__name__)
@@ -45,10 +46,11 @@ class Scheduler:
         """Queue ``request``; raise a ServerError to reject it at once."""
         raise NotImplementedError
 
-    def generate(self, request: InferenceRequest) -> None:
-        """Start a typed LLM generation (``DataPlane.generate``): scheduled as any request here; the pass-through
-        scheduler runs the model's own generation coroutine instead."""
-        self.enqueue(request)
+    def generate(self, stream: GenerationStream) -> None:
+        """Start a typed LLM generation (``DataPlane.generate``; its GenerationStream is the request): scheduled as
+        any request here, as the InferenceRequest the queue takes; the pass-through scheduler runs the model's own
+        generation coroutine instead."""
+        self.enqueue(generation_request(stream))
 
     async def next_batch(self) -> list[InferenceRequest]:
         """Wait for the next batch an idle instance should run."""
@@ -87,6 +89,19 @@ class Scheduler:
             await self.runtime.execute(slot, batch)
         finally:
             limiter.release(slot.limits)
+
+
+def generation_request(stream: GenerationStream) -> InferenceRequest:
+    """A typed generation as the InferenceRequest a scheduler's queue and a model's ``execute`` take: answered
+    through the stream, cancelled with it."""
+    request = InferenceRequest(stream.model_name, {}, model_version=stream.model_version, id=stream.id,
+                               priority=stream.priority, timeout_us=stream.timeout_us, generation=stream.generation)
+    request.arrival_ns = stream.arrival_ns
+    request.queue_start_ns = stream.queue_start_ns
+    request.trace = stream.trace
+    request.response_sender = stream
+    stream.on_cancel(request.cancellation.cancel)
+    return request
 
 
 def drop_cancelled(request: InferenceRequest) -> bool:

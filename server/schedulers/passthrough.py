@@ -25,13 +25,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from ..errors import InternalError, InvalidArgument, QueueFull, Unavailable
+from ..errors import Cancelled, InternalError, InvalidArgument, QueueFull, Unavailable
 from ..types import InferenceRequest
-from .base import Scheduler, drop_cancelled
+from .base import Scheduler, drop_cancelled, generation_request
 
 if TYPE_CHECKING:
+    from ..dataplane import GenerationStream
     from ..runtime import InstanceSlot, ModelRuntime
 
 log = logging.getLogger(__name__)
@@ -51,8 +52,9 @@ class PassThroughScheduler(Scheduler):
         super().__init__(runtime)
         self.stop_timeout_s = stop_timeout_s
         self._next = 0
-        # the requests' tasks: those it starts and the typed generations DataPlane.generate starts for it
-        self.running: dict[asyncio.Task, InferenceRequest] = {}
+        # the requests' tasks, each with what answers it (a request's sender, a typed generation's stream): those it
+        # starts and the typed generations DataPlane.generate starts for it
+        self.running: dict[asyncio.Task, Any] = {}
         self.max_queue_size = queue_bound(runtime)
 
     async def start(self) -> None:  # no worker loop: nothing waits here
@@ -67,47 +69,47 @@ class PassThroughScheduler(Scheduler):
             self._admit()
         self._execute(request)
 
-    def generate(self, request: InferenceRequest) -> None:
-        """A typed LLM generation: the model's own generation coroutine (``Model.generation``) as the request's
-        task, with no instance ``execute`` around it; the statistics' execution and compute time are recorded when
-        it ends, as ``execute`` records them."""
-        if drop_cancelled(request):
+    def generate(self, stream: GenerationStream) -> None:
+        """A typed LLM generation (its GenerationStream, the request): the model's own generation coroutine
+        (``Model.generation``) as the request's task, with no instance ``execute`` around it; the statistics'
+        execution and compute time are recorded when it ends, as ``execute`` records them."""
+        if stream.is_cancelled():
+            stream.send_error(Cancelled("request was cancelled before it ran"))
             return
         if self.max_queue_size:
             self._admit()
-        coroutine = self.runtime.model.generation(request)
-        if coroutine is None:
-            self._execute(request)
+        coroutine = self.runtime.model.generation(stream)
+        if coroutine is None:  # the model takes typed requests through execute: the request it needs
+            self._execute(generation_request(stream))
             return
-        if request.trace is not None:
-            request.trace.compute = (time.monotonic_ns(), 0)
+        if stream.trace is not None:
+            stream.trace.compute = (time.monotonic_ns(), 0)
         task = asyncio.get_running_loop().create_task(coroutine)
-        self.running[task] = request
+        self.running[task] = stream
         task.add_done_callback(self._generated)
 
     def _generated(self, task: asyncio.Task) -> None:
-        request = self.running.pop(task, None)
-        if request is None:
+        stream = self.running.pop(task, None)
+        if stream is None:
             return
         end = time.monotonic_ns()
         stats = self.runtime.stats
         stats.record_queue(0, 1)
-        stats.record_execution(1, 1, 0, end - request.queue_start_ns, 0, 1)
-        if request.trace is not None:
-            request.trace.compute_done(end)
-        sender = request.response_sender
+        stats.record_execution(1, 1, 0, end - stream.queue_start_ns, 0, 1)
+        if stream.trace is not None:
+            stream.trace.compute_done(end)
         if task.cancelled():
-            sender.send_error(self._stopped_error())  # a no-op when the request is answered already
+            stream.send_error(self._stopped_error())  # a no-op when the request is answered already
         elif (exc := task.exception()) is not None:
             log.error("model '%s': request generation failed", self.runtime.name, exc_info=exc)
-            sender.send_error(InternalError(f"model '{self.runtime.name}' failed to run the request"))
+            stream.send_error(InternalError(f"model '{self.runtime.name}' failed to run the request"))
 
     def _execute(self, request: InferenceRequest) -> None:
         slots = self.runtime.slots
         slot = slots[self._next % len(slots)]
         self._next += 1
         task = asyncio.get_running_loop().create_task(self._run(slot, request))
-        self.running[task] = request
+        self.running[task] = request.response_sender
         task.add_done_callback(self._finished)
 
     def _admit(self) -> None:
@@ -149,9 +151,9 @@ class PassThroughScheduler(Scheduler):
                     self.runtime.name, self.runtime.version, len(late))
         error = self._stopped_error()
         for task in late:
-            request = self.running.get(task)
-            if request is not None:
-                request.response_sender.send_error(error)
+            sender = self.running.get(task)
+            if sender is not None:
+                sender.send_error(error)
             task.cancel()
         await asyncio.gather(*late, return_exceptions=True)
 

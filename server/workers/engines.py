@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 from ..dataplane import DeltaStream
 from ..errors import InternalError, ServerError, Status, Unavailable
 from ..stats import ModelStats
-from ..types import InferenceRequest
+from ..generation import GenerationRequest
 
 if TYPE_CHECKING:
     from .remote import RemoteDataPlane, RemoteRuntime
@@ -241,8 +241,8 @@ class WorkerGenerationStream(DeltaStream):
 
     __slots__ = ("_client",)
 
-    def __init__(self, client: _Client, request: InferenceRequest) -> None:
-        super().__init__(request, asyncio.get_running_loop())
+    def __init__(self, client: _Client, model_name: str, generation: GenerationRequest, **identity) -> None:
+        super().__init__(asyncio.get_running_loop(), model_name, generation, **identity)
         self._client = client
 
     @property
@@ -252,17 +252,17 @@ class WorkerGenerationStream(DeltaStream):
     def _end(self) -> None:
         self._done = True
         now = time.monotonic_ns()
-        elapsed = now - self.request.arrival_ns
+        elapsed = now - self.arrival_ns
         stats = self._client.stats
         error = self._error
         if error is None:
             if self._first_ns:
-                stats.record_first_response(self._first_ns - self.request.arrival_ns)
+                stats.record_first_response(self._first_ns - self.arrival_ns)
                 stats.record_success(elapsed)
             else:
                 stats.record_success(elapsed, True)
         else:
-            stats.record_first_response(self._first_ns - self.request.arrival_ns if self._first_ns else elapsed)
+            stats.record_first_response(self._first_ns - self.arrival_ns if self._first_ns else elapsed)
             stats.record_failure(elapsed, _FAILURE_REASON.get(error.status, "BACKEND"))
         self._client.finished()
 
@@ -271,12 +271,12 @@ class WorkerGenerationStream(DeltaStream):
         if self._done:
             return
         self._done = True
-        self.request.cancellation.cancel()
+        self._cancel_request()
         now = time.monotonic_ns()
         stats = self._client.stats
         if self._first_ns:
-            stats.record_first_response(self._first_ns - self.request.arrival_ns)
-        stats.record_failure(now - self.request.arrival_ns, "CANCELED")
+            stats.record_first_response(self._first_ns - self.arrival_ns)
+        stats.record_failure(now - self.arrival_ns, "CANCELED")
         self._client.finished()
 
 
@@ -379,27 +379,25 @@ class _Client:
             raise
         return engine, generator
 
-    def run(self, request: InferenceRequest) -> WorkerGenerationStream:
+    def run(self, model_name: str, generation: GenerationRequest, identity: dict) -> WorkerGenerationStream:
         loop = asyncio.get_running_loop()
-        stream = WorkerGenerationStream(self, request)
-        request.response_sender = stream
-        request.queue_start_ns = time.monotonic_ns()
+        stream = WorkerGenerationStream(self, model_name, generation, **identity)
+        stream.queue_start_ns = time.monotonic_ns()
         self.inflight += 1
         self.clients.note(self.uid, started=1)
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("model '%s': request %s runs on this worker's engine client %d", self.name, request.id,
+            log.debug("model '%s': request %s runs on this worker's engine client %d", self.name, stream.id,
                       self.clients.index)
-        task = loop.create_task(self.generator.run(request))
+        task = loop.create_task(self.generator.run(stream))
         task.add_done_callback(lambda t, s=stream: self._generated(t, s))
         self.running.add(stream)
         return stream
 
     def _generated(self, task: asyncio.Task, stream: WorkerGenerationStream) -> None:
         self.running.discard(stream)
-        request = stream.request
         stats = self.stats
         stats.record_queue(0, 1)
-        stats.record_execution(1, 1, 0, time.monotonic_ns() - request.queue_start_ns, 0, 1)
+        stats.record_execution(1, 1, 0, time.monotonic_ns() - stream.queue_start_ns, 0, 1)
         if task.cancelled():
             stream.send_error(Unavailable(f"model '{self.name}' was unloaded before the request finished"))
         elif (exc := task.exception()) is not None:
@@ -486,12 +484,10 @@ class EngineClients:
         self._notes: dict[int, list[int]] = {}  # uid -> [started, finished] not yet told to the core
         self._flush_scheduled = False
 
-    def generate(self, request: InferenceRequest):
+    def generate(self, model_name: str, generation: GenerationRequest, *, model_version: str = "", **identity):
         """A GenerationStream run on this worker's engine client, or None: the request goes through the core."""
-        if request.generation is None:
-            return None
         try:
-            runtime = self.plane.model(request.model_name, request.model_version)
+            runtime = self.plane.model(model_name, model_version)
         except ServerError:
             return None  # the core answers it
         engine = runtime.engine
@@ -505,7 +501,7 @@ class EngineClients:
             return None
         if client.generator is None or client.retiring:
             return None
-        return client.run(request)
+        return client.run(model_name, generation, dict(identity, model_version=model_version))
 
     def abort_all(self, error: ServerError) -> None:
         """End every generation running on this worker's clients with ``error`` (the server's exit timeout ran out);

@@ -120,11 +120,17 @@ class _Link(p.FramedLink):
     def _infer(self, message: p.Infer) -> None:
         rid = message.request.rid
         try:
-            request = p.request_of(message, self.inbox)
-            if message.unary:
-                request.streaming = False
-            typed = request.generation is not None and not message.unary  # a worker's RemoteDataPlane.generate
-            stream = self.pool.dataplane.generate(request) if typed else self.pool.dataplane.infer(request)
+            m = message.request
+            typed = m.generation is not None and not message.unary  # a worker's RemoteDataPlane.generate
+            if typed:
+                stream = self.pool.dataplane.generate(m.model_name, m.generation, model_version=m.model_version,
+                                                      id=m.id, priority=m.priority, timeout_us=m.timeout_us,
+                                                      arrival_ns=m.arrival_ns, trace_context=m.trace_context or None)
+            else:
+                request = p.request_of(message, self.inbox)
+                if message.unary:
+                    request.streaming = False
+                stream = self.pool.dataplane.infer(request)
         except Exception as exc:
             self.send(p.error_respond(rid, exc, rejected=True))
             return

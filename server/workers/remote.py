@@ -18,7 +18,7 @@ from .. import wire
 from ..backend import ModelContext
 from ..dataplane import DataPlane, model_metadata, server_metadata
 from ..errors import InvalidArgument, NotFound, ServerError, Unavailable, as_server_error
-from ..generation import GenerationDelta
+from ..generation import GenerationDelta, GenerationRequest
 from ..serving import ServingInterface
 from ..types import InferenceRequest, InferenceResponse
 from . import protocol as p
@@ -102,11 +102,11 @@ class RemoteGenerationStream:
     """A typed generation through the core (:meth:`RemoteDataPlane.generate`): the deltas its responses carry, a
     model's error raised. Closing it early cancels the request."""
 
-    __slots__ = ("_done", "_stream", "request")
+    __slots__ = ("_done", "_stream", "model_name")
 
     def __init__(self, stream: RemoteInferenceStream) -> None:
         self._stream = stream
-        self.request = stream.request
+        self.model_name = stream.request.model_name
         self._done = False
 
     def __aiter__(self) -> "RemoteGenerationStream":
@@ -324,15 +324,23 @@ class RemoteDataPlane(ServingInterface):
             raise
         return stream
 
-    def generate(self, request: InferenceRequest) -> RemoteGenerationStream:
-        """A typed LLM generation through the core (whose DataPlane runs it); a refusal is raised by the stream's
-        first step."""
+    def generate(self, model_name: str, generation: GenerationRequest, *, model_version: str = "", id: str = "",
+                 priority: int = 0, timeout_us: int = 0, arrival_ns: int = 0, trace_context: Any = None):
+        """A typed LLM generation on this worker's own engine client, where the model's engine takes one, else
+        through the core (whose DataPlane runs it; a refusal is raised by the stream's first step)."""
         if not self.accepting:
             raise Unavailable("the server is shutting down and accepts no new requests")
-        if self.engines is not None:  # on this worker's own engine client, where the model's engine takes one
-            stream = self.engines.generate(request)
+        if self.engines is not None:
+            stream = self.engines.generate(model_name, generation, model_version=model_version, id=id,
+                                           priority=priority, timeout_us=timeout_us, arrival_ns=arrival_ns,
+                                           trace_context=trace_context)
             if stream is not None:
                 return stream
+        request = InferenceRequest(model_name, {}, model_version=model_version, id=id, priority=priority,
+                                   timeout_us=timeout_us, generation=generation)  # (as it crosses to the core)
+        if arrival_ns:
+            request.arrival_ns = arrival_ns
+        request.trace_context = trace_context
         return RemoteGenerationStream(self._submit(request, False))
 
     async def infer_unary(self, request: InferenceRequest) -> InferenceResponse:

@@ -10,9 +10,9 @@ import asyncio
 
 from tideserve.bench.llm_path import trace
 
-MAX_FILES = 17  # the whole request (docs/architecture.md)
+MAX_FILES = 15  # the whole request (docs/architecture.md)
 MAX_DELTA_FILES = 10  # while the token deltas stream (the steady state)
-MAX_DELTA_TO_FINISH_FILES = 12  # from the third chunk to the finishing one (the request's end work included)
+MAX_DELTA_TO_FINISH_FILES = 11  # from the third chunk to the finishing one (the request's end work included)
 
 
 def test_streaming_chat_completion_path():

@@ -70,11 +70,12 @@ def test_deadline_lets_a_placed_request_run_on_and_refuses_one_without_a_place()
         for key in ("running", "next", "waiting"):
             order.add(key, 1)
             request = SimpleNamespace(response_sender=Sender(key), is_cancelled=lambda: False)
-            deadline = _Deadline(request, time.monotonic_ns() + 2_000_000, 2.0, _Abort(Engine(), key, loop), "llm")
+            deadline = _Deadline(request, request.response_sender, time.monotonic_ns() + 2_000_000, 2.0,
+                                 _Abort(Engine(), key, loop), "llm")
             deadline.order, deadline.engine_id = order, key
             deadlines[key] = deadline
         rendering = SimpleNamespace(response_sender=Sender("rendering"), is_cancelled=lambda: False)
-        deadlines["rendering"] = _Deadline(rendering, time.monotonic_ns() + 2_000_000, 2.0,
+        deadlines["rendering"] = _Deadline(rendering, rendering.response_sender, time.monotonic_ns() + 2_000_000, 2.0,
                                            _Abort(Engine(), "rendering", loop), "llm")  # not in the engine yet
         await asyncio.sleep(0.05)
         return deadlines
@@ -114,7 +115,8 @@ def test_the_deadline_refusals_of_one_loop_turn_go_to_the_engine_as_one_abort():
         now = time.monotonic_ns()
         for key, due_ms in (("a", 2), ("b", 2), ("c", 2), ("late", 30)):
             request = SimpleNamespace(response_sender=Sender(key), is_cancelled=lambda: False)
-            _Deadline(request, now + due_ms * 1_000_000, float(due_ms), _Abort(batch.engine, key, loop, batch), "llm")
+            _Deadline(request, request.response_sender, now + due_ms * 1_000_000, float(due_ms),
+                      _Abort(batch.engine, key, loop, batch), "llm")
         busy = time.perf_counter() + 0.005  # the loop busy past the first three deadlines: they fire in one turn
         while time.perf_counter() < busy:
             pass

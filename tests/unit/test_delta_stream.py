@@ -9,9 +9,9 @@ import threading
 import pytest
 from tideserve.dataplane import DeltaStream, GenerationStream
 from tideserve.errors import InternalError
-from tideserve.generation import GenerationDelta
+from tideserve.generation import GenerationDelta, GenerationRequest
 from tideserve.stats import ModelStats
-from tideserve.types import InferenceRequest, InferenceResponse
+from tideserve.types import InferenceResponse
 from tideserve.workers.engines import WorkerGenerationStream
 
 
@@ -43,7 +43,7 @@ def test_a_workers_stream_takes_deltas_sent_from_another_thread():
 
     async def run():
         client = _Client()
-        stream = WorkerGenerationStream(client, InferenceRequest("llm", {}))
+        stream = WorkerGenerationStream(client, "llm", GenerationRequest("", {}))
 
         def engine_thread():
             stream.send_delta(GenerationDelta(["a"], [None]))
@@ -63,7 +63,7 @@ def test_a_workers_stream_takes_deltas_sent_from_another_thread():
 
 def test_a_tensor_answer_to_a_typed_request_is_an_internal_error_in_a_worker_too():
     async def run():
-        stream = WorkerGenerationStream(_Client(), InferenceRequest("llm", {}))
+        stream = WorkerGenerationStream(_Client(), "llm", GenerationRequest("", {}))
         with pytest.raises(InternalError, match="answered a typed generation request with tensors"):
             stream.send(InferenceResponse(final=False))
         stream.send(InferenceResponse(generation=GenerationDelta(["x"], ["length"]), final=True), final=True)

@@ -9,10 +9,9 @@ import asyncio
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from tideserve.errors import Unavailable
-from tideserve.generation import GenerationDelta
+from tideserve.generation import GenerationDelta, GenerationRequest
 from tideserve.llm_backends.metrics import LLMMetrics
 from tideserve.stats import ModelStats
-from tideserve.types import InferenceRequest
 from tideserve.workers.engines import CoreCounts, WorkerGenerationStream, add_llm_increments, llm_values
 from tideserve.workers.protocol import WorkerGenerations
 
@@ -27,14 +26,14 @@ class _FakeClient:
         self.ended += 1
 
 
-def _request() -> InferenceRequest:
-    return InferenceRequest("llm", {})
+def _stream(client) -> WorkerGenerationStream:
+    return WorkerGenerationStream(client, "llm", GenerationRequest("", {}))
 
 
 def test_deltas_join_while_not_taken_and_the_end_is_told_once():
     async def run():
         client = _FakeClient()
-        stream = WorkerGenerationStream(client, _request())
+        stream = _stream(client)
         stream.send_delta(GenerationDelta(["a"], [None]))
         stream.send_delta(GenerationDelta(["b"], [None]))
         stream.send_delta(GenerationDelta(["c"], ["length"]), final=True)
@@ -51,7 +50,7 @@ def test_deltas_join_while_not_taken_and_the_end_is_told_once():
 def test_an_error_ends_the_stream_and_counts_as_failed():
     async def run():
         client = _FakeClient()
-        stream = WorkerGenerationStream(client, _request())
+        stream = _stream(client)
         stream.send_delta(GenerationDelta(["a"], [None]))
         stream.send_error(Unavailable("gone"))
         texts = []
@@ -68,14 +67,13 @@ def test_an_error_ends_the_stream_and_counts_as_failed():
 def test_closing_early_cancels_the_request():
     async def run():
         client = _FakeClient()
-        request = _request()
-        stream = WorkerGenerationStream(client, request)
+        stream = _stream(client)
         await stream.aclose()
         await stream.aclose()
-        return client, request
+        return client, stream
 
-    client, request = asyncio.run(run())
-    assert request.is_cancelled() and client.ended == 1
+    client, stream = asyncio.run(run())
+    assert stream.is_cancelled() and client.ended == 1
     assert client.stats.failures["CANCELED"] == 1
 
 
@@ -153,8 +151,7 @@ def test_the_exit_timeout_ends_the_generations_running_on_the_workers_clients():
 
     async def run():
         client = _FakeClient()
-        request = _request()
-        stream = WorkerGenerationStream(client, request)
+        stream = _stream(client)
         client.running = {stream}
         clients = EngineClients(None, 1)
         clients.clients[7] = client
@@ -164,10 +161,10 @@ def test_the_exit_timeout_ends_the_generations_running_on_the_workers_clients():
         with pytest.raises(Unavailable, match="shutting down"):
             async for delta in stream:
                 texts.append(delta.texts[0])
-        return request, texts
+        return stream, texts
 
-    request, texts = asyncio.run(run())
-    assert texts == ["a"] and request.cancellation.is_cancelled()
+    stream, texts = asyncio.run(run())
+    assert texts == ["a"] and stream.is_cancelled()
 
 
 def _engine_registry():

@@ -165,13 +165,16 @@ def test_deadline_timer_refuses_at_the_deadline_never_before_and_answers_before_
         for key in range(60):
             deadline_ns = time.monotonic_ns() + random.randint(1_000_000, 12_000_000)
             deadlines[key] = deadline_ns
-            _Deadline(request(key), deadline_ns, 5.0, _Abort(Engine(), key, loop), "llm")
+            deadline_request = request(key)
+            _Deadline(deadline_request, deadline_request.response_sender, deadline_ns, 5.0,
+                      _Abort(Engine(), key, loop), "llm")
             spin = time.perf_counter() + random.uniform(0, 0.002)  # a busy loop: its cached time goes stale
             while time.perf_counter() < spin:
                 pass
             if key % 3 == 0:
                 await asyncio.sleep(0)
-        started = _Deadline(request("started"), time.monotonic_ns() + 2_000_000, 5.0,
+        started_request = request("started")
+        started = _Deadline(started_request, started_request.response_sender, time.monotonic_ns() + 2_000_000, 5.0,
                             _Abort(Engine(), "started", loop), "llm")
         started.started = True  # its first token came: left to run on
         await asyncio.sleep(0.05)

@@ -65,15 +65,15 @@ def test_typed_request_fields():
                     "return_num_output_tokens": True, "return_finish_reason": True, "priority": 2, "timeout": 500,
                     "parameters": {"max_tokens": 4, "temperature": "0.5", "add_special_tokens": False},
                     "sampling_parameters": json.dumps({"temperature": 0, LORA_NAME: "a"})})
-    request, generation = typed.request, typed.request.generation
-    assert (request.id, request.priority, request.timeout_us, request.inputs) == ("r", 2, 500, {})
+    generation = typed.generation
+    assert (typed.request_id, typed.priority, typed.timeout_us) == ("r", 2, 500)
     assert generation.prompt == "hi" and generation.stream and generation.lora_name == "a"
     assert generation.sampling == {"max_tokens": 4, "temperature": 0}  # sampling_parameters win, as on tensors
     assert not generation.add_special_tokens and not generation.logprobs and not generation.cumulative_logprob
     assert typed.prefix == "" and typed.returns == ("finish_reason", "num_output_tokens")
     assert typed.model_version == "3"
     whole = _typed({"text_input": "hi"})
-    assert whole.prefix == "hi" and not whole.request.generation.stream  # the whole answer starts with the prompt
+    assert whole.prefix == "hi" and not whole.generation.stream  # the whole answer starts with the prompt
 
 
 # -- the same events as the tensor path -----------------------------------------------------------
@@ -119,7 +119,7 @@ def _tensor_docs(doc: dict, n: int, streaming: bool) -> list[bytes]:
 
 def _typed_docs(doc: dict, n: int, streaming: bool) -> list[bytes]:
     typed = _typed(doc)
-    generation = typed.request.generation
+    generation = typed.generation
     builder = ResponseBuilder(generation, n, {})
     deltas = []
     for output in _outputs(n):
@@ -163,7 +163,7 @@ def test_a_whole_answer_keeps_each_choices_finish_reason():
     request = decode_generate_request("llm", "", json.dumps(doc).encode(), _served().config, MAX_INPUT)
     tensors = ResponseBuilder(parse_inputs(request), 2, {})
     typed = _typed(doc)
-    builder = ResponseBuilder(typed.request.generation, 2, {})
+    builder = ResponseBuilder(typed.generation, 2, {})
     for step in steps:
         tensors.add(step)
         builder.add(step)

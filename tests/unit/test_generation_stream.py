@@ -18,7 +18,6 @@ from tideserve.generation import EngineInfo, GenerationDelta, GenerationRequest
 from tideserve.runtime import ModelRuntime
 from tideserve.schedulers import PassThroughScheduler
 from tideserve.stats import Metrics, ModelStats
-from tideserve.types import InferenceRequest
 
 CONFIG = """
 backend: "toy_llm"
@@ -43,7 +42,7 @@ class ToyLLM(Model):
     def __init__(self, backend: Backend, ctx: ModelContext) -> None:
         super().__init__(backend, ctx)
         self.gate: asyncio.Event | None = None  # set: the generation waits for it before each word
-        self.cancelled: list[InferenceRequest] = []
+        self.cancelled: list[GenerationStream] = []
 
     def create_scheduler(self, runtime: ModelRuntime) -> PassThroughScheduler:
         return PassThroughScheduler(runtime)
@@ -51,14 +50,14 @@ class ToyLLM(Model):
     def engine_info(self) -> EngineInfo:
         return EngineInfo(typed_requests=True)
 
-    def generation(self, request: InferenceRequest):
-        return self._run(request)
+    def generation(self, stream: GenerationStream):
+        return self._run(stream)
 
-    async def _run(self, request: InferenceRequest) -> None:
-        sender = request.response_sender
-        words = request.generation.prompt.split()
+    async def _run(self, stream: GenerationStream) -> None:
+        sender = stream  # the request, which takes its deltas
+        words = stream.generation.prompt.split()
         if words == ["hang"]:
-            request.cancellation.add_callback(lambda: self.cancelled.append(request))
+            stream.on_cancel(lambda: self.cancelled.append(stream))
             await asyncio.Event().wait()
         for i, word in enumerate(words):
             if self.gate is not None:
@@ -120,8 +119,8 @@ async def _dataplane(tmp_path, extra: str = "") -> tuple[DataPlane, ModelRuntime
     return DataPlane(Repository(runtime), Metrics()), runtime
 
 
-def _request(prompt: str) -> InferenceRequest:
-    return InferenceRequest("toy", {}, generation=GenerationRequest(prompt, {}))
+def _request(prompt: str) -> tuple[str, GenerationRequest]:
+    return "toy", GenerationRequest(prompt, {})
 
 
 async def _read(stream: GenerationStream) -> list[GenerationDelta]:
@@ -131,8 +130,8 @@ async def _read(stream: GenerationStream) -> list[GenerationDelta]:
 def test_deltas_come_as_they_are_and_statistics_are_recorded(tmp_path):
     async def main():
         dataplane, runtime = await _dataplane(tmp_path)
-        stream = dataplane.generate(_request("one two three"))
-        assert isinstance(stream, GenerationStream) and stream.request.response_sender is stream
+        stream = dataplane.generate(*_request("one two three"))
+        assert isinstance(stream, GenerationStream) and stream.generation.prompt == "one two three"
         assert runtime.inflight == 1 and stream in dataplane.active
         deltas = await _read(stream)
         await asyncio.sleep(0)  # the generation task's end (its execution is recorded then)
@@ -156,7 +155,7 @@ def test_the_ends_kept_are_counted_when_read_or_once_many_wait(tmp_path):
     async def main():
         dataplane, runtime = await _dataplane(tmp_path)
         stats = runtime.stats
-        await _read(dataplane.generate(_request("one")))
+        await _read(dataplane.generate(*_request("one")))
         await asyncio.sleep(0)  # the generation task's end
         kept = len(stats.generations)
         counted_before_read = stats.success.count
@@ -164,7 +163,7 @@ def test_the_ends_kept_are_counted_when_read_or_once_many_wait(tmp_path):
         read_ms = time.time() * 1000
         doc = stats.as_dict()
         for _ in range(GENERATIONS_KEPT):
-            await _read(dataplane.generate(_request("more")))
+            await _read(dataplane.generate(*_request("more")))
         await asyncio.sleep(0)
         counted_unread = stats.success.count
         await runtime.unload()
@@ -181,7 +180,7 @@ def test_deltas_not_taken_yet_join(tmp_path):
     async def main():
         dataplane, runtime = await _dataplane(tmp_path)
         runtime.model.gate = gate = asyncio.Event()
-        stream = dataplane.generate(_request("a b c"))
+        stream = dataplane.generate(*_request("a b c"))
         gate.set()
         first = await stream.__anext__()  # "a" alone: the reader waited for it
         for _ in range(2):  # "b" and "c" both come before the reader asks again
@@ -200,7 +199,7 @@ def test_deltas_not_taken_yet_join(tmp_path):
 def test_an_error_comes_after_the_deltas_before_it_and_is_counted(tmp_path):
     async def main():
         dataplane, runtime = await _dataplane(tmp_path)
-        stream = dataplane.generate(_request("ok fail"))
+        stream = dataplane.generate(*_request("ok fail"))
         hooked: list = []
         stream.on_error(hooked.append)
         got = []
@@ -220,7 +219,7 @@ def test_an_error_comes_after_the_deltas_before_it_and_is_counted(tmp_path):
 def test_closing_the_stream_cancels_the_generation(tmp_path):
     async def main():
         dataplane, runtime = await _dataplane(tmp_path)
-        stream = dataplane.generate(_request("hang"))
+        stream = dataplane.generate(*_request("hang"))
         reader = asyncio.ensure_future(stream.__anext__())
         await asyncio.sleep(0.01)
         reader.cancel()  # the client went away while its handler awaited a delta
@@ -232,7 +231,7 @@ def test_closing_the_stream_cancels_the_generation(tmp_path):
         return stream, cancelled, stats, inflight
 
     stream, cancelled, stats, inflight = asyncio.run(main())
-    assert cancelled == [stream.request] and stream.request.is_cancelled()
+    assert cancelled == [stream] and stream.is_cancelled()
     assert inflight == 0
     assert stats["inference_stats"]["fail"]["count"] == 1
 
@@ -240,16 +239,12 @@ def test_closing_the_stream_cancels_the_generation(tmp_path):
 def test_refusals_before_the_generation_starts(tmp_path):
     async def main():
         dataplane, runtime = await _dataplane(tmp_path, 'parameters { key: "max_queue_size" value: { string_value: "1" } }')
-        running = [dataplane.generate(_request("hang"))]  # the toy engine runs none at once: it waits
+        running = [dataplane.generate(*_request("hang"))]  # the toy engine runs none at once: it waits
         with pytest.raises(QueueFull):
-            dataplane.generate(_request("hang"))
-        with pytest.raises(InvalidArgument):  # a typed request carries no tensors
-            request = _request("x")
-            request.inputs = {"text_input": None}
-            dataplane.generate(request)
+            dataplane.generate(*_request("hang"))
         dataplane.accepting = False
         with pytest.raises(Unavailable):
-            dataplane.generate(_request("x"))
+            dataplane.generate(*_request("x"))
         for stream in running:
             stream.cancel()
         stats = runtime.stats.as_dict()
@@ -257,7 +252,7 @@ def test_refusals_before_the_generation_starts(tmp_path):
         return stats
 
     stats = asyncio.run(main())
-    assert stats["inference_stats"]["fail"]["count"] == 3  # the queue refusal, the bad request, the cancelled one
+    assert stats["inference_stats"]["fail"]["count"] == 2  # the queue refusal, the cancelled one
 
 
 def test_the_generation_entry_is_kept_until_the_repository_changes(tmp_path, kind):
@@ -266,14 +261,14 @@ def test_the_generation_entry_is_kept_until_the_repository_changes(tmp_path, kin
         repository = dataplane.repository
         runtime.on_change = repository.notify  # as ModelRepository wires its runtimes
         for _ in range(3):
-            await _read(dataplane.generate(_request("a b")))
+            await _read(dataplane.generate(*_request("a b")))
         lookups = repository.lookups
         repository.notify()  # a model loaded, unloaded or failed: the entry is resolved again
-        await _read(dataplane.generate(_request("a b")))
+        await _read(dataplane.generate(*_request("a b")))
         relooked = repository.lookups - lookups
         await asyncio.sleep(0)
         stats = runtime.stats.as_dict()
-        stream = dataplane.generate(_request("hang"))  # still generating when the model unloads
+        stream = dataplane.generate(*_request("hang"))  # still generating when the model unloads
         await asyncio.sleep(0.01)
         await runtime.unload()  # its state changes (the entry is dropped); the task is cancelled and answered
         with pytest.raises(Unavailable):

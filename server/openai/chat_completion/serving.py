@@ -59,12 +59,12 @@ async def create_chat_completion(server, body: bytes, scope) -> bytes | EventStr
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     run = None
     try:
-        inference = llm.request(prompt, sampling, stream=stream, logprobs=bool(request.logprobs),
-                                add_special_tokens=False, request_id=request_id)
         timeout_us = request_timeout_us(scope)
-        llm.admission(inference, request.priority, server.limits.prompt_tokens_details, timeout_us,
-                      request_received_ns(scope) if timeout_us else 0)  # the kernel is asked only for a deadline
-        run = Run(server.dataplane, llm, inference, request.n)
+        received = request_received_ns(scope) if timeout_us else 0  # the kernel is asked only for a deadline
+        run = Run(llm, llm.start(server.dataplane, prompt, sampling, stream=stream, logprobs=bool(request.logprobs),
+                                 add_special_tokens=False, request_id=request_id, priority=request.priority,
+                                 cached_tokens=server.limits.prompt_tokens_details, timeout_us=timeout_us,
+                                 received_ns=received), request.n)
         if stream:
             await run.peek()
         else:

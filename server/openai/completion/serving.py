@@ -57,11 +57,12 @@ async def create_completion(server, doc, scope) -> bytes | EventStream:
         for k, prompt in enumerate(prompts):
             if k and k % SLICE == 0:
                 await asyncio.sleep(0)  # let the loop run the requests started so far, and other clients
-            inference = llm.request(prompt, sampling, stream=stream, logprobs=request.logprobs is not None,
-                                    add_special_tokens=request.add_special_tokens, request_id=f"{request_id}-{k}",
-                                    prompt_logprobs=request.prompt_logprobs)
-            llm.admission(inference, request.priority, server.limits.prompt_tokens_details, timeout_us, received)
-            runs.append(Run(server.dataplane, llm, inference, n, index=k * n))
+            inference = llm.start(server.dataplane, prompt, sampling, stream=stream,
+                                  logprobs=request.logprobs is not None, add_special_tokens=request.add_special_tokens,
+                                  request_id=f"{request_id}-{k}", prompt_logprobs=request.prompt_logprobs,
+                                  priority=request.priority, cached_tokens=server.limits.prompt_tokens_details,
+                                  timeout_us=timeout_us, received_ns=received)
+            runs.append(Run(llm, inference, n, index=k * n))
         if stream:
             await peek_all(runs)
         else:
