@@ -98,7 +98,7 @@ def server_processes(pid: int) -> dict[str, int]:
     return found
 
 
-SAMPLER = """
+SAMPLER = r"""
 import json, os, sys, time
 pids = json.loads(sys.argv[2])
 def sched(pid):
@@ -132,7 +132,11 @@ class Sampler:
         self.proc = subprocess.Popen([sys.executable, "-c", SAMPLER, str(path), json.dumps(pids)])
 
     def split(self, start: float, end: float) -> str:
-        rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.endswith("}")]
+        try:
+            text = self.path.read_text()
+        except OSError:
+            return "no samples"
+        rows = [json.loads(line) for line in text.splitlines() if line.endswith("}")]
         before = [row for row in rows if row["t"] <= start] or rows[:1]
         after = [row for row in rows if row["t"] >= end] or rows[-1:]
         if not before or not after:
