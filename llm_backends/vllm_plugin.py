@@ -1,28 +1,49 @@
 """A vLLM general plugin (entry point ``vllm.general_plugins`` in pyproject.toml): vLLM runs :func:`register` in each
 of its processes (engine core, workers). It acts only in the engine a tideserve server starts, whose processes inherit
-``TIDESERVE_VLLM_SHM_RECHECK_MS`` (set by ``llm_backends/vllm/engine.py``); anywhere else (vLLM's own api_server in
-the same environment) it does nothing. Kept outside ``tideserve.llm_backends.vllm``, whose import brings the backend.
+``TIDESERVE_VLLM_SHM_RECHECK_MS`` and ``TIDESERVE_VLLM_SHM_SPIN_MS`` (set by ``llm_backends/vllm/engine.py``);
+anywhere else (vLLM's own api_server in the same environment) it does nothing. Kept outside
+``tideserve.llm_backends.vllm``, whose import brings the backend.
 
-What it sets: how often an idle reader of vLLM's shared-memory message queue (the worker waiting for the engine
-core's next step, the engine core waiting for the worker's output) rechecks the queue while it waits for the writer's
-wake-up. vLLM wakes such a reader with a best-effort ZMQ notification (a PUB socket with a high-water mark of 1: a
-notification can be dropped) and rechecks every 5 s (``SHM_READER_RECHECK_INTERVAL_MS``) in case one was: a reader
-goes idle after 1 s without a message (``SpinCondition.busy_loop_s``), so the first step of a burst after a pause
-could wait up to 5 s with its work already written, every process idle, and all the burst's first tokens then came
-at once (docs/performance.md, "first-token stalls"). At 20 ms a lost wake-up costs at most that; an idle worker then
-wakes 50 times a second to read a flag in shared memory."""
+What it sets: how a reader of vLLM's shared-memory message queue waits (the worker for the engine core's next step,
+the engine core for the worker's output). vLLM's reader spins on ``sched_yield`` for 1 s after its last message
+(``SpinCondition.busy_loop_s``), then sleeps until the writer's ZMQ notification (best-effort: a PUB socket with a
+high-water mark of 1 can drop it), rechecking the queue every 5 s (``SHM_READER_RECHECK_INTERVAL_MS``). On a CPU
+both cost the first tokens of a burst (docs/performance.md, "first-token stalls"): while the worker (pinned to one
+core) computes a step, the engine core spins on the other core and takes the CPU the server and its clients need;
+and a dropped notification left an idle worker asleep for up to 5 s with its step written. Here a reader spins for
+``TIDESERVE_VLLM_SHM_SPIN_MS`` and rechecks every ``TIDESERVE_VLLM_SHM_RECHECK_MS``."""
 
 from __future__ import annotations
 
 import os
 
 ENV = "TIDESERVE_VLLM_SHM_RECHECK_MS"
+SPIN_ENV = "TIDESERVE_VLLM_SHM_SPIN_MS"
+
+
+def _milliseconds(name: str) -> float | None:
+    try:
+        value = float(os.environ.get(name, ""))
+    except ValueError:
+        return None
+    return value if value >= 0 else None
 
 
 def register() -> None:
-    value = os.environ.get(ENV, "")
-    if not value.isdigit() or int(value) <= 0:
+    recheck, spin = _milliseconds(ENV), _milliseconds(SPIN_ENV)
+    if recheck is None and spin is None:
         return
     from vllm.distributed.device_communicators import shm_broadcast
 
-    shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = int(value)
+    if recheck is not None and recheck >= 1:
+        shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = int(recheck)
+    if spin is not None and not getattr(shm_broadcast.SpinCondition.wait, "tideserve", False):
+        wait, busy_loop_s = shm_broadcast.SpinCondition.wait, spin / 1000
+
+        def spin_then_wait(self, timeout_ms=None):  # (the worker's queues exist before vLLM runs the plugin)
+            if self.is_reader:
+                self.busy_loop_s = busy_loop_s
+            return wait(self, timeout_ms)
+
+        spin_then_wait.tideserve = True
+        shm_broadcast.SpinCondition.wait = spin_then_wait

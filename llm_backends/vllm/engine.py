@@ -114,17 +114,20 @@ class _StateLogger(StatLoggerBase):
         pass
 
 
-# How often an idle reader of vLLM's shared-memory message queue (worker, engine core) rechecks it, set in the engine's
-# processes by tideserve's vLLM plugin (llm_backends/vllm_plugin.py; vLLM's own value is 5000 ms). An environment
-# variable of the same name set before the server starts wins.
-SHM_RECHECK_MS = "20"
+# How a reader of vLLM's shared-memory message queue (worker, engine core) waits, set in the engine's processes by
+# tideserve's vLLM plugin (llm_backends/vllm_plugin.py): it spins SHM_SPIN_MS after its last message (vLLM: 1000 ms),
+# then sleeps, rechecking every SHM_RECHECK_MS (vLLM: 5000 ms). An environment variable of the same name set before
+# the server starts wins.
+SHM_RECHECK_MS = "2"
+SHM_SPIN_MS = "2"
 
 
 def _engine_environment() -> None:
-    """What the engine's processes (spawned from this one) inherit: the setting tideserve's vLLM plugin applies."""
-    from tideserve.llm_backends.vllm_plugin import ENV
+    """What the engine's processes (spawned from this one) inherit: the settings tideserve's vLLM plugin applies."""
+    from tideserve.llm_backends.vllm_plugin import ENV, SPIN_ENV
 
     os.environ.setdefault(ENV, SHM_RECHECK_MS)
+    os.environ.setdefault(SPIN_ENV, SHM_SPIN_MS)
 
 
 def engine_arg_defaults() -> dict[str, Any]:

@@ -1,5 +1,5 @@
-"""tideserve's vLLM general plugin: the shared-memory queue's recheck interval in the engines tideserve starts, and
-nothing anywhere else."""
+"""tideserve's vLLM general plugin: how the shared-memory queue's readers wait in the engines tideserve starts, and
+nothing changed anywhere else."""
 
 from __future__ import annotations
 
@@ -15,31 +15,61 @@ from vllm.distributed.device_communicators import shm_broadcast
 
 
 @pytest.fixture()
-def recheck(monkeypatch):
+def queue(monkeypatch):
     monkeypatch.setattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS", 5000)
-    monkeypatch.setenv(vllm_plugin.ENV, "")  # (undone at the end: the variable as it was)
-    monkeypatch.delenv(vllm_plugin.ENV)
+    monkeypatch.setattr(shm_broadcast.SpinCondition, "wait", shm_broadcast.SpinCondition.wait)
+    for name in (vllm_plugin.ENV, vllm_plugin.SPIN_ENV):
+        monkeypatch.setenv(name, "")  # (undone at the end: the variables as they were)
+        monkeypatch.delenv(name)
     return monkeypatch
 
 
-def test_the_plugin_does_nothing_outside_a_tideserve_engine(recheck):
+class _Reader:
+    """What SpinCondition.wait reads of its instance, with vLLM's 1 s spin, its last read just now."""
+
+    is_reader = True
+    busy_loop_s = 1.0
+
+    def __init__(self):
+        import time
+
+        self.last_read = time.monotonic()
+
+
+def _busy_loop_after_a_wait() -> float:
+    reader = _Reader()
+    shm_broadcast.SpinCondition.wait(reader, timeout_ms=1)  # within the spin: one sched_yield, no socket
+    return reader.busy_loop_s
+
+
+def test_the_plugin_does_nothing_outside_a_tideserve_engine(queue):
     vllm_plugin.register()  # (vLLM's own api_server in the same environment runs it too)
     assert shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS == 5000
-    recheck.setenv(vllm_plugin.ENV, "not a number")
+    assert _busy_loop_after_a_wait() == 1.0
+    queue.setenv(vllm_plugin.ENV, "not a number")
     vllm_plugin.register()
     assert shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS == 5000
 
 
-def test_a_tideserve_engine_gets_the_short_recheck(recheck):
+def test_a_tideserve_engine_gets_the_short_spin_and_recheck(queue):
     from tideserve.llm_backends.vllm import engine
 
     engine._engine_environment()  # what the engine's processes inherit
     vllm_plugin.register()  # as vLLM runs it in each of them
+    vllm_plugin.register()  # (more than once: no second wrapper)
     assert shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS == int(engine.SHM_RECHECK_MS) < 5000
-    recheck.setenv(vllm_plugin.ENV, "250")  # set before the server started: it wins
+    assert _busy_loop_after_a_wait() == float(engine.SHM_SPIN_MS) / 1000 < 1
+
+
+def test_values_set_before_the_server_starts_win(queue):
+    from tideserve.llm_backends.vllm import engine
+
+    queue.setenv(vllm_plugin.ENV, "5000")  # vLLM's own
+    queue.setenv(vllm_plugin.SPIN_ENV, "1000")
     engine._engine_environment()
     vllm_plugin.register()
-    assert shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS == 250
+    assert shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS == 5000
+    assert _busy_loop_after_a_wait() == 1.0
 
 
 def test_the_plugin_is_declared_for_vllm():
