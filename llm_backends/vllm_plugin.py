@@ -15,6 +15,7 @@ and a dropped notification left an idle worker asleep for up to 5 s with its ste
 
 from __future__ import annotations
 
+import logging
 import os
 
 ENV = "TIDESERVE_VLLM_SHM_RECHECK_MS"
@@ -35,6 +36,11 @@ def register() -> None:
         return
     from vllm.distributed.device_communicators import shm_broadcast
 
+    if not hasattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS") or not hasattr(shm_broadcast, "SpinCondition"):
+        # a vLLM whose queue waits otherwise than the one this was written for: its own waits, and a word in the log
+        logging.getLogger(__name__).warning("vLLM's shared-memory queue has no reader recheck or spin to set; "
+                                            "the engine keeps its own")
+        return
     if recheck is not None and recheck >= 1:
         shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = int(recheck)
     if spin is not None and not getattr(shm_broadcast.SpinCondition.wait, "tideserve", False):

@@ -123,11 +123,16 @@ SHM_SPIN_MS = "2"
 
 
 def _engine_environment() -> None:
-    """What the engine's processes (spawned from this one) inherit: the settings tideserve's vLLM plugin applies."""
+    """What the engine's processes (spawned from this one) inherit: the settings tideserve's vLLM plugin applies.
+    The short spin only on a CPU platform, where the engine core's spin takes a core the worker, the server and its
+    clients share; elsewhere the engine core keeps vLLM's spin (a core of many, and no wake-up per step)."""
+    from vllm.platforms import current_platform
+
     from tideserve.llm_backends.vllm_plugin import ENV, SPIN_ENV
 
     os.environ.setdefault(ENV, SHM_RECHECK_MS)
-    os.environ.setdefault(SPIN_ENV, SHM_SPIN_MS)
+    if current_platform.is_cpu():
+        os.environ.setdefault(SPIN_ENV, SHM_SPIN_MS)
 
 
 def engine_arg_defaults() -> dict[str, Any]:
