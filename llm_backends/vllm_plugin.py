@@ -52,4 +52,5 @@ def register() -> None:
             return wait(self, timeout_ms)
 
         spin_then_wait.tideserve = True
+        spin_then_wait.__wrapped__ = wait  # vLLM's own
         shm_broadcast.SpinCondition.wait = spin_then_wait

@@ -17,7 +17,10 @@ from vllm.distributed.device_communicators import shm_broadcast
 @pytest.fixture()
 def queue(monkeypatch):
     monkeypatch.setattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS", 5000)
-    monkeypatch.setattr(shm_broadcast.SpinCondition, "wait", shm_broadcast.SpinCondition.wait)
+    # vLLM's own wait, as before any plugin ran: an engine started in this process earlier (another test) ran the
+    # plugin here with tideserve's variables set (the wrapper, installed once, stays)
+    wait = shm_broadcast.SpinCondition.wait
+    monkeypatch.setattr(shm_broadcast.SpinCondition, "wait", getattr(wait, "__wrapped__", wait))
     for name in (vllm_plugin.ENV, vllm_plugin.SPIN_ENV):
         monkeypatch.setenv(name, "")  # (undone at the end: the variables as they were)
         monkeypatch.delenv(name)
