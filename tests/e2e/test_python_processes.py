@@ -42,12 +42,14 @@ output [ { name: "PID" data_type: TYPE_INT64 dims: [ 1 ] } ]
 """
 
 CRASH = """
-import ctypes, json, os, sys
+import ctypes, json, os, resource, sys
 import triton_python_backend_utils as pb_utils
 
 class TritonPythonModel:
     def execute(self, requests):
         how = json.loads(requests[0].parameters()).get("how", "")
+        if how in ("abort", "segfault"):
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # the crash, without a core file in the working folder
         if how == "abort":
             os.abort()
         if how == "segfault":
