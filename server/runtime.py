@@ -65,7 +65,7 @@ def _run_in_thread(slot: InstanceSlot, requests: list[InferenceRequest]) -> asyn
     (5 ms) forces it off the loop: measured on ``text_encoder`` (``/v1/embeddings``, 32 clients, a loaded
     2-core machine), the time from the hand-over to the thread's start fell from 2.1 ms median (p90 11.3) to
     0.3 (p90 4.3) per batch of ~12 (docs/performance.md, "the hand-over to ONNX Runtime's threads")."""
-    lock = threading.Lock()
+    lock = threading.Lock()  # one per batch: a thread that starts after the wait has run out releases only its own
     lock.acquire()
     future = asyncio.get_running_loop().run_in_executor(slot.executor, _started, lock, slot.instance.execute,
                                                         requests)

@@ -333,13 +333,7 @@ def end_processes(processes: list, wait_s: float = ENGINE_KILL_WAIT_S) -> list:
     (a zombie counts as gone: its parent reaps it). Returns those killed."""
     import psutil
 
-    def running(proc) -> bool:
-        try:
-            return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            return False
-
-    killed = [proc for proc in processes if running(proc)]
+    killed = [proc for proc in processes if process_running(proc)]
     for proc in killed:
         log.info("the vLLM engine's process %d (%s) outlived the engine's shutdown: killing it", proc.pid,
                  _name(proc))
@@ -348,9 +342,19 @@ def end_processes(processes: list, wait_s: float = ENGINE_KILL_WAIT_S) -> list:
         except psutil.Error:
             pass
     deadline = time.monotonic() + wait_s
-    while any(running(proc) for proc in killed) and time.monotonic() < deadline:
+    while any(process_running(proc) for proc in killed) and time.monotonic() < deadline:
         time.sleep(0.02)
     return killed
+
+
+def process_running(proc) -> bool:
+    """Whether ``proc`` (a psutil.Process) still runs: a zombie, waiting for its parent to reap it, does not."""
+    import psutil
+
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _name(proc) -> str:

@@ -190,6 +190,7 @@ def test_ctrl_c_to_every_process_leaves_none_once_the_server_exits(server, grpc_
     exited none of them runs. The engine core ends at once on its own signal and vLLM's worker would run on for
     seconds (torch's teardown at its exit) but for the server killing it."""
     import psutil
+    from tideserve.llm_backends.vllm.engine import process_running
 
     assert _state(grpc_client, CHECK_OFF)[:2] == (True, "READY")  # (the test before loaded it: an engine runs)
     processes = psutil.Process(server.process.pid).children(recursive=True)
@@ -203,13 +204,7 @@ def test_ctrl_c_to_every_process_leaves_none_once_the_server_exits(server, grpc_
     assert server.process.wait(120) == 0
     server.signalled = signal.SIGINT
 
-    def running(proc) -> bool:
-        try:
-            return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            return False
-
     deadline = time.monotonic() + 0.5  # a zombie's reaping by the init process, nothing more
-    while (left := [(p.pid, names[p.pid]) for p in processes if running(p)]) and time.monotonic() < deadline:
+    while (left := [(p.pid, names[p.pid]) for p in processes if process_running(p)]) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not left, (left, server.log()[-3000:])
