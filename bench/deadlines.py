@@ -595,6 +595,9 @@ def main() -> None:
     parser.add_argument("--no-kernel-arrival", dest="kernel_arrival", action="store_false",
                         help="run the server with TIDESERVE_KERNEL_ARRIVAL=0: a deadline counts from the parser's "
                              "first byte, not from when the kernel says the request's bytes arrived (TCP_INFO)")
+    parser.add_argument("--no-tick-phase", dest="tick_phase", action="store_false",
+                        help="run the server with TIDESERVE_TICK_PHASE=0: the kernel's arrival time without the time "
+                             "since its current tick (a tick off the count)")
     parser.add_argument("--no-prime", dest="prime", action="store_false",
                         help="before each side, do not reset the engine's prefix cache and send every prompt once")
     parser.add_argument("--generate-tensors", action="store_true",
@@ -624,6 +627,8 @@ def main() -> None:
         env["TIDESERVE_GENERATE_TENSORS"] = "1"
     if not args.kernel_arrival:
         env["TIDESERVE_KERNEL_ARRIVAL"] = "0"
+    if not args.tick_phase:
+        env["TIDESERVE_TICK_PHASE"] = "0"
     probe_file = work / "deadline-probe.json" if args.probe else None
     model = make_model(args.model_dir / args.size, args.size)
     repo = write_vllm_repository(work, model, args.max_num_seqs, args.max_queue_size,

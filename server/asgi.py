@@ -73,20 +73,60 @@ KERNEL_ARRIVAL = (_TCP_INFO is not None and 0 < _TICK_NS <= 20_000_000
 not, the deadline then counts from the parser's first byte alone)."""
 
 
+_COARSE = 6  # CLOCK_MONOTONIC_COARSE (Linux): the time of the kernel's last tick, as its timekeeping counted it
+_PHASE_DRIFT = 2_000  # a bound on how fast the coarse clock's lag behind its tick moves: 500 ppm (1/2000), the
+# kernel's bound on its clock's frequency adjustment (the lag is the phase between the tick's timer, on whole ticks
+# of monotonic time, and the timekeeping's whole intervals, whose length that adjustment moves)
+_PHASE_MARGIN_NS = 250_000  # a tick that came late (a busy host): taken off the time since the tick
+# the least (now - the coarse clock) read, and when: an upper bound on how far the coarse clock's value lies behind
+# the moment its tick came, see _tick_phase_ns
+_phase_floor = [_TICK_NS, 0]
+TICK_PHASE = os.environ.get("TIDESERVE_TICK_PHASE", "1") != "0"
+"""Whether :func:`kernel_arrival_ns` adds the time since the kernel's current tick (``TIDESERVE_TICK_PHASE=0``: not,
+a whole tick is taken off the kernel's count)."""
+
+
+def _tick_phase_ns(now: int, coarse: int) -> int:
+    """How long ago, at least, the kernel's current tick came (``now`` read after ``coarse``): ``now - coarse``, less
+    the least such difference read so far (grown since by the most the lag can have moved, ``_PHASE_DRIFT``), as
+    the coarse clock's value may lie a part of a tick behind the tick's own moment (its timekeeping counts whole
+    intervals); each reading is at or after its tick, so that least difference is never less than the clock's own
+    lag, and the result never more than the time since the tick, but where a tick came late by more than
+    ``_PHASE_MARGIN_NS``, which is taken off. 0 at a process's first reading; at most a tick."""
+    phase = now - coarse
+    floor = _phase_floor
+    least = floor[0] + (now - floor[1]) // _PHASE_DRIFT
+    if phase < least:
+        least = floor[0] = phase
+        floor[1] = now
+    return max(0, min(phase - least - _PHASE_MARGIN_NS, _TICK_NS))
+
+
 def kernel_arrival_ns(sock, received: int) -> int:
     """The earlier of ``received`` and the latest time that is surely after the connection's last data segment
-    arrived, by the kernel's count (``TCP_INFO``'s ``tcpi_last_data_recv``: ms since, counted in kernel ticks, so
-    a tick and its rounding are taken off, and a time never before the bytes came is the result). The request's
-    bytes waited in the socket while the event loop ran other connections' work (a burst of arrivals): a deadline
-    counted from here does not start that wait late. ``received`` where the kernel does not say."""
+    arrived, by the kernel's count (``TCP_INFO``'s ``tcpi_last_data_recv``: ms since, counted in kernel ticks,
+    so that count less a tick and its rounding is the time since the tick after the one the bytes came in,
+    counted from the current tick: the time since that, :func:`_tick_phase_ns`, is added; a time never before
+    the bytes came is the result). The request's bytes waited in the socket while the event loop ran other
+    connections' work (a burst of arrivals): a deadline counted from here does not start that wait late.
+    ``received`` where the kernel does not say, or the bytes came within the current tick."""
     try:
         info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, _LAST_DATA_RECV + 4)
-        since_ns = struct.unpack_from("=I", info, _LAST_DATA_RECV)[0] * 1_000_000 - _TICK_SLACK_NS
+        ms = struct.unpack_from("=I", info, _LAST_DATA_RECV)[0]
     except (OSError, struct.error):
         return received
+    if ms == 0:
+        return received
+    if TICK_PHASE:
+        coarse = time.clock_gettime_ns(_COARSE)  # after the kernel's count: a tick between them makes a later time
+        now = time.monotonic_ns()
+        since_ns = ms * 1_000_000 - _TICK_SLACK_NS + _tick_phase_ns(now, coarse)
+    else:
+        now = time.monotonic_ns()
+        since_ns = ms * 1_000_000 - _TICK_SLACK_NS
     if since_ns <= 0:
         return received
-    return min(received, time.monotonic_ns() - since_ns)  # now read after the kernel's count: never too early
+    return min(received, now - since_ns)  # now read after the kernel's count: never too early
 
 
 def received_ns(scope) -> int:

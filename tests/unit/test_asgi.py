@@ -192,3 +192,23 @@ def test_a_deadline_counts_from_when_the_kernel_had_the_bytes_never_before_they_
     assert asgi.received_ns({asgi.RECEIVED_NS: 5}) == 5 and asgi.received_ns({}) == 0
     # a socket the kernel cannot say it for (closed): the parser's time
     assert asgi.kernel_arrival_ns(server, 7) == 7
+
+
+@pytest.mark.skipif(not asgi.KERNEL_ARRIVAL, reason="the kernel's TCP_INFO and tick (Linux)")
+def test_the_time_since_the_current_tick_counts_from_the_least_lag_of_the_coarse_clock(monkeypatch):
+    """The time since the kernel's current tick is what the coarse clock lies behind now, less the least that it lay
+    behind (its own lag behind its tick), grown by the most that lag can drift since, and a margin; 0 at the first
+    reading, at most a tick."""
+    tick, margin, drift = asgi._TICK_NS, asgi._PHASE_MARGIN_NS, asgi._PHASE_DRIFT
+    monkeypatch.setattr(asgi, "_phase_floor", [tick, 0])
+    now = 10**12
+    assert asgi._tick_phase_ns(now, now - 300_000) == 0  # the first reading: the clock's own lag, as far as known
+    assert asgi._tick_phase_ns(now, now - 2_300_000) == 2_000_000 - margin
+    assert asgi._tick_phase_ns(now, now - 300_000 - 10 * tick) == tick  # at most a tick
+    assert asgi._tick_phase_ns(now, now - 200_000) == 0  # a lesser lag: the least from here on
+    assert asgi._tick_phase_ns(now, now - 1_200_000) == 1_000_000 - margin
+    # a second later the lag may have grown by as much as the kernel can move its clock's frequency
+    later = now + 1_000_000_000
+    assert asgi._tick_phase_ns(later, later - 1_200_000) == 1_000_000 - 1_000_000_000 // drift - margin
+    assert asgi._tick_phase_ns(later, later - 100_000) == 0  # a lesser one: the least again, read now
+    assert asgi._tick_phase_ns(later, later - 1_100_000) == 1_000_000 - margin
