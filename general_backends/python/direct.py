@@ -27,11 +27,14 @@ import asyncio
 import concurrent.futures
 import ctypes
 import logging
+import mmap
 import os
 import threading
 import time
 
 from tideserve.backend_api import (
+    DIRECT_QUEUE_SUFFIX,
+    DIRECT_QUEUE_WORD,
     DirectAnswer,
     DirectAnswers,
     DirectScheduler,
@@ -246,12 +249,46 @@ class _FineTimer:
             os.close(self.fd)
 
 
+class _QueueWord:
+    """The requests this instance's batcher holds (queued, not yet in a batch), in a shared word the frontend workers
+    read when they pick an instance (``tideserve.workers.direct``): a file beside the instance's socket
+    (``<socket>.queue``, in the same private directory), one native 8-byte integer written by this process only."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path + DIRECT_QUEUE_SUFFIX
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, DIRECT_QUEUE_WORD.size)
+            self.map = mmap.mmap(fd, DIRECT_QUEUE_WORD.size)
+        finally:
+            os.close(fd)
+        self.value = 0
+
+    def set(self, value: int) -> None:
+        if value != self.value:
+            self.value = value
+            DIRECT_QUEUE_WORD.pack_into(self.map, 0, value)
+
+    def close(self) -> None:
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+
+
 class _DirectBatcher(DynamicBatcher):
     """The model's dynamic batcher, whose waits shorter than the loop's timers can time go to a fine timer."""
 
-    def __init__(self, runtime) -> None:
+    def __init__(self, runtime, queue: _QueueWord | None = None) -> None:
         super().__init__(runtime)
         self._fine = _FineTimer.create(asyncio.get_running_loop())
+        self.queue_word = queue
+
+    async def next_batch(self):
+        batch = await super().next_batch()
+        if self.queue_word is not None:
+            self.queue_word.set(self.pending())
+        return batch
 
     async def _sleep(self, timeout: float | None) -> None:
         if timeout is None or self._fine is None or not 0 < timeout < LOOP_TIMER_RESOLUTION_S:
@@ -351,8 +388,15 @@ class DirectServer:
         config = model.config
         self.stats = ModelStats(model.ctx.name, str(model.ctx.version), metrics=True)  # with its histograms
         self.runtime = _Runtime(model.ctx.name, config, stub.instance, self.stats, self)
-        self.scheduler = (_DirectBatcher(self.runtime) if config.HasField("dynamic_batching")
-                          else DirectScheduler(self.runtime))
+        self.queue_word: _QueueWord | None = None
+        if config.HasField("dynamic_batching"):
+            try:
+                self.queue_word = _QueueWord(path)
+            except OSError as exc:  # the workers pick without it
+                log.debug("instance '%s': no queue word: %s", stub.spec.label, exc)
+            self.scheduler = _DirectBatcher(self.runtime, self.queue_word)
+        else:
+            self.scheduler = DirectScheduler(self.runtime)
         self.max_batch_size = config.max_batch_size
         self.connections: set[_Connection] = set()
         self.inflight = 0
@@ -413,6 +457,8 @@ class DirectServer:
             log.debug("instance '%s': closing the direct links' loop", self.stub.spec.label, exc_info=True)
         finally:
             loop.close()
+            if self.queue_word is not None:
+                self.queue_word.close()
 
     def counters(self) -> dict:
         """(From any thread: the process's main loop asks while the instance's runs its batches.)"""
@@ -479,6 +525,8 @@ class DirectServer:
             connection.send(DirectAnswer(rid, wire.Response(error=wire.error_data(exc)), rejected=True))
             return
         connection.requests[rid] = entry
+        if self.queue_word is not None:
+            self.queue_word.set(self.scheduler.pending())
         self.inflight += 1
         self._idle.clear()
 

@@ -5,7 +5,9 @@ The core publishes, in the snapshot it pushes, the address of a Unix socket that
 eligible model listens on (``Snapshot.direct``, by runtime uid; see ``FrontendWorkers.direct_addresses``). A
 worker keeps one link per address, opened at first use; each request goes to the instance with the fewest of
 this worker's requests in flight (round robin among equals; the requests of one loop turn for a model go to one
-instance, so that they leave in one :class:`DirectSubmit` and can run as one batch), its responses come back as
+instance, so that they leave in one :class:`DirectSubmit` and can run as one batch; with a dynamic batcher, to the
+first instance whose batcher holds less than a full batch, as its shared queue word says: see
+:meth:`DirectRouter._pick`), its responses come back as
 :class:`DirectAnswer`, those of one loop turn there in one :class:`DirectAnswers`; a stream closed early sends
 ``wire.Cancel``. In the process the requests meet a scheduler of
 their own (``general_backends/python/direct.py``). Everything else goes through the core as before: a request
@@ -23,6 +25,9 @@ import asyncio
 import collections
 import itertools
 import logging
+import mmap
+import os
+import struct
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -41,6 +46,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SEQUENCE_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end")
+
+# Beside each instance's socket, ``<socket>.queue``: the requests its dynamic batcher holds (queued, not yet in a
+# batch), one native 8-byte integer the instance process writes and the workers read when they pick an instance.
+DIRECT_QUEUE_SUFFIX = ".queue"
+DIRECT_QUEUE_WORD = struct.Struct("q")
 
 
 # -- the link's messages (worker <-> instance process) -----------------------------------------------------
@@ -146,6 +156,12 @@ class DirectLink(asyncio.Protocol):
         self.waiting: list[bytes] = []  # other frames to write after them (cancellations)
         self.state = "new"  # new -> connecting -> up -> down
         self._flush_scheduled = False
+        self.queue = _open_queue(address)  # the instance's queued requests (None: it does not say)
+
+    def queued(self) -> int:
+        """The requests the instance's batcher holds now (as of its last write), -1 where it does not say."""
+        queue = self.queue
+        return DIRECT_QUEUE_WORD.unpack_from(queue)[0] if queue is not None else -1
 
     def connect(self) -> None:
         self.state = "connecting"
@@ -227,6 +243,19 @@ class DirectLink(asyncio.Protocol):
         self.streams.pop(rid, None)
 
 
+def _open_queue(address: str) -> mmap.mmap | None:
+    try:
+        fd = os.open(address + DIRECT_QUEUE_SUFFIX, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        return mmap.mmap(fd, DIRECT_QUEUE_WORD.size, prot=mmap.PROT_READ)
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+
+
 class DirectRouter:
     """Picks, per request, whether it goes straight to an instance process, and which."""
 
@@ -292,11 +321,13 @@ class DirectRouter:
         """The link for one request. The requests of one loop turn for a model go to one instance process, up to
         its ``max_batch_size`` (what a turn sends leaves in one write and can run as one batch there, as the
         requests one queue holds would). For a model with a dynamic batcher, the next turn's go to the first
-        instance, in the snapshot's order (the same in every worker), where this worker has fewer requests in
-        flight than its share of a full batch (``max_batch_size`` / the workers): the requests of all workers meet
-        there and run as one batch, as they would in one queue, instead of as one small batch per worker and
-        instance. Otherwise, and once every instance holds that share, to the instance with the fewest of this
-        worker's requests in flight (round robin among equals)."""
+        instance, in the snapshot's order (the same in every worker), whose batcher holds fewer queued requests than
+        a full batch (its queue word, :meth:`DirectLink.queued`; an instance that does not say: where this worker
+        has fewer requests in flight than its share of a full batch, ``max_batch_size`` / the workers): the requests
+        of all workers meet there and run as one batch, as they would in one queue, instead of as one small batch
+        per worker and instance, and the next instance starts a batch only once a full one waits. Otherwise, and
+        once every instance holds a full batch, to the instance with the fewest of this worker's requests in
+        flight (round robin among equals)."""
         limit = self._batch_limit(runtime)
         turn = self._turns.get(runtime.uid)
         if turn is not None:
@@ -310,7 +341,11 @@ class DirectRouter:
             share = -(-limit // self.workers)
             for address in addresses:
                 link = links.get(address)
-                if link is None or len(link.streams) < share:
+                if link is None:
+                    best = address
+                    break
+                queued = link.queued()
+                if queued < 0 and len(link.streams) < share or 0 <= queued < limit:
                     best = address
                     break
         if best is None:

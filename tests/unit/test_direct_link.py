@@ -1,6 +1,7 @@
 """--frontend-direct's data path, without a server: a worker's requests of one loop turn for a model go to one
 instance process (up to its max_batch_size) and leave in one message, and with a dynamic batcher every worker's
-requests go to the first instance until it holds a full batch (they meet in one batch there); an instance process answers a loop turn's
+requests go to the first instance until it holds a full batch (they meet in one batch there; where the instances
+say how many requests their batchers hold, until its queue holds a full batch); an instance process answers a loop turn's
 responses in one message; its batcher waits sub-millisecond delays on a timerfd (the loop's own timers would fire
 at once, round after round, for the whole delay)."""
 
@@ -11,7 +12,7 @@ import types
 
 import pytest
 from tideserve import wire
-from tideserve.general_backends.python.direct import _FineTimer
+from tideserve.general_backends.python.direct import _FineTimer, _QueueWord
 from tideserve.workers.direct import DirectAnswer, DirectAnswers, DirectLink, DirectRouter, DirectSubmit
 from tritonclient.grpc import model_config_pb2 as mc
 
@@ -97,6 +98,40 @@ def test_once_every_instance_holds_a_share_the_least_loaded_takes_the_next_turn(
             await asyncio.sleep(0)
         assert picked[:4] == ["a", "a", "b", "b"]
         assert sorted(picked[4:]) == ["a", "b"]
+
+    asyncio.run(main())
+
+
+def _queue_words(tmp_path, names: list[str]) -> tuple[list[str], dict]:
+    """Instances that say how many requests their batchers hold, as an instance process writes it."""
+    addresses = [str(tmp_path / f"{name}.sock") for name in names]
+    return addresses, {name: _QueueWord(address) for name, address in zip(names, addresses, strict=True)}
+
+
+def test_with_queue_words_the_first_instance_takes_requests_until_its_queue_holds_a_full_batch(tmp_path):
+    async def main():
+        addresses, words = _queue_words(tmp_path, ["a", "b"])
+        a, b = addresses
+        workers = [_router(addresses), _router(addresses)]
+        for router in workers:
+            router.workers = 2
+        model = _batched(1, max_batch_size=8)
+        for _ in range(6):  # a executes, its queue short of a batch: every worker's requests still go there
+            for router in workers:
+                assert (await _pick(router, addresses, model)).address == a
+            await asyncio.sleep(0)
+        words["a"].set(8)  # a full batch waits at a: the next one forms at b
+        for router in workers:
+            assert (await _pick(router, addresses, model)).address == b
+        await asyncio.sleep(0)
+        words["b"].set(8)  # both hold a full batch: the least loaded of this worker's
+        assert (await _pick(workers[0], addresses, model)).address == b
+        await asyncio.sleep(0)
+        words["a"].set(3)  # a took its batch: a again
+        assert (await _pick(workers[1], addresses, model)).address == a
+        for word in words.values():
+            word.close()
+        assert not list(tmp_path.iterdir())
 
     asyncio.run(main())
 
