@@ -198,8 +198,21 @@ def inline_tensor(tensor: CoreTensor) -> Tensor:
         if not data.flags.c_contiguous:
             data = np.ascontiguousarray(data)
         body = memoryview(data).cast("B") if data.ndim and data.size else data.tobytes()
-    return Tensor(tensor.name, tensor.datatype, data.dtype.str, tuple(data.shape), body,
+    dtype = data.dtype
+    return Tensor(tensor.name, tensor.datatype, _DTYPE_STR.get(dtype) or _dtype_str(dtype), tuple(data.shape), body,
                   parameters=tensor.parameters or {})
+
+
+# numpy makes a new string for every ``dtype.str`` (a printf-style format): the few dtypes tensors have, kept
+_DTYPE_STR: dict[np.dtype, str] = {}
+_DTYPE_STR_MAX = 64
+
+
+def _dtype_str(dtype: np.dtype) -> str:
+    text = dtype.str
+    if len(_DTYPE_STR) < _DTYPE_STR_MAX:
+        _DTYPE_STR[dtype] = text
+    return text
 
 
 def data_bytes(tensors: list[CoreTensor]) -> int:
@@ -250,7 +263,7 @@ def layout(tensors: list[CoreTensor]) -> Layout:
         else:
             nbytes = data.nbytes
             parts.append((offset, data))
-            dtype = data.dtype.str
+            dtype = _DTYPE_STR.get(data.dtype) or _dtype_str(data.dtype)
         described.append(Tensor(tensor.name, tensor.datatype, dtype, tuple(data.shape), None, offset, nbytes,
                                 tensor.parameters or {}))
         offset += aligned(nbytes)

@@ -23,6 +23,7 @@ a request is answered 503 and its connection closed.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
@@ -41,6 +42,8 @@ DEFAULT_MAX_HEADER_COUNT = 100
 DEFAULT_HEADER_TIMEOUT_SECS = 10.0
 DEFAULT_BODY_TIMEOUT_SECS = 30.0
 DEFAULT_MAX_CONNECTIONS = 1000
+
+_TASK_NAME = "http-direct"  # the name of a request's task on the direct path (KServe infer)
 
 # What the connection waits for.
 _HEAD = 1  # a request line and headers
@@ -354,7 +357,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if not url.endswith(b"/infer") or self.expect_100_continue or self.root_path:
             return False
         parser = self.parser
-        if parser.get_method() != b"POST" or b"?" in url or b"%" in url or b"#" in url or parser.should_upgrade():
+        if parser.get_method() != b"POST" or parser.should_upgrade():
             return False
         cycle = self.cycle
         if cycle is not None and not cycle.response_complete:
@@ -365,6 +368,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         try:
             path = url.decode("ascii")
         except UnicodeDecodeError:
+            return False
+        # a query, an escape or a fragment: uvicorn's path (looked for in the str: ``bytes in bytes`` first tries
+        # the needle as an int, a TypeError made and dropped each time)
+        if "?" in path or "%" in path or "#" in path:
             return False
         found = self._handler(path)
         if found is None:
@@ -381,7 +388,12 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         cycle = self.cycle = FastCycle(scope, self.transport, self.flow, self.logger, self.access_logger,
                                        self.access_log, self.server_state.default_headers,
                                        http_version != "1.0" and parser.should_keep_alive(), self.on_response_complete)
-        task = self.loop.create_task(handler(scope, cycle.receive, cycle.send, model, version))
+        coro = handler(scope, cycle.receive, cycle.send, model, version)
+        loop = self.loop
+        if loop.get_task_factory() is None:  # named here: asyncio formats a "Task-<n>" name for every unnamed task
+            task = asyncio.Task(coro, loop=loop, name=_TASK_NAME)
+        else:
+            task = loop.create_task(coro)
         task.add_done_callback(functools.partial(self._direct_done, cycle))
         cycle.task = task
         self.tasks.add(task)
