@@ -491,6 +491,8 @@ class DirectServer:
     async def _drain(self, timeout: float) -> dict:
         if self._server is not None:
             self._server.close()
+        if self.queue_word is not None:  # the workers that mapped it keep reading their map
+            self.queue_word.close()
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
         except TimeoutError:
