@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import numpy as np
 import orjson
 from tritonclient.grpc import model_config_pb2 as mc
@@ -179,6 +180,145 @@ def _bad_shape(name: str, shape: Any) -> None:
 
 
 # -- requests --------------------------------------------------------------------------------
+def _request_parameters(params: dict) -> tuple[bool, int, int, dict[str, Any]]:
+    """A request's "parameters" object: (binary_data_output, priority, timeout in us, what the model sees)."""
+    binary_output = False
+    priority = 0
+    timeout_us = 0
+    parameters: dict[str, Any] = {}
+    for key, value in params.items():
+        if key == "binary_data_output":
+            if type(value) is not bool:
+                raise InvalidArgument(f"parameter 'binary_data_output' must be a boolean, got {_json_name(value)}")
+            binary_output = value
+        elif key == "priority":
+            if not _is_uint(value):
+                raise InvalidArgument(f"parameter 'priority' must be a non-negative integer, got {_show(value)}")
+            priority = value
+        elif key == "timeout":
+            if not _is_uint(value):
+                raise InvalidArgument(f"parameter 'timeout' must be a non-negative integer (microseconds), "
+                                      f"got {_show(value)}")
+            timeout_us = value
+        elif key == "sequence_id":
+            if not (_is_uint(value) or type(value) is str):
+                raise InvalidArgument(f"parameter 'sequence_id' must be a non-negative integer or a string, "
+                                      f"got {_show(value)}")
+            parameters[key] = value
+        elif key in _SEQUENCE_FLAGS:
+            if type(value) is not bool:
+                raise InvalidArgument(f"parameter '{key}' must be a boolean, got {_json_name(value)}")
+            parameters[key] = value
+        elif key.startswith("triton_"):
+            raise InvalidArgument(f"parameter '{key}': keys starting with 'triton_' are reserved for "
+                                  "server use and cannot be specified")
+        elif type(value) in (str, int, bool, float):
+            parameters[key] = value
+        else:
+            raise InvalidArgument(f"parameter '{key}' has invalid type {_json_name(value)}; it must be a "
+                                  "string, integer, boolean or number")
+    return binary_output, priority, timeout_us, parameters
+
+
+# The usual JSON request, typed: msgspec checks the document's structure and its fields' types as it parses (no dict
+# per object, no Python check per field). Anything else about it is checked by _decode_typed; a document it does not
+# take whole goes the general way (decode_request's orjson path), which also words every error. No unknown field is
+# taken: each value of the document is then parsed (msgspec skips an unknown field's value with fewer checks than
+# orjson makes) and within _TYPED_DEPTH levels.
+class _InputDoc(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    datatype: str
+    shape: list[int]
+    data: Any = None
+    parameters: dict | None = None
+
+
+class _OutputDoc(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    parameters: dict | None = None
+
+
+class _RequestDoc(msgspec.Struct, forbid_unknown_fields=True):
+    inputs: list[_InputDoc]
+    id: str = ""
+    parameters: dict | None = None
+    outputs: list[_OutputDoc] | None = None
+
+
+_TYPED_DECODER = msgspec.json.Decoder(_RequestDoc)
+_TYPED_DEPTH = 4  # the deepest nesting _decode_typed takes: an input's "data" or "shape", an output's "parameters"
+_SCALARS = (str, int, bool, float)
+
+
+def _decode_typed(model_name: str, model_version: str, body: bytes, limits: TensorLimits,
+                  max_json_depth: int) -> DecodedRequest | None:
+    """:func:`decode_request` of a JSON-only body whose inputs are flat numeric or boolean "data" arrays within the
+    limits, with no input parameters, outputs with at most "binary_data" and request parameters of scalars (what
+    perf_analyzer and most clients send): the same request, or None where the general path must decide (anything
+    else, every error included: it then parses the body again)."""
+    if max_json_depth < _TYPED_DEPTH:
+        return None
+    try:
+        doc = _TYPED_DECODER.decode(body)
+    except (msgspec.MsgspecError, ValueError):  # a string that is not UTF-8 raises UnicodeDecodeError
+        return None
+    params = doc.parameters
+    if params is None:
+        binary_output, priority, timeout_us, parameters = False, 0, 0, {}
+    else:
+        for value in params.values():
+            if type(value) not in _SCALARS:
+                return None
+        binary_output, priority, timeout_us, parameters = _request_parameters(params)
+    inputs: dict[str, Tensor] = {}
+    max_rank, max_elements = limits.max_rank, limits.max_elements
+    for item in doc.inputs:
+        name, datatype, shape, data = item.name, item.datatype, item.shape, item.data
+        if not name or name in inputs or item.parameters is not None or type(data) is not list:
+            return None
+        kinds = _FLAT_KINDS.get(datatype)
+        if kinds is None:
+            return None
+        count = 1
+        for dim in shape:
+            if dim < 0:
+                return None
+            count *= dim
+        if (not count or count > max_elements or len(shape) > max_rank or len(data) != count
+                or not set(map(type, data)) <= kinds):
+            return None
+        try:
+            array = np.array(data, dtype=_NUMPY[datatype])
+        except (OverflowError, ValueError, TypeError):
+            return None
+        shape = tuple(shape)
+        if len(shape) != 1:
+            array = array.reshape(shape)
+        inputs[name] = Tensor(name, datatype, shape, array)
+    outputs = None
+    requested = None
+    if doc.outputs is not None:
+        outputs = {}
+        requested = []
+        for item in doc.outputs:
+            name = item.name
+            if not name or name in outputs:
+                return None
+            oparams = item.parameters
+            if oparams:
+                binary = oparams.get("binary_data")
+                if len(oparams) != 1 or type(binary) is not bool:
+                    return None
+                outputs[name] = _BINARY_OUTPUT if binary else _JSON_OUTPUT
+                requested.append(RequestedOutput(name, oparams))
+            else:
+                outputs[name] = _DEFAULT_OUTPUT
+                requested.append(RequestedOutput(name))
+    request = InferenceRequest(model_name, inputs, model_version=model_version, id=doc.id, outputs=requested,
+                               parameters=parameters, priority=priority, timeout_us=timeout_us)
+    return DecodedRequest(request, binary_output, outputs, False)
+
+
 def decode_request(model_name: str, model_version: str, body: bytes, header_length: int | None,
                    limits: TensorLimits = DEFAULT_TENSOR_LIMITS,
                    max_json_depth: int = MAX_JSON_DEPTH) -> DecodedRequest:
@@ -188,6 +328,9 @@ def decode_request(model_name: str, model_version: str, body: bytes, header_leng
     ``data`` arrays and the values of input and output ``parameters``.
     """
     if header_length is None:
+        typed = _decode_typed(model_name, model_version, body, limits, max_json_depth)
+        if typed is not None:
+            return typed
         header = body
         binary_len = 0
     else:
@@ -205,45 +348,13 @@ def decode_request(model_name: str, model_version: str, body: bytes, header_leng
         raise InvalidArgument(f"'id' must be a string, got {_json_name(request_id)}")
 
     # -- request parameters
-    binary_output = False
-    priority = 0
-    timeout_us = 0
-    parameters: dict[str, Any] = {}
     params = doc.get("parameters")
-    if params is not None:
+    if params is None:
+        binary_output, priority, timeout_us, parameters = False, 0, 0, {}
+    else:
         if type(params) is not dict:
             raise InvalidArgument(f"request 'parameters' must be an object, got {_json_name(params)}")
-        for key, value in params.items():
-            if key == "binary_data_output":
-                if type(value) is not bool:
-                    raise InvalidArgument(f"parameter 'binary_data_output' must be a boolean, got {_json_name(value)}")
-                binary_output = value
-            elif key == "priority":
-                if not _is_uint(value):
-                    raise InvalidArgument(f"parameter 'priority' must be a non-negative integer, got {_show(value)}")
-                priority = value
-            elif key == "timeout":
-                if not _is_uint(value):
-                    raise InvalidArgument(f"parameter 'timeout' must be a non-negative integer (microseconds), "
-                                          f"got {_show(value)}")
-                timeout_us = value
-            elif key == "sequence_id":
-                if not (_is_uint(value) or type(value) is str):
-                    raise InvalidArgument(f"parameter 'sequence_id' must be a non-negative integer or a string, "
-                                          f"got {_show(value)}")
-                parameters[key] = value
-            elif key in _SEQUENCE_FLAGS:
-                if type(value) is not bool:
-                    raise InvalidArgument(f"parameter '{key}' must be a boolean, got {_json_name(value)}")
-                parameters[key] = value
-            elif key.startswith("triton_"):
-                raise InvalidArgument(f"parameter '{key}': keys starting with 'triton_' are reserved for "
-                                      "server use and cannot be specified")
-            elif type(value) in (str, int, bool, float):
-                parameters[key] = value
-            else:
-                raise InvalidArgument(f"parameter '{key}' has invalid type {_json_name(value)}; it must be a "
-                                      "string, integer, boolean or number")
+        binary_output, priority, timeout_us, parameters = _request_parameters(params)
 
     # -- inputs
     inputs_json = doc.get("inputs")

@@ -64,3 +64,93 @@ def test_output_options_are_not_shared_state_between_requests():
     assert (second.outputs["B"].binary, second.outputs["B"].class_count) == (None, 3)
     unclassified = decode([tensor], [{"name": "A", "parameters": {"classification": 0}}])
     assert not unclassified.classify and unclassified.outputs["A"].class_count == 0
+
+
+def _general(monkeypatch, body: bytes, **kwargs):
+    with monkeypatch.context() as patched:
+        patched.setattr(codec, "_decode_typed", lambda *args: None)
+        return codec.decode_request("m", "2", body, None, **kwargs)
+
+
+def _outcome(call):
+    try:
+        decoded = call()
+    except InvalidArgument as exc:
+        return ("error", str(exc))
+    request = decoded.request
+    return ("ok", request.model_name, request.model_version, request.id, request.parameters, request.priority,
+            request.timeout_us, [(o.name, o.parameters) for o in request.outputs or []] if request.outputs is not None
+            else None, decoded.binary_output, decoded.outputs, decoded.classify,
+            [(t.name, t.datatype, t.shape, t.data.dtype.str, t.data.shape, t.data.tolist(), t.parameters)
+             for t in request.inputs.values()])
+
+
+_X = {"name": "X", "datatype": "FP32", "shape": [1, 2], "data": [1.5, 2]}
+
+
+@pytest.mark.parametrize("doc", [
+    {"inputs": [_X, {"name": "Y", "datatype": "INT32", "shape": [2], "data": [1, -2]}],
+     "outputs": [{"name": "A", "parameters": {"binary_data": False}}, {"name": "B"}, {"name": "C", "parameters": {}}]},
+    {"id": "7", "inputs": [_X], "parameters": {"priority": 2, "timeout": 5, "binary_data_output": True, "k": "v",
+                                               "sequence_id": 3, "sequence_start": True}},
+    {"inputs": [{"name": "B", "datatype": "BOOL", "shape": [], "data": [True]}], "outputs": None},
+    {"inputs": []},
+    # what the typed path leaves to the general one (taken there, or refused with its words)
+    {"inputs": [_X], "outputs": [{"name": "A", "parameters": {"binary_data": True, "classification": 2}}]},
+    {"inputs": [_X], "outputs": [{"name": "A", "parameters": {"binary_data": 1}}]},
+    {"inputs": [{**_X, "parameters": {"p": 1}}]},
+    {"inputs": [{**_X, "extra": [[[1]]]}]},
+    {"inputs": [_X], "extra": 1},
+    {"inputs": [_X, _X]},
+    {"inputs": [{**_X, "name": ""}]},
+    {"inputs": [{**_X, "shape": [1, -2]}]},
+    {"inputs": [{**_X, "shape": [1, True]}]},
+    {"inputs": [{**_X, "shape": [1, 3]}]},
+    {"inputs": [{**_X, "shape": [0, 2], "data": []}]},
+    {"inputs": [{**_X, "data": [[1.5, 2]]}]},
+    {"inputs": [{**_X, "data": [1.5, "2"]}]},
+    {"inputs": [{**_X, "data": None}]},
+    {"inputs": [{**_X, "datatype": "BYTES", "data": ["a", "b"]}]},
+    {"inputs": [{**_X, "datatype": "INT8", "data": [1, 300]}]},
+    {"inputs": [{**_X, "datatype": "INT64", "data": [1, 2.0]}]},
+    {"inputs": [{**_X, "datatype": "UINT64", "data": [1, 2 ** 70]}]},
+    {"inputs": [{**_X, "datatype": "FP64", "data": [1, 2 ** 70]}]},
+    {"inputs": [{**_X, "datatype": "FP99"}]},
+    {"inputs": [_X], "parameters": {"priority": -1}},
+    {"inputs": [_X], "parameters": {"triton_x": 1}},
+    {"inputs": [_X], "parameters": {"nested": {"a": 1}}},
+    {"inputs": [_X], "outputs": [{"name": "A"}, {"name": "A"}]},
+    {"id": 3, "inputs": [_X]},
+    {"inputs": {"name": "X"}},
+    [_X],
+])
+def test_the_typed_path_decodes_as_the_general_one(monkeypatch, doc):
+    body = json.dumps(doc).encode()
+    typed = _outcome(lambda: codec.decode_request("m", "2", body, None))
+    assert typed == _outcome(lambda: _general(monkeypatch, body))
+
+
+@pytest.mark.parametrize("body", [
+    b'{"inputs": [], "x": "\xff"}', b'{"inputs": [], "x": 1E400}', b'{"inputs": [], "x": "\\ud800"}',
+    b'{"inputs": [{"name": "\xff", "datatype": "FP32", "shape": [1], "data": [1]}]}',
+    b'{"inputs": [{"name": "X", "datatype": "FP32", "shape": [1], "data": [1E400]}]}',
+    (b'{"inputs": [{"name": "X", "datatype": "FP32", "shape": [1], "data": [1]}], "outputs": [{"name": "A",'
+     b' "parameters": {"binary_data": false}}]}'),
+    b'{"inputs": [{"name": "X", "datatype": "FP32", "shape": [1], "data": [1]}]} trailing',
+])
+def test_the_typed_path_takes_no_document_the_general_one_refuses(monkeypatch, body):
+    assert _outcome(lambda: codec.decode_request("m", "2", body, None)) == _outcome(lambda: _general(monkeypatch, body))
+
+
+def test_the_typed_path_keeps_a_small_nesting_limit(monkeypatch):
+    body = json.dumps({"inputs": [_X]}).encode()
+    for depth in (3, 4):
+        typed = _outcome(lambda depth=depth: codec.decode_request("m", "2", body, None, max_json_depth=depth))
+        assert typed == _outcome(lambda depth=depth: _general(monkeypatch, body, max_json_depth=depth))
+
+
+def test_the_usual_request_takes_the_typed_path():
+    body = json.dumps({"inputs": [_X], "outputs": [{"name": "A", "parameters": {"binary_data": False}}],
+                       "parameters": {"priority": 1}}).encode()
+    decoded = codec._decode_typed("m", "", body, codec.DEFAULT_TENSOR_LIMITS, codec.MAX_JSON_DEPTH)
+    assert decoded is not None and decoded.request.priority == 1 and decoded.outputs["A"].binary is False
