@@ -14,17 +14,19 @@ reports the median of each measure over its rounds.
 CPU per 1,000 output tokens, per process kind (``/proc/<pid>/stat`` utime + stime, children excluded, read
 before and after each round's measured batch, the warm-up request outside it): ``api`` is the server process
 that was started (vLLM's api_server; tideserve's core process), ``engine`` its descendants whose process title
-is vLLM's (``VLLM::EngineCore``, ``VLLM::Worker``), ``other`` the rest (tideserve's frontend workers, Python's
-resource tracker). On a loaded machine these are steadier than the throughput: the API process's CPU per token
-is what the two servers do differently (the engine core is the same code on both sides).
+is vLLM's (``VLLM::EngineCore``, ``VLLM::Worker``; also split into ``core`` and ``worker``), ``other`` the rest
+(tideserve's frontend workers, Python's resource tracker). On a loaded machine these are steadier than the
+throughput: the API process's CPU per token is what the two servers do differently (the engine core is the same
+code on both sides).
 
     python bench/openai_vs_vllm.py [--streams 32 [64 ...]] [--tokens 128] [--size 100m|tiny] [--dtype bfloat16]
         [--eager] [--rounds 4] [--tideserve-args "--frontend-workers 2" [--tideserve-args ...]] [--one-at-a-time]
 
 ``--tideserve-tree DIR`` (repeatable) adds a tideserve server served from another checkout of this repository
 (``bench/addsub.py``'s tree hook), e.g. ``git worktree add --detach /tmp/before HEAD~1``, to measure a change
-A/B in the same rounds; ``--no-vllm`` leaves vLLM out (the first tideserve side is then the reference of the
-ratios).
+A/B in the same rounds; ``--tideserve-env "NAME=VALUE ..."`` (repeatable) adds a tideserve side started with those
+environment variables (an engine setting's A/B, e.g. ``TIDESERVE_VLLM_SHM_SPIN_MS=5``); ``--no-vllm`` leaves vLLM out
+(the first tideserve side is then the reference of the ratios).
 
 ``--one-at-a-time`` starts each side for its turn of a round and stops it after, so only one engine is up at a
 time: the two CPU engines both pin their worker to core 0, and an idle engine beside the measured one still
@@ -128,6 +130,7 @@ class Server:
 
 # -- CPU per process kind ---------------------------------------------------------------------------
 CPU_KINDS = ("api", "engine", "other")
+ENGINE_PARTS = ("core", "worker")  # the engine's processes: its engine core, its worker(s)
 
 
 def _own_cpu_s(pid: int) -> float:
@@ -144,7 +147,9 @@ def _kind(pid: int) -> str:
             title = cmdline.read()
     except OSError:
         return "other"
-    return "engine" if title.startswith(b"VLLM::") else "other"
+    if not title.startswith(b"VLLM::"):
+        return "other"
+    return "core" if title.startswith(b"VLLM::EngineCore") else "worker"
 
 
 def cpu_by_kind(pid: int) -> dict[int, tuple[str, float]]:
@@ -162,10 +167,12 @@ def cpu_by_kind(pid: int) -> dict[int, tuple[str, float]]:
 
 
 def cpu_used(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
-    """CPU seconds per kind between two readings (a process that started meanwhile counts from 0)."""
-    used = dict.fromkeys(CPU_KINDS, 0.0)
+    """CPU seconds per kind between two readings (a process that started meanwhile counts from 0); ``engine`` is
+    ``core`` and ``worker`` together."""
+    used = dict.fromkeys((*CPU_KINDS, *ENGINE_PARTS), 0.0)
     for pid, (kind, seconds) in after.items():
         used[kind] += seconds - before.get(pid, (kind, 0.0))[1]
+    used["engine"] = used["core"] + used["worker"]
     return used
 
 
@@ -189,7 +196,7 @@ def load(port: int, streams: int, max_tokens: int, pid: int | None = None) -> di
            "tokens_per_s": summary["output_throughput"], "ttft_p50_s": summary["ttft_ms"]["median"] / 1000,
            "itl_p50_s": summary["itl_ms"]["median"] / 1000}
     if used is not None:
-        for kind in CPU_KINDS:
+        for kind in (*CPU_KINDS, *ENGINE_PARTS):
             out[f"{kind}_cpu_s_per_1k"] = used[kind] / tokens * 1000 if tokens else float("nan")
     return out
 
@@ -197,7 +204,7 @@ def load(port: int, streams: int, max_tokens: int, pid: int | None = None) -> di
 def medians(name: str, streams: int, ready: float, runs: list[dict]) -> dict:
     """Each measure's median over the side's rounds (all rounds kept in ``rounds``)."""
     keys = ("output_tokens", "wall_s", "tokens_per_s", "ttft_p50_s", "itl_p50_s",
-            *(f"{kind}_cpu_s_per_1k" for kind in CPU_KINDS))
+            *(f"{kind}_cpu_s_per_1k" for kind in (*CPU_KINDS, *ENGINE_PARTS)))
     return {"side": name, "streams": streams, "ready_s": ready,
             **{k: statistics.median(r[k] for r in runs) for k in keys if k in runs[0]}, "rounds": runs}
 
@@ -219,6 +226,8 @@ def main() -> None:
                              "one another tideserve server measured in the same rounds (default: one, no extra flags)")
     parser.add_argument("--tideserve-tree", action="append", default=[], metavar="DIR",
                         help="another tideserve side served from the checkout DIR (repeatable): a change A/B")
+    parser.add_argument("--tideserve-env", action="append", default=[], metavar="NAME=VALUE ...",
+                        help="another tideserve side started with these environment variables (repeatable)")
     parser.add_argument("--no-vllm", action="store_true",
                         help="no vLLM side (the ratios are then against the first tideserve side)")
     parser.add_argument("--one-at-a-time", action="store_true",
@@ -261,6 +270,11 @@ def main() -> None:
             port = free_port()
             sides.append((f"tideserve @{tree}", tideserve_command(engine_args, port, work / f"tree-{index}"),
                           port, work / f"tree-{index}.log", tree_env(tree)))
+    for index, assignments in enumerate(args.tideserve_env):
+        port = free_port()
+        side_env = dict(item.split("=", 1) for item in shlex.split(assignments))
+        sides.append((f"tideserve {assignments}", tideserve_command(engine_args, port, work / f"env-{index}"),
+                      port, work / f"env-{index}.log", side_env))
     names = [side[0] for side in sides]
     up: dict[str, Server] = {}
     ready: dict[str, list[float]] = {name: [] for name in names}
@@ -288,7 +302,8 @@ def main() -> None:
                     print(f"round {round_index + 1} {server.name} {streams} streams: {result['tokens_per_s']:.1f} "
                           f"tok/s, TTFT p50 {result['ttft_p50_s']:.3f}s, ITL p50 {result['itl_p50_s'] * 1000:.1f}ms, "
                           f"CPU s per 1k tokens api {result['api_cpu_s_per_1k']:.4f} engine "
-                          f"{result['engine_cpu_s_per_1k']:.4f} other {result['other_cpu_s_per_1k']:.4f} "
+                          f"{result['engine_cpu_s_per_1k']:.4f} (core {result['core_cpu_s_per_1k']:.4f} worker "
+                          f"{result['worker_cpu_s_per_1k']:.4f}) other {result['other_cpu_s_per_1k']:.4f} "
                           f"(load average {result['load_average']:.1f})", flush=True)
                 if args.one_at_a_time:
                     up.pop(server.name).stop()
@@ -298,14 +313,15 @@ def main() -> None:
     rows = [medians(name, n, statistics.median(ready[name]), runs[name, n]) for n in args.streams for name in names]
 
     print("\n| streams | server | output tok/s | TTFT p50 (s) | ITL p50 (ms) | wall (s) | output tokens "
-          "| tok/s per round | API process CPU s / 1k tokens (per round) | engine CPU s / 1k | other CPU s / 1k |"
-          "\n|---|---|---|---|---|---|---|---|---|---|---|")
+          "| tok/s per round | API process CPU s / 1k tokens (per round) | engine CPU s / 1k (core / worker) "
+          "| other CPU s / 1k |\n|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         per_round = " / ".join(f"{r['tokens_per_s']:.0f}" for r in row["rounds"])
         api_rounds = " / ".join(f"{r['api_cpu_s_per_1k']:.4f}" for r in row["rounds"])
         print(f"| {row['streams']} | {row['side']} | {row['tokens_per_s']:.1f} | {row['ttft_p50_s']:.3f} "
               f"| {row['itl_p50_s'] * 1000:.1f} | {row['wall_s']:.1f} | {row['output_tokens']:.0f} | {per_round} "
               f"| {row['api_cpu_s_per_1k']:.4f} ({api_rounds}) | {row['engine_cpu_s_per_1k']:.4f} "
+              f"({row['core_cpu_s_per_1k']:.4f} / {row['worker_cpu_s_per_1k']:.4f}) "
               f"| {row['other_cpu_s_per_1k']:.4f} |")
     ratios = []
     print()
@@ -329,6 +345,7 @@ def main() -> None:
     out = out_dir / f"openai-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps({"streams": args.streams, "tokens": args.tokens, "engine_args": engine_args,
                                "tideserve_args": variants, "tideserve_trees": args.tideserve_tree,
+                               "tideserve_envs": args.tideserve_env,
                                "one_at_a_time": args.one_at_a_time, "results": rows, "ratios": ratios}, indent=2))
     print(f"wrote {out}")
 

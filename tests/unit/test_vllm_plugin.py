@@ -21,7 +21,7 @@ def queue(monkeypatch):
     # plugin here with tideserve's variables set (the wrapper, installed once, stays)
     wait = shm_broadcast.SpinCondition.wait
     monkeypatch.setattr(shm_broadcast.SpinCondition, "wait", getattr(wait, "__wrapped__", wait))
-    for name in (vllm_plugin.ENV, vllm_plugin.SPIN_ENV):
+    for name in (vllm_plugin.ENV, vllm_plugin.SPIN_ENV, vllm_plugin.WORKER_SPIN_ENV):
         monkeypatch.setenv(name, "")  # (undone at the end: the variables as they were)
         monkeypatch.delenv(name)
     return monkeypatch
@@ -73,6 +73,15 @@ def test_values_set_before_the_server_starts_win(queue):
     vllm_plugin.register()
     assert shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS == 5000
     assert _busy_loop_after_a_wait() == 1.0
+
+
+@pytest.mark.parametrize("in_worker", [True, False])
+def test_a_worker_spins_for_its_own_setting(queue, in_worker):
+    queue.setenv(vllm_plugin.SPIN_ENV, "2")
+    queue.setenv(vllm_plugin.WORKER_SPIN_ENV, "50")
+    queue.setattr(vllm_plugin, "_in_worker", lambda: in_worker)
+    vllm_plugin.register()
+    assert _busy_loop_after_a_wait() == (0.05 if in_worker else 0.002)
 
 
 def test_the_plugin_is_declared_for_vllm():
