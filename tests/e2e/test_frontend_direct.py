@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import signal
+import struct
 import textwrap
 import threading
 import time
@@ -213,6 +214,38 @@ def test_a_burst_over_both_protocols_batches_and_each_request_gets_its_own_answe
         for i in range(3):
             inputs, a = _add_sub_inputs(httpclient, offset=i)
             np.testing.assert_array_equal(client.infer("burst", inputs).as_numpy("OUTPUT0"), a + 1)
+
+
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            with contextlib.suppress(OSError):
+                children = [int(c) for c in (task / "children").read_text().split()]
+                found += children
+                todo += children
+    return found
+
+
+def test_each_instance_process_shares_its_queue_count_and_the_workers_read_it(server):
+    with httpclient.InferenceServerClient(server.http_url) as client:
+        for i in range(4):
+            inputs, a = _add_sub_inputs(httpclient, offset=i)
+            np.testing.assert_array_equal(client.infer("add_sub", inputs).as_numpy("OUTPUT0"), a + 1)
+    writers, readers = {}, {}
+    for pid in _descendants(server.process.pid):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                fields = line.split()
+                if fields[-1].endswith(".sock.queue"):
+                    (writers if fields[1].startswith("rw") else readers).setdefault(fields[-1], pid)
+    # each instance process of a model with a dynamic batcher writes one; a worker that sent there reads it
+    assert len(writers) >= 2, writers
+    shared = set(readers) & set(writers)
+    assert shared, (readers, writers)
+    for path in shared:  # nothing queued now: the instance took its requests into batches
+        assert struct.unpack("q", Path(path).read_bytes()) == (0,)
 
 
 def test_a_bad_input_gets_the_core_paths_error_and_is_counted(server):
