@@ -92,7 +92,9 @@ def _tick_phase_ns(now: int, coarse: int) -> int:
     the coarse clock's value may lie a part of a tick behind the tick's own moment (its timekeeping counts whole
     intervals); each reading is at or after its tick, so that least difference is never less than the clock's own
     lag, and the result never more than the time since the tick, but where a tick came late by more than
-    ``_PHASE_MARGIN_NS``, which is taken off. 0 at a process's first reading; at most a tick."""
+    ``_PHASE_MARGIN_NS``, which is taken off, or where the reading fell between the tick's jiffy and its clock
+    update (microseconds, unless the host stops the virtual CPU there). 0 at a process's first reading; at most a
+    tick."""
     phase = now - coarse
     floor = _phase_floor
     least = floor[0] + (now - floor[1]) // _PHASE_DRIFT
