@@ -306,7 +306,8 @@ def core_tensor(tensor: Tensor, block: np.ndarray | None = None) -> CoreTensor:
             data[:] = tensor.data
             data = data.reshape(shape)
         else:
-            data = np.frombuffer(tensor.data, _DTYPES.get(dtype) or _dtype(dtype)).reshape(shape)
+            data = np.frombuffer(tensor.data, _DTYPES.get(dtype) or _dtype(dtype))
+            data.shape = shape  # in place (a new view): fewer instructions than reshape's argument parsing
     elif tensor.dtype == "|O":
         count = int(np.prod(shape)) if shape else 1
         if not count:  # no elements: nothing in the block (there may be no block)

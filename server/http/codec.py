@@ -293,7 +293,7 @@ def _decode_typed(model_name: str, model_version: str, body: bytes, limits: Tens
             return None
         shape = tuple(shape)
         if len(shape) != 1:
-            array = array.reshape(shape)
+            array.shape = shape  # in place (a new array): fewer instructions than reshape's argument parsing
         inputs[name] = Tensor(name, datatype, shape, array)
     outputs = None
     requested = None
@@ -447,7 +447,7 @@ def decode_request(model_name: str, model_version: str, body: bytes, header_leng
                     array = _json_tensor_data(name, datatype, shape, count, data, max_json_depth)
                 else:
                     if len(shape) != 1:
-                        array = array.reshape(shape)
+                        array.shape = shape
             else:
                 array = _json_tensor_data(name, datatype, shape, count, data, max_json_depth)
         else:
