@@ -173,6 +173,9 @@ class ModelInstance:
     # A plain execute that spends its time in native code releasing the GIL (ONNX Runtime's run): the event loop
     # hands the GIL to the instance's thread with each batch instead of keeping it until a switch interval forces it
     releases_gil = False
+    # Set while the instance is busy with work the core did not send it (a batch from the frontend workers that
+    # waits on a BLS call): its scheduler hands it no batch until the event is set
+    hold: asyncio.Event | None = None
 
     def __init__(self, model: "Model", ctx: InstanceContext) -> None:
         self.model = model

@@ -17,7 +17,7 @@ from tideserve.backend_api import ServerError
 
 from .errors import ErrorCode, TritonError, TritonModelException, from_server_error
 from .response import InferenceResponse
-from .scope import ServerLink, current_link
+from .scope import ServerLink, current_link, in_direct_batch
 
 if TYPE_CHECKING:
     from tideserve.backend_api import InferStream
@@ -35,11 +35,17 @@ def _check_request(request: InferenceRequest) -> None:
                                    "pb_utils.InferenceRequest for the model to call")
 
 
-async def _run_unary(link: ServerLink, request: InferenceRequest) -> InferenceResponse:
+def _holding(holds: bool) -> dict:
+    """The call's ``holds`` (a model process's BLS call that a batch from the frontend workers waits on), only where
+    it is set: a server's own DataPlane takes no such argument, and runs no such batch."""
+    return {"holds": True} if holds else {}
+
+
+async def _run_unary(link: ServerLink, request: InferenceRequest, holds: bool = False) -> InferenceResponse:
     """On the server loop: run ``request`` and return its one response (errors as responses)."""
     try:
         core = request._to_core()
-        call = link.require_infer().unary(core)
+        call = link.require_infer().unary(core, **_holding(holds))
         if request._timeout > 0:
             response = await asyncio.wait_for(call, request._timeout / 1e6)
         else:
@@ -53,12 +59,12 @@ async def _run_unary(link: ServerLink, request: InferenceRequest) -> InferenceRe
     return InferenceResponse._from_core(response)
 
 
-async def _open_stream(link: ServerLink, request: InferenceRequest) -> ResponseIterator:
+async def _open_stream(link: ServerLink, request: InferenceRequest, holds: bool = False) -> ResponseIterator:
     """On the server loop: start ``request`` and return the iterator over its responses once the first one
     is there (as Triton's ``exec`` / ``async_exec`` do), so that iterating what has arrived never waits."""
     deadline = time.monotonic() + request._timeout / 1e6 if request._timeout > 0 else None
     try:
-        stream = link.require_infer()(request._to_core())
+        stream = link.require_infer()(request._to_core(), **_holding(holds))
     except ServerError as exc:
         return ResponseIterator(link, None, deadline, InferenceResponse._from_error(from_server_error(exc)))
     except TritonModelException as exc:
@@ -74,7 +80,8 @@ def execute_blocking(request: InferenceRequest, decoupled: bool):
     if link.on_loop():
         raise TritonModelException("InferenceRequest.exec() cannot block the server's event loop; "
                                    "use 'await request.async_exec()' in an async execute")
-    coro = _open_stream(link, request) if decoupled else _run_unary(link, request)
+    holds = in_direct_batch()  # the instance waits here, busy, while the core may take it for idle
+    coro = _open_stream(link, request, holds) if decoupled else _run_unary(link, request, holds)
     return asyncio.run_coroutine_threadsafe(coro, link.loop).result()
 
 

@@ -51,6 +51,7 @@ from tideserve.backend_api import (
 )
 
 from .backend import ModelExit, PythonInstance
+from .scope import set_direct_batch
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ class _Inline:
     forms (as a queue would have held it), and counts as queued from no later than the batch's start."""
 
     __slots__ = ("instance", "ctx", "server")
+    hold = None  # the schedulers here run what the core never sees (ModelInstance.hold)
 
     def __init__(self, instance: PythonInstance, server: DirectServer) -> None:
         self.instance = instance
@@ -92,12 +94,14 @@ class _Inline:
         loop = server.loop  # the loop this runs on (asking asyncio costs a getpid system call on 3.11)
         asyncio.events._set_running_loop(None)  # model code sees no running loop, as on the plain thread
         thread.busy = True
+        set_direct_batch(True)
         try:
             answers = instance.run_execute(requests)
         except ModelExit as exc:
             instance.on_exit(exc)  # in a model process: it ends here
             raise
         finally:
+            set_direct_batch(False)
             thread.busy = False
             asyncio.events._set_running_loop(loop)
             server.held_until = time.monotonic_ns()
@@ -118,6 +122,7 @@ class _HandOff:
     batch that runs.)"""
 
     __slots__ = ("instance", "ctx", "loop")
+    hold = None
 
     def __init__(self, instance: PythonInstance, loop: asyncio.AbstractEventLoop) -> None:
         self.instance = instance
@@ -132,6 +137,7 @@ class _HandOff:
 
     def _run(self, requests, done: asyncio.Future) -> None:
         """On the instance's thread."""
+        set_direct_batch(True)
         try:
             answers, error = self.instance.run_execute(requests), None
         except ModelExit as exc:
@@ -139,6 +145,8 @@ class _HandOff:
             answers, error = None, exc
         except BaseException as exc:  # noqa: BLE001 - the batch's error, raised where execute is awaited
             answers, error = None, exc
+        finally:
+            set_direct_batch(False)
         try:
             self.loop.call_soon_threadsafe(_settle, done, answers, error)
         except RuntimeError:  # the loop is closed: the process is exiting

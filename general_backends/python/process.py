@@ -180,6 +180,7 @@ class ProcessInstance(ModelInstance):
             await process.finalize()
             raise
         self.process = process
+        process.instance = self
         log.debug("instance '%s' initialized in process %d (%.1f ms after it started, %.1f ms initialize)",
                   self.ctx.name, process.pid, (time.monotonic() - process.started_at) * 1e3,
                   (time.monotonic() - started) * 1e3)
@@ -237,6 +238,8 @@ class ModelProcess:
         self._gone_task: asyncio.Task | None = None
         self._pending_out: collections.deque[tuple[memoryview, int | None]] = collections.deque()
         self.direct_path: str | None = None  # --frontend-direct: where it listens for frontend workers
+        self.instance: ProcessInstance | None = None  # the instance it serves, once created
+        self._holds = 0  # BLS calls that batches from the frontend workers wait on (_hold)
         self._direct_drained = False  # it took no more direct requests and its drain's time ran out or ended
         self._releases: collections.deque[int] = collections.deque()
         self._release_scheduled = False
@@ -537,9 +540,11 @@ class ModelProcess:
             case wire.Release(offsets=offsets):
                 for offset in offsets:
                     self.outbox.arena.release(offset)
-            case protocol.Call(call=call, request=request, payload=payload, unary=unary):
+            case protocol.Call(call=call, request=request, payload=payload, unary=unary, holds=holds):
                 core = wire.core_request(request, self._block(payload))
                 self._serve(call, self._run_call(call, core, unary))
+                if holds:
+                    self._hold(self._served[call])
             case protocol.CancelCall(call=call, request_only=True):
                 stream = self._streams.get(call)
                 if stream is not None:
@@ -561,6 +566,26 @@ class ModelProcess:
                 self._exit_reason = reason
 
     # -- what the process asks of the server ----------------------------------------------------------
+    def _hold(self, task: asyncio.Task) -> None:
+        """The instance's thread waits on this BLS call in a batch that frontend workers sent straight to it:
+        busy, though the core sent it nothing. Until the call ends the core sends the instance no batch
+        (``ModelInstance.hold``): one it sent would wait behind that batch, and if it is the call's own request
+        (a model calling itself through another instance), for ever."""
+        instance = self.instance
+        if instance is None:
+            return
+        self._holds += 1
+        if instance.hold is None:
+            instance.hold = asyncio.Event()
+        task.add_done_callback(self._unhold)
+
+    def _unhold(self, _task: asyncio.Task) -> None:
+        self._holds -= 1
+        instance = self.instance
+        if self._holds == 0 and instance is not None and instance.hold is not None:
+            hold, instance.hold = instance.hold, None
+            hold.set()
+
     def _serve(self, call: int, coro) -> None:
         task = self.loop.create_task(coro)
         self._served[call] = task

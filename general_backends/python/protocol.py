@@ -129,6 +129,10 @@ class Call(msgspec.Struct, tag=True, array_like=True):
     request: wire.Request
     payload: wire.Payload | None
     unary: bool
+    # The instance's thread waits on the call in a batch that frontend workers sent straight to it: the core, which
+    # did not send that batch, holds back its own work for the instance until the call ends (a recursive BLS
+    # would otherwise wait behind the very batch that waits for it)
+    holds: bool = False
 
 
 class CancelCall(msgspec.Struct, tag=True, array_like=True):

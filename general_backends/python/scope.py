@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -61,6 +62,8 @@ class ModelScope:
 
 _scope: contextvars.ContextVar[ModelScope | None] = contextvars.ContextVar("tideserve_python_model", default=None)
 _last_link: ServerLink | None = None
+# On an instance's thread, while it runs a batch that frontend workers sent straight to the instance (direct.py)
+_direct = threading.local()
 
 
 def remember_link(link: ServerLink) -> None:
@@ -94,3 +97,14 @@ MODEL_LOGGER = logging.getLogger("tideserve.python_model")
 def current_logger() -> logging.Logger:
     scope = _scope.get()
     return scope.logger if scope is not None else MODEL_LOGGER
+
+
+def set_direct_batch(running: bool) -> None:
+    """Called on an instance's thread around a batch that frontend workers sent straight to it (``direct.py``)."""
+    _direct.batch = running
+
+
+def in_direct_batch() -> bool:
+    """Whether this thread runs such a batch: the core does not know the instance is busy, and a BLS call the
+    batch waits on tells it (``holds``), so that it sends the instance no work meanwhile."""
+    return getattr(_direct, "batch", False)

@@ -543,14 +543,15 @@ class Stub:
         self._done.set_result(None)
 
     # -- calls to the server ----------------------------------------------------------------------------
-    def call(self, request: CoreRequest, unary: bool) -> RemoteCall:
-        """Send a BLS request to the server (on the loop); its responses come to the returned call."""
+    def call(self, request: CoreRequest, unary: bool, holds: bool = False) -> RemoteCall:
+        """Send a BLS request to the server (on the loop); its responses come to the returned call. ``holds``: the
+        instance's thread waits on it in a batch from the frontend workers (``protocol.Call``)."""
         call = next(self._ids)
         remote = self.calls[call] = RemoteCall(self, call)
         self._take_over()  # its responses are read while a batch runs
         refs, payload, fd = self.responses_out.put(list(request.inputs.values()))
         meta = wire.request_message(call, request, refs)
-        self.send(protocol.Call(call, meta, payload, unary), fd=fd)
+        self.send(protocol.Call(call, meta, payload, unary, holds), fd=fd)
         return remote
 
     def _control_result(self, result: protocol.ControlResult) -> None:
@@ -639,12 +640,12 @@ class RemoteInfer:
     def __init__(self, stub: Stub) -> None:
         self._stub = stub
 
-    def __call__(self, request: CoreRequest) -> RemoteCall:
-        return self._stub.call(request, unary=False)
+    def __call__(self, request: CoreRequest, holds: bool = False) -> RemoteCall:
+        return self._stub.call(request, unary=False, holds=holds)
 
-    async def unary(self, request: CoreRequest) -> CoreResponse:
+    async def unary(self, request: CoreRequest, holds: bool = False) -> CoreResponse:
         request.streaming = False
-        remote = self._stub.call(request, unary=True)
+        remote = self._stub.call(request, unary=True, holds=holds)
         try:
             response = await remote.__anext__()
         except asyncio.CancelledError:  # a timeout: the server's request is cancelled too

@@ -11,7 +11,7 @@ import threading
 from functools import partial
 from typing import TYPE_CHECKING
 
-from ..errors import Cancelled
+from ..errors import Cancelled, ServerError
 from ..types import InferenceRequest, InferenceResponse
 
 if TYPE_CHECKING:
@@ -70,9 +70,27 @@ class Scheduler:
         await asyncio.gather(*self._workers, return_exceptions=True)
         self._workers = []
 
+    def requeue(self, batch: list[InferenceRequest]) -> list[InferenceRequest]:
+        """Put back a batch its instance cannot take now (``ModelInstance.hold``), for another instance; returns
+        what could not go back (a full queue), which the instance runs when it is free again."""
+        for i, request in enumerate(batch):
+            try:
+                self.enqueue(request)
+            except ServerError:
+                return batch[i:]
+        return []
+
     async def _work(self, slot: "InstanceSlot") -> None:
+        instance = slot.instance
         while True:
+            if instance.hold is not None:
+                await instance.hold.wait()
+                continue
             batch = await self.next_batch()
+            if instance.hold is not None and batch:  # it became busy while this worker waited for the batch
+                batch = self.requeue(batch)
+                if batch:
+                    await instance.hold.wait()
             if batch:
                 try:
                     await self.run(slot, batch)

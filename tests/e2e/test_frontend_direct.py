@@ -53,6 +53,35 @@ instance_group [ { kind: KIND_CPU count: 1 } ]
 dynamic_batching { }
 """
 
+# calls itself through BLS DEPTH times, each call on another instance (Triton's bls_parameters test does the same)
+RECURSIVE = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            depth = pb_utils.get_input_tensor_by_name(request, "DEPTH").as_numpy()
+            calls = np.ones(1, dtype=np.int32)
+            if depth[0] > 0:
+                inner = pb_utils.InferenceRequest(model_name="recursive", requested_output_names=["CALLS"],
+                                                  inputs=[pb_utils.Tensor("DEPTH", depth - 1)]).exec()
+                if inner.has_error():
+                    raise pb_utils.TritonModelException(inner.error().message())
+                calls = pb_utils.get_output_tensor_by_name(inner, "CALLS").as_numpy() + 1
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("CALLS", calls)]))
+        return responses
+"""
+
+RECURSIVE_CONFIG = """
+backend: "python"
+max_batch_size: 0
+input [ { name: "DEPTH" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "CALLS" data_type: TYPE_INT32 dims: [ 1 ] } ]
+instance_group [ { kind: KIND_CPU count: 4 } ]
+"""
+
 
 def _parameters(**values: str) -> str:
     return "".join(f'parameters {{ key: "{k}" value {{ string_value: "{v}" }} }}\n' for k, v in values.items())
@@ -92,6 +121,9 @@ def server(tmp_path_factory):
     config = (repo / "queued" / "config.pbtxt").read_text()
     (repo / "queued" / "config.pbtxt").write_text(config.replace(
         "dynamic_batching { }", "dynamic_batching { default_queue_policy { max_queue_size: 1 } }"))
+    (repo / "recursive" / "1").mkdir(parents=True)
+    (repo / "recursive" / "1" / "model.py").write_text(textwrap.dedent(RECURSIVE))
+    (repo / "recursive" / "config.pbtxt").write_text(RECURSIVE_CONFIG)
     shutil.copytree(TEST_MODELS / "repeat", repo / "orphaned")
     config = (repo / "orphaned" / "config.pbtxt").read_text()
     (repo / "orphaned" / "config.pbtxt").write_text(config.replace('name: "repeat"', 'name: "orphaned"'))
@@ -448,3 +480,16 @@ def test_the_instance_process_cancels_the_requests_of_a_worker_that_died(server)
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.5)
+
+
+def test_a_model_that_calls_itself_through_other_instances_is_not_sent_to_its_own_busy_instance(server):
+    # The first call runs in an instance the core did not send it to; the core must not hand that instance the
+    # model's BLS call to itself (it would wait behind the batch that waits for it), but a free one
+    depth = np.array([3], dtype=np.int32)
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        for _ in range(4):  # each worker's next request goes to another instance
+            inputs = [grpcclient.InferInput("DEPTH", [1], "INT32")]
+            inputs[0].set_data_from_numpy(depth)
+            result = client.infer("recursive", inputs, client_timeout=30)
+            assert result.as_numpy("CALLS").tolist() == [4]
+    assert _stats(server, "recursive")["inference_stats"]["success"]["count"] == 16
