@@ -38,8 +38,16 @@ sides alike; the table shows each side's median over the rounds. Each side start
 process tree is idle (under a tenth of a core over 0.25 s, at most 10 s; ``settle_s`` in the JSON): vLLM's
 engine keeps a core busy for about a second after its last request.
 
-    python bench/embeddings.py [--concurrency 32] [--requests 2000] [--rounds 2] [--peer none|vllm]
-                               [--ensemble-path] [--client lean|httpx] [--encoding-format float|base64]
+tideserve and ONNX Runtime at the batcher's batch (the pair of the ``>= 0.9x`` target) run each round as
+``--segments`` (4) alternating pairs of short segments, ``--requests / --segments`` sentences a side each, ONNX
+Runtime at the batch the served segment before it ran: a round of 1,000 requests lasts about a second a side,
+so on a shared machine one load blip decided a whole round for one side. A round's ratio is the median of its
+pairs' ratios (each pair's, and the ratio of the round's totals, are printed and in the JSON);
+``--segments 1`` measures each side's round at once, as before.
+
+    python bench/embeddings.py [--concurrency 32] [--requests 2000] [--rounds 2] [--segments 4]
+                               [--peer none|vllm] [--ensemble-path] [--client lean|httpx]
+                               [--encoding-format float|base64]
 
 Prints a markdown table with the ratios and writes ``bench/results/embeddings-<time>.json``. Needs the
 ``onnx`` and ``test`` extras, and the example models (``python -m tideserve.bench.examples.prepare``).
@@ -182,10 +190,13 @@ async def load(url: str, model: str, texts: list[str], concurrency: int, request
             for connection in connections:
                 await connection.close()
     cpu = time.process_time() - cpu
-    latencies.sort()
-    return {"requests": requests, "wall_s": wall, "rps": requests / wall,
-            "p50_ms": 1000 * statistics.median(latencies), "p99_ms": 1000 * latencies[int(0.99 * (len(latencies) - 1))],
-            "client_cpu_us_per_request": 1e6 * cpu / requests}
+    return {"requests": requests, "wall_s": wall, "rps": requests / wall, **percentiles(latencies),
+            "client_cpu_us_per_request": 1e6 * cpu / requests, "latencies": latencies}
+
+
+def percentiles(latencies: list[float]) -> dict:
+    ordered = sorted(latencies)
+    return {"p50_ms": 1000 * statistics.median(ordered), "p99_ms": 1000 * ordered[int(0.99 * (len(ordered) - 1))]}
 
 
 def tree_cpu_s(pid: int) -> tuple[float, float]:
@@ -250,20 +261,55 @@ def encoder_counts(http: int) -> tuple[int, int]:
 
 
 def served_round(url: str, texts: list[str], args, counts=None, model: str = MODEL, pid: int | None = None,
-                 servers: tuple[int, ...] = ()) -> dict:
+                 servers: tuple[int, ...] = (), requests: int | None = None) -> dict:
+    requests = requests or args.requests
     settled = settle(list(servers))
     before = counts() if counts else None
     cpu = tree_cpu_s(pid) if pid else None
-    result = asyncio.run(load(url, model, texts, args.concurrency, args.requests, args.client, args.encoding_format))
+    result = asyncio.run(load(url, model, texts, args.concurrency, requests, args.client, args.encoding_format))
     if pid:
         end = tree_cpu_s(pid)
-        result["server_cpu_us_per_request"] = 1e6 * (sum(end) - sum(cpu)) / args.requests
-        result["children_cpu_us_per_request"] = 1e6 * (end[1] - cpu[1]) / args.requests
+        result["server_cpu_us_per_request"] = 1e6 * (sum(end) - sum(cpu)) / requests
+        result["children_cpu_us_per_request"] = 1e6 * (end[1] - cpu[1]) / requests
     result["settle_s"] = settled
     if counts:
         after = counts()
-        result["avg_batch"] = (after[0] - before[0]) / max(1, after[1] - before[1])
+        result["encoder_inferences"], result["encoder_executions"] = after[0] - before[0], after[1] - before[1]
+        result["avg_batch"] = result["encoder_inferences"] / max(1, result["encoder_executions"])
     return result
+
+
+def paired_round(url: str, texts: list[str], args, counts, pid: int, local: InProcess,
+                 servers: tuple[int, ...]) -> tuple[dict, dict]:
+    """tideserve and ONNX Runtime at the batcher's batch, in ``args.segments`` alternating pairs of segments
+    (each side ``args.requests / args.segments`` sentences per segment; ONNX Runtime at the batch the served
+    segment just before it ran): a load blip of a second lands on both sides of a pair, not on one side's whole
+    round. Each side's round is its segments together (sentences over summed wall time); the tideserve
+    round carries every pair's own ratio, their median (the round's ratio: one blip moves one pair) and the
+    ratio of the totals."""
+    size = max(1, args.requests // args.segments)
+    served, local_runs = [], []
+    for _ in range(args.segments):
+        served.append(served_round(url, texts, args, counts, pid=pid, servers=servers, requests=size))
+        batch = max(1, round(served[-1]["avg_batch"]))
+        local_runs.append(local.round(texts, batch, size, servers))
+    requests, wall = sum(r["requests"] for r in served), sum(r["wall_s"] for r in served)
+    executions = sum(r["encoder_executions"] for r in served)
+    latencies = [x for r in served for x in r.pop("latencies")]
+    tideserve = {"requests": requests, "wall_s": wall, "rps": requests / wall, **percentiles(latencies),
+                 "avg_batch": sum(r["encoder_inferences"] for r in served) / max(1, executions),
+                 "settle_s": sum(r["settle_s"] for r in served), "segments": served}
+    for key in ("client_cpu_us_per_request", "server_cpu_us_per_request", "children_cpu_us_per_request"):
+        tideserve[key] = sum(r[key] * r["requests"] for r in served) / requests
+    done, local_wall = sum(r["sentences"] for r in local_runs), sum(r["wall_s"] for r in local_runs)
+    onnxruntime = {"batch": statistics.median_low(r["batch"] for r in local_runs), "sentences": done,
+                   "wall_s": local_wall, "sentences_per_s": done / local_wall,
+                   "cpu_us_per_sentence": sum(r["cpu_us_per_sentence"] * r["sentences"] for r in local_runs) / done,
+                   "settle_s": sum(r["settle_s"] for r in local_runs), "segments": local_runs}
+    tideserve["pair_ratios"] = [t["rps"] / o["sentences_per_s"] for t, o in zip(served, local_runs)]
+    tideserve["ratio_to_onnxruntime_batched"] = statistics.median(tideserve["pair_ratios"])
+    tideserve["ratio_of_totals"] = tideserve["rps"] / onnxruntime["sentences_per_s"]
+    return tideserve, onnxruntime
 
 
 def median_of(rounds: list[dict], key: str) -> dict:
@@ -291,7 +337,6 @@ class InProcess:
 
     def __init__(self) -> None:
         import onnxruntime
-
         from tideserve.bench.examples.minilm import minilm_tokenizer
 
         self.tokenizer = minilm_tokenizer(256, EXAMPLE / "text_tokenizer" / "1" / "tokenizer.json")
@@ -356,6 +401,9 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--segments", type=int, default=4,
+                        help="tideserve and ONNX Runtime at the batcher's batch run each round as this many "
+                             "alternating pairs of short segments (1: each side's round at once, as before)")
     parser.add_argument("--peer", choices=("none", "vllm"), default="none")
     parser.add_argument("--client", choices=("lean", "httpx"), default="lean",
                         help="lean: keep-alive HTTP/1.1 over asyncio streams (default); httpx: httpx.AsyncClient")
@@ -392,20 +440,32 @@ def main() -> int:
         servers = (*pids.values(), *((peer.pid,) if peer is not None else ()))  # each side starts once all are idle
         rounds: dict[str, list[dict]] = {name: [] for name in (*urls, "onnxruntime_batch1", "onnxruntime_batched")}
         for number in range(args.rounds):
-            rounds["tideserve"].append(served_round(urls["tideserve"], texts, args, lambda: encoder_counts(http),
-                                                    pid=pids["tideserve"], servers=servers))
+            if args.segments > 1:
+                served, batched = paired_round(urls["tideserve"], texts, args, lambda: encoder_counts(http),
+                                               pids["tideserve"], local, servers)
+                rounds["tideserve"].append(served)
+            else:
+                rounds["tideserve"].append(served_round(urls["tideserve"], texts, args, lambda: encoder_counts(http),
+                                                        pid=pids["tideserve"], servers=servers))
             if "tideserve_ensemble" in urls:
                 rounds["tideserve_ensemble"].append(served_round(
                     urls["tideserve_ensemble"], texts, args, lambda: encoder_counts(ensemble_http), ENSEMBLE,
                     pids["tideserve_ensemble"], servers))
             if "vllm" in urls:
                 rounds["vllm"].append(served_round(urls["vllm"], texts, args, pid=peer.pid, servers=servers))
-            batch = max(1, round(rounds["tideserve"][-1]["avg_batch"]))
             rounds["onnxruntime_batch1"].append(local.round(texts, 1, max(50, args.requests // 4), servers))
-            rounds["onnxruntime_batched"].append(local.round(texts, batch, args.requests, servers))
+            if args.segments > 1:
+                rounds["onnxruntime_batched"].append(batched)
+            else:
+                batch = max(1, round(rounds["tideserve"][-1]["avg_batch"]))
+                rounds["onnxruntime_batched"].append(local.round(texts, batch, args.requests, servers))
+            for found in rounds.values():
+                found[-1].pop("latencies", None)
+            pairs = rounds["tideserve"][-1].get("pair_ratios")
             print(f"round {number + 1}: " + ", ".join(
-                f"{name} {r[-1].get('rps', r[-1].get('sentences_per_s')):.1f}/s" for name, r in rounds.items()),
-                  flush=True)
+                f"{name} {r[-1].get('rps', r[-1].get('sentences_per_s')):.1f}/s" for name, r in rounds.items())
+                  + (f"; tideserve / ONNX Runtime batched {rounds['tideserve'][-1]['ratio_to_onnxruntime_batched']:.2f}"
+                     f" (median of pairs {', '.join(f'{x:.2f}' for x in pairs)})" if pairs else ""), flush=True)
     finally:
         stop_process(proc)
         if ensemble is not None:
@@ -449,6 +509,16 @@ def main() -> int:
         r = results[key]
         print(f"| {label} | {r['sentences_per_s']:.0f} | | | {r['cpu_us_per_sentence']:.0f} | | "
               f"{served / r['sentences_per_s']:.2f} |")
+    per_round = [t.get("ratio_to_onnxruntime_batched", t["rps"] / o["sentences_per_s"])
+                 for t, o in zip(rounds["tideserve"], rounds["onnxruntime_batched"])]
+    results["ratio_to_onnxruntime_batched_rounds"] = per_round
+    print("\ntideserve / ONNX Runtime in process at the batcher's batch, per round: "
+          + ", ".join(f"{x:.2f}" for x in per_round)
+          + (f" (the median of {args.segments} alternating pairs of segments a round; each pair's ratio: "
+             + "; ".join(", ".join(f"{x:.2f}" for x in t["pair_ratios"]) for t in rounds["tideserve"])
+             + "; the ratio of each round's totals: "
+             + ", ".join(f"{t['ratio_of_totals']:.2f}" for t in rounds["tideserve"])
+             + ")" if args.segments > 1 else " (each side's round at once)"))
     out = ROOT / "bench" / "results" / f"embeddings-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
