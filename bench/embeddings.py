@@ -38,12 +38,12 @@ sides alike; the table shows each side's median over the rounds. Each side start
 process tree is idle (under a tenth of a core over 0.25 s, at most 10 s; ``settle_s`` in the JSON): vLLM's
 engine keeps a core busy for about a second after its last request.
 
-tideserve and ONNX Runtime at the batcher's batch (the pair of the ``>= 0.9x`` target) run each round as
-``--segments`` (4) alternating pairs of short segments, ``--requests / --segments`` sentences a side each, ONNX
-Runtime at the batch the served segment before it ran: a round of 1,000 requests lasts about a second a side,
-so on a shared machine one load blip decided a whole round for one side. A round's ratio is the median of its
-pairs' ratios (each pair's, and the ratio of the round's totals, are printed and in the JSON);
-``--segments 1`` measures each side's round at once, as before.
+tideserve, ONNX Runtime at the batcher's batch and vLLM (the sides of the ``>= 0.9x`` and ``>= 1.0x`` targets)
+run each round as ``--segments`` (4) alternating sets of short segments, ``--requests / --segments`` sentences
+a side each, ONNX Runtime at the batch the served segment before it ran: a round of 1,000 requests lasts about a
+second a side, so on a shared machine one load blip decided a whole round for one side. A round's ratio to
+each peer is the median of its sets' ratios (each set's, and the ratio of the round's totals, are printed and
+in the JSON); ``--segments 1`` measures each side's round at once, as before.
 
     python bench/embeddings.py [--concurrency 32] [--requests 2000] [--rounds 2] [--segments 4]
                                [--peer none|vllm] [--ensemble-path] [--client lean|httpx]
@@ -280,27 +280,24 @@ def served_round(url: str, texts: list[str], args, counts=None, model: str = MOD
 
 
 def paired_round(url: str, texts: list[str], args, counts, pid: int, local: InProcess,
-                 servers: tuple[int, ...]) -> tuple[dict, dict]:
-    """tideserve and ONNX Runtime at the batcher's batch, in ``args.segments`` alternating pairs of segments
-    (each side ``args.requests / args.segments`` sentences per segment; ONNX Runtime at the batch the served
-    segment just before it ran): a load blip of a second lands on both sides of a pair, not on one side's whole
-    round. Each side's round is its segments together (sentences over summed wall time); the tideserve
-    round carries every pair's own ratio, their median (the round's ratio: one blip moves one pair) and the
-    ratio of the totals."""
+                 servers: tuple[int, ...], vllm: tuple[str, int] | None = None) -> tuple[dict, dict, dict | None]:
+    """tideserve and ONNX Runtime at the batcher's batch (and vLLM, ``vllm``: its url and pid), in
+    ``args.segments`` alternating sets of segments (each side ``args.requests / args.segments`` sentences per
+    segment; ONNX Runtime at the batch the served segment just before it ran): a load blip of a second lands
+    on the sides of one set, not on one side's whole round. Each side's round is its segments together
+    (sentences over summed wall time); the tideserve round carries every set's own ratio to each peer, their
+    median (the round's ratio: one blip moves one set) and the ratio of the totals."""
     size = max(1, args.requests // args.segments)
-    served, local_runs = [], []
+    served, local_runs, peer_runs = [], [], []
     for _ in range(args.segments):
         served.append(served_round(url, texts, args, counts, pid=pid, servers=servers, requests=size))
         batch = max(1, round(served[-1]["avg_batch"]))
         local_runs.append(local.round(texts, batch, size, servers))
-    requests, wall = sum(r["requests"] for r in served), sum(r["wall_s"] for r in served)
-    executions = sum(r["encoder_executions"] for r in served)
-    latencies = [x for r in served for x in r.pop("latencies")]
-    tideserve = {"requests": requests, "wall_s": wall, "rps": requests / wall, **percentiles(latencies),
-                 "avg_batch": sum(r["encoder_inferences"] for r in served) / max(1, executions),
-                 "settle_s": sum(r["settle_s"] for r in served), "segments": served}
-    for key in ("client_cpu_us_per_request", "server_cpu_us_per_request", "children_cpu_us_per_request"):
-        tideserve[key] = sum(r[key] * r["requests"] for r in served) / requests
+        if vllm is not None:
+            peer_runs.append(served_round(vllm[0], texts, args, pid=vllm[1], servers=servers, requests=size))
+    tideserve = joined(served)
+    tideserve["avg_batch"] = (sum(r["encoder_inferences"] for r in served)
+                              / max(1, sum(r["encoder_executions"] for r in served)))
     done, local_wall = sum(r["sentences"] for r in local_runs), sum(r["wall_s"] for r in local_runs)
     onnxruntime = {"batch": statistics.median_low(r["batch"] for r in local_runs), "sentences": done,
                    "wall_s": local_wall, "sentences_per_s": done / local_wall,
@@ -309,7 +306,24 @@ def paired_round(url: str, texts: list[str], args, counts, pid: int, local: InPr
     tideserve["pair_ratios"] = [t["rps"] / o["sentences_per_s"] for t, o in zip(served, local_runs)]
     tideserve["ratio_to_onnxruntime_batched"] = statistics.median(tideserve["pair_ratios"])
     tideserve["ratio_of_totals"] = tideserve["rps"] / onnxruntime["sentences_per_s"]
-    return tideserve, onnxruntime
+    peer = joined(peer_runs) if peer_runs else None
+    if peer is not None:
+        tideserve["vllm_pair_ratios"] = [t["rps"] / v["rps"] for t, v in zip(served, peer_runs)]
+        tideserve["ratio_to_vllm"] = statistics.median(tideserve["vllm_pair_ratios"])
+        tideserve["ratio_to_vllm_of_totals"] = tideserve["rps"] / peer["rps"]
+    return tideserve, onnxruntime, peer
+
+
+def joined(segments: list[dict]) -> dict:
+    """A served side's round from its segments: sentences over summed wall time, latencies pooled, CPU per
+    request over all."""
+    requests, wall = sum(r["requests"] for r in segments), sum(r["wall_s"] for r in segments)
+    latencies = [x for r in segments for x in r.pop("latencies")]
+    result = {"requests": requests, "wall_s": wall, "rps": requests / wall, **percentiles(latencies),
+              "settle_s": sum(r["settle_s"] for r in segments), "segments": segments}
+    for key in ("client_cpu_us_per_request", "server_cpu_us_per_request", "children_cpu_us_per_request"):
+        result[key] = sum(r[key] * r["requests"] for r in segments) / requests
+    return result
 
 
 def median_of(rounds: list[dict], key: str) -> dict:
@@ -441,8 +455,9 @@ def main() -> int:
         rounds: dict[str, list[dict]] = {name: [] for name in (*urls, "onnxruntime_batch1", "onnxruntime_batched")}
         for number in range(args.rounds):
             if args.segments > 1:
-                served, batched = paired_round(urls["tideserve"], texts, args, lambda: encoder_counts(http),
-                                               pids["tideserve"], local, servers)
+                served, batched, paired_peer = paired_round(
+                    urls["tideserve"], texts, args, lambda: encoder_counts(http), pids["tideserve"], local, servers,
+                    (urls["vllm"], peer.pid) if "vllm" in urls else None)
                 rounds["tideserve"].append(served)
             else:
                 rounds["tideserve"].append(served_round(urls["tideserve"], texts, args, lambda: encoder_counts(http),
@@ -452,7 +467,8 @@ def main() -> int:
                     urls["tideserve_ensemble"], texts, args, lambda: encoder_counts(ensemble_http), ENSEMBLE,
                     pids["tideserve_ensemble"], servers))
             if "vllm" in urls:
-                rounds["vllm"].append(served_round(urls["vllm"], texts, args, pid=peer.pid, servers=servers))
+                rounds["vllm"].append(paired_peer if args.segments > 1 else
+                                      served_round(urls["vllm"], texts, args, pid=peer.pid, servers=servers))
             rounds["onnxruntime_batch1"].append(local.round(texts, 1, max(50, args.requests // 4), servers))
             if args.segments > 1:
                 rounds["onnxruntime_batched"].append(batched)
@@ -465,7 +481,10 @@ def main() -> int:
             print(f"round {number + 1}: " + ", ".join(
                 f"{name} {r[-1].get('rps', r[-1].get('sentences_per_s')):.1f}/s" for name, r in rounds.items())
                   + (f"; tideserve / ONNX Runtime batched {rounds['tideserve'][-1]['ratio_to_onnxruntime_batched']:.2f}"
-                     f" (median of pairs {', '.join(f'{x:.2f}' for x in pairs)})" if pairs else ""), flush=True)
+                     f" (median of pairs {', '.join(f'{x:.2f}' for x in pairs)})" if pairs else "")
+                  + (f"; tideserve / vLLM {rounds['tideserve'][-1]['ratio_to_vllm']:.2f} (median of pairs "
+                     + ", ".join(f"{x:.2f}" for x in rounds["tideserve"][-1]["vllm_pair_ratios"]) + ")"
+                     if "ratio_to_vllm" in rounds["tideserve"][-1] else ""), flush=True)
     finally:
         stop_process(proc)
         if ensemble is not None:
@@ -519,6 +538,15 @@ def main() -> int:
              + "; the ratio of each round's totals: "
              + ", ".join(f"{t['ratio_of_totals']:.2f}" for t in rounds["tideserve"])
              + ")" if args.segments > 1 else " (each side's round at once)"))
+    if "vllm" in rounds:
+        per_round = [t.get("ratio_to_vllm", t["rps"] / v["rps"]) for t, v in zip(rounds["tideserve"], rounds["vllm"])]
+        results["ratio_to_vllm_rounds"] = per_round
+        print("tideserve / vLLM, per round: " + ", ".join(f"{x:.2f}" for x in per_round)
+              + (" (the median of the same sets; each set's ratio: "
+                 + "; ".join(", ".join(f"{x:.2f}" for x in t["vllm_pair_ratios"]) for t in rounds["tideserve"])
+                 + "; the ratio of each round's totals: "
+                 + ", ".join(f"{t['ratio_to_vllm_of_totals']:.2f}" for t in rounds["tideserve"])
+                 + ")" if args.segments > 1 else " (each side's round at once)"))
     out = ROOT / "bench" / "results" / f"embeddings-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
