@@ -510,22 +510,23 @@ def decode_request(model_name: str, model_version: str, body: bytes, header_leng
 
 
 def decode_raw_request(model_name: str, model_version: str, body: bytes, config) -> DecodedRequest:
-    """``Inference-Header-Content-Length: 0``: the body is the raw data of the model's only input."""
+    """``Inference-Header-Content-Length: 0``: the body is the raw data of the model's only input; for a BYTES input
+    (shape [1]) the body is its one element, as in Triton. Errors in Triton's words."""
     if len(config.input) != 1:
-        raise InvalidArgument(f"raw binary requests need a model with exactly one input; model '{model_name}' "
-                              f"has {len(config.input)}")
+        raise InvalidArgument(f"Raw request must only have 1 input (found 1) to be deduced but got "
+                              f"{len(config.input)} inputs in '{model_name}' model configuration")
     spec = config.input[0]
     datatype = config_to_datatype(mc.DataType.Name(spec.data_type))
     dims = list(spec.dims)
     if datatype == "BYTES":
-        if [d for d in dims if d != 1 and d != -1] or len(dims) != 1:
-            raise InvalidArgument(f"raw binary requests for BYTES input '{spec.name}' need shape [1]")
-        dims = [1]
+        if dims != [1]:
+            raise InvalidArgument(f"For BYTE datatype raw input '{spec.name}', the model must have input shape [1]")
+        body = len(body).to_bytes(4, "little") + bytes(body)  # the one element, serialized as BYTES tensors are
     else:
         variable = [i for i, d in enumerate(dims) if d == -1]
         if len(variable) > 1:
-            raise InvalidArgument(f"raw binary requests need at most one variable dimension; input "
-                                  f"'{spec.name}' has dims {dims}")
+            raise InvalidArgument(f"The shape of the raw input '{spec.name}' can not be deduced because there are "
+                                  "more than one variable-sized dimension")
         itemsize = element_size(datatype)
         fixed = math.prod(d for d in dims if d != -1) * itemsize
         if variable:

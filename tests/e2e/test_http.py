@@ -117,6 +117,7 @@ class SlowInstance(ModelInstance):
 
 
 _INSTANCES = {"slow": SlowInstance, "add_sub": AddSubInstance, "identity": IdentityInstance, "scale": ScaleInstance,
+              "one_string": IdentityInstance,
               "fail": FailInstance, "repeat": RepeatInstance}
 
 
@@ -148,6 +149,12 @@ backend: "toy"
 max_batch_size: 4
 input [ { name: "INPUT" data_type: TYPE_FP32 dims: [ -1 ] } ]
 output [ { name: "OUTPUT" data_type: TYPE_FP32 dims: [ -1 ] label_filename: "labels.txt" } ]
+""",
+    "one_string": """
+backend: "toy"
+max_batch_size: 0
+input [ { name: "IN_BYTES" data_type: TYPE_STRING dims: [ 1 ] } ]
+output [ { name: "OUT_BYTES" data_type: TYPE_STRING dims: [ 1 ] } ]
 """,
     "fail": """
 backend: "toy"
@@ -507,6 +514,21 @@ def test_raw_binary_request(srv):
     assert doc["outputs"][0]["shape"] == [1, 3]
     np.testing.assert_array_equal(np.frombuffer(body[json_len:], np.float32), data * 2)
 
+
+
+def test_raw_binary_request_for_a_bytes_input_is_its_one_element(srv):
+    """As in Triton: the body is the element itself (no length prefix), for a BYTES input of shape [1] only; the
+    errors in Triton's words (its L0_http http_test.py checks them)."""
+    status, headers, body = raw(srv, "POST", "/v2/models/one_string/infer", b"427",
+                                {"Inference-Header-Content-Length": "0"})
+    assert status == 200, body
+    json_len = int({k.lower(): v for k, v in headers.items()}["inference-header-content-length"])
+    assert body[json_len:] == b"\x03\x00\x00\x00427"
+    cases = [("identity", "Raw request must only have 1 input (found 1) to be deduced but got "),
+             ("add_sub", "Raw request must only have 1 input (found 1) to be deduced but got 2 inputs in 'add_sub'")]
+    for model, text in cases:
+        status, _, body = raw(srv, "POST", f"/v2/models/{model}/infer", b"427", {"Inference-Header-Content-Length": "0"})
+        assert status == 400 and text in json.loads(body)["error"], body
 
 def test_classification(client):
     tensor = httpclient.InferInput("INPUT", [2, 4], "FP32")
