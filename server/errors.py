@@ -93,6 +93,11 @@ class Unavailable(ServerError):
     status = Status.UNAVAILABLE
 
 
+# A load or unload outside the explicit model control mode (none or poll), as Triton words it, with Unavailable (its
+# UNAVAILABLE: HTTP 503)
+NOT_EXPLICIT = "explicit model load / unload is not allowed if polling is enabled"
+
+
 class QueueFull(Unavailable):
     """A request refused because its model's queue is at its bound (``max_queue_size``): 503 with
     ``Retry-After`` over HTTP, UNAVAILABLE over gRPC, counted as REJECTED."""

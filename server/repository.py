@@ -18,7 +18,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from . import config as config_module
 from .backend import BackendRegistry, ModelContext, ServerHandles
-from .errors import (InternalError, InvalidArgument, NotFound, ServerError, Unavailable, Unsupported,
+from .errors import (NOT_EXPLICIT, InternalError, InvalidArgument, NotFound, ServerError, Unavailable,
                      as_server_error)
 from .runtime import ModelRuntime, ModelState
 from .stats import Metrics
@@ -329,8 +329,7 @@ class ModelRepository:
     async def load(self, name: str, config_json: str | None = None, *, _internal: bool = False) -> None:
         """Load (or reload) every version of ``name`` its version policy selects."""
         if not _internal and self.control_mode is not ControlMode.EXPLICIT:
-            raise Unsupported("explicit model load / unload is not allowed unless the model control mode "
-                              "is 'explicit'")
+            raise Unavailable(NOT_EXPLICIT)
         check_model_name(name)
         if name not in self.entries:
             self.model_dir(name)  # NotFound for a name with no directory: leave no entry behind
@@ -407,8 +406,7 @@ class ModelRepository:
         """Unload every version of ``name``. ``unload_dependents``: also unload, recursively, the models this
         ensemble runs that no other loaded ensemble runs and that were loaded only as its steps (as Triton)."""
         if not _internal and self.control_mode is not ControlMode.EXPLICIT:
-            raise Unsupported("explicit model load / unload is not allowed unless the model control mode "
-                              "is 'explicit'")
+            raise Unavailable(NOT_EXPLICIT)
         check_model_name(name)
         entry = self.entries.get(name)
         if entry is None:

@@ -515,7 +515,6 @@ def test_raw_binary_request(srv):
     np.testing.assert_array_equal(np.frombuffer(body[json_len:], np.float32), data * 2)
 
 
-
 def test_raw_binary_request_for_a_bytes_input_is_its_one_element(srv):
     """As in Triton: the body is the element itself (no length prefix), for a BYTES input of shape [1] only; the
     errors in Triton's words (its L0_http http_test.py checks them)."""
@@ -529,6 +528,7 @@ def test_raw_binary_request_for_a_bytes_input_is_its_one_element(srv):
     for model, text in cases:
         status, _, body = raw(srv, "POST", f"/v2/models/{model}/infer", b"427", {"Inference-Header-Content-Length": "0"})
         assert status == 400 and text in json.loads(body)["error"], body
+
 
 def test_classification(client):
     tensor = httpclient.InferInput("INPUT", [2, 4], "FP32")
@@ -705,9 +705,9 @@ def test_repository_errors(explicit, srv):
     assert status == 501 and "file:1/model.py" in error_of(body)
     status, _, body = post_json(explicit, "/v2/repository/models/..%2F..%2Fetc/load", {})
     assert status in (400, 404) and error_of(body)
-    # load / unload need the explicit model control mode
+    # load / unload need the explicit model control mode: Triton's UNAVAILABLE and words
     status, _, body = post_json(srv, "/v2/repository/models/scale/unload", {})
-    assert status == 501 and "explicit" in error_of(body)
+    assert status == 503 and "explicit model load / unload is not allowed if polling is enabled" in error_of(body)
     status, _, body = post_json(srv, "/v2/repository/index", b"")  # an empty body is allowed
     assert status == 200 and {"add_sub", "scale"} <= {r["name"] for r in json.loads(body)}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tideserve.errors import NotFound, ServerError, Unavailable, Unsupported
+from tideserve.errors import NotFound, ServerError, Unavailable
 from tideserve.repository import ControlMode
 from toy_backends import collect, sum_request, write_model
 
@@ -71,7 +71,7 @@ async def test_explicit_star_loads_everything_and_none_mode_refuses_load(tmp_pat
     dataplane = await start_core(tmp_path, ControlMode.EXPLICIT, load=["*"])
     assert {r["state"] for r in dataplane.repository_index()} == {"READY"}
     dataplane = await start_core(tmp_path, ControlMode.NONE)
-    with pytest.raises(Unsupported):
+    with pytest.raises(Unavailable, match="not allowed if polling is enabled"):  # Triton's code and words
         await dataplane.load_model("a")
 
 

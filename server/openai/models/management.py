@@ -17,7 +17,7 @@ import time
 
 import orjson
 
-from ...errors import InvalidArgument, NotFound, ServerError, Unsupported
+from ...errors import NOT_EXPLICIT, InvalidArgument, NotFound, ServerError
 from ..errors import BadRequest, ModelNotFound, OpenAIError
 
 _EXPLICIT_ONLY = "Model load/unload requires --model-control-mode=explicit"
@@ -35,7 +35,7 @@ def _model_name(server, scope) -> str:
 
 
 def _failed(action: str, name: str, exc: ServerError) -> OpenAIError:
-    if isinstance(exc, Unsupported):
+    if exc.message == NOT_EXPLICIT:  # (the repository's refusal outside the explicit mode)
         return BadRequest(_EXPLICIT_ONLY)
     status = 400 if isinstance(exc, InvalidArgument) else 404 if isinstance(exc, NotFound) else exc.http_code
     return OpenAIError(f"Failed to {action} model '{name}': {exc.message}", status)
