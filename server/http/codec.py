@@ -260,7 +260,8 @@ def _decode_typed(model_name: str, model_version: str, body: bytes, limits: Tens
         return None
     try:
         doc = _TYPED_DECODER.decode(body)
-    except (msgspec.MsgspecError, ValueError):  # a string that is not UTF-8 raises UnicodeDecodeError
+    except (msgspec.MsgspecError, ValueError, RecursionError):  # not UTF-8: UnicodeDecodeError; nested past
+        # msgspec's own depth limit: RecursionError (the general path answers it 400)
         return None
     params = doc.parameters
     if params is None:

@@ -154,3 +154,14 @@ def test_the_usual_request_takes_the_typed_path():
                        "parameters": {"priority": 1}}).encode()
     decoded = codec._decode_typed("m", "", body, codec.DEFAULT_TENSOR_LIMITS, codec.MAX_JSON_DEPTH)
     assert decoded is not None and decoded.request.priority == 1 and decoded.outputs["A"].binary is False
+
+
+@pytest.mark.parametrize("where", ['"data": %s', '"data": [1], "parameters": {"x": %s}'])
+def test_a_document_nested_past_the_decoders_own_depth_is_refused_as_the_general_path_refuses_it(monkeypatch, where):
+    """Nested deeper than msgspec or orjson parse (over 1,000 levels, with --http-max-json-depth set above that): the
+    typed decoder's RecursionError leaves the document to the general path, which answers it as a bad request."""
+    deep = "[" * 1100 + "]" * 1100
+    body = ('{"inputs": [{"name": "X", "datatype": "FP32", "shape": [1], ' + where % deep + "}]}").encode()
+    typed = _outcome(lambda: codec.decode_request("m", "2", body, None, max_json_depth=2000))
+    assert typed == _outcome(lambda: _general(monkeypatch, body, max_json_depth=2000))
+    assert typed[0] == "error", typed
