@@ -33,6 +33,7 @@ import threading
 import time
 
 from tideserve.backend_api import (
+    DIRECT_EXECUTING,
     DIRECT_QUEUE_SUFFIX,
     DIRECT_QUEUE_WORD,
     DirectAnswer,
@@ -258,8 +259,8 @@ class _FineTimer:
 
 
 class _QueueWord:
-    """The requests this instance's batcher holds (queued, not yet in a batch), in a shared word the frontend workers
-    read when they pick an instance (``tideserve.workers.direct``): a file beside the instance's socket
+    """The requests this instance's batcher holds (queued, not yet in a batch), plus ``DIRECT_EXECUTING`` while it
+    runs a batch, in a shared word the frontend workers read when they pick an instance (``tideserve.workers.direct``): a file beside the instance's socket
     (``<socket>.queue``, in the same private directory), one native 8-byte integer written by this process only."""
 
     def __init__(self, path: str) -> None:
@@ -271,8 +272,19 @@ class _QueueWord:
         finally:
             os.close(fd)
         self.value = 0
+        self.queued = 0
+        self.running = 0  # DIRECT_EXECUTING while the instance runs a batch
 
-    def set(self, value: int) -> None:
+    def set(self, queued: int) -> None:
+        self.queued = queued
+        self._write()
+
+    def executing(self, running: bool) -> None:
+        self.running = DIRECT_EXECUTING if running else 0
+        self._write()
+
+    def _write(self) -> None:
+        value = self.queued + self.running
         if value != self.value:
             self.value = value
             DIRECT_QUEUE_WORD.pack_into(self.map, 0, value)
@@ -297,6 +309,17 @@ class _DirectBatcher(DynamicBatcher):
         if self.queue_word is not None:
             self.queue_word.set(self.pending())
         return batch
+
+    async def run(self, slot, batch) -> None:
+        word = self.queue_word
+        if word is None:
+            await super().run(slot, batch)
+            return
+        word.executing(True)  # the workers send the next requests to an instance that is free, as one queue would
+        try:
+            await super().run(slot, batch)
+        finally:
+            word.executing(False)
 
     async def _sleep(self, timeout: float | None) -> None:
         if timeout is None or self._fine is None or not 0 < timeout < LOOP_TIMER_RESOLUTION_S:

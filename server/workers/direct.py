@@ -51,6 +51,7 @@ SEQUENCE_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end")
 # batch), one native 8-byte integer the instance process writes and the workers read when they pick an instance.
 DIRECT_QUEUE_SUFFIX = ".queue"
 DIRECT_QUEUE_WORD = struct.Struct("q")
+DIRECT_EXECUTING = 1 << 32  # added to the word while the instance runs a batch
 
 
 # -- the link's messages (worker <-> instance process) -----------------------------------------------------
@@ -159,7 +160,8 @@ class DirectLink(asyncio.Protocol):
         self.queue = _open_queue(address)  # the instance's queued requests (None: it does not say)
 
     def queued(self) -> int:
-        """The requests the instance's batcher holds now (as of its last write), -1 where it does not say."""
+        """The requests the instance's batcher holds now (as of its last write), plus :data:`DIRECT_EXECUTING` while
+        it runs a batch; -1 where it does not say."""
         queue = self.queue
         return DIRECT_QUEUE_WORD.unpack_from(queue)[0] if queue is not None else -1
 
@@ -321,13 +323,14 @@ class DirectRouter:
         """The link for one request. The requests of one loop turn for a model go to one instance process, up to
         its ``max_batch_size`` (what a turn sends leaves in one write and can run as one batch there, as the
         requests one queue holds would). For a model with a dynamic batcher, the next turn's go to the first
-        instance, in the snapshot's order (the same in every worker), whose batcher holds fewer queued requests than
-        a full batch (its queue word, :meth:`DirectLink.queued`; an instance that does not say: where this worker
-        has fewer requests in flight than its share of a full batch, ``max_batch_size`` / the workers): the requests
-        of all workers meet there and run as one batch, as they would in one queue, instead of as one small batch
-        per worker and instance, and the next instance starts a batch only once a full one waits. Otherwise, and
-        once every instance holds a full batch, to the instance with the fewest of this worker's requests in
-        flight (round robin among equals)."""
+        instance, in the snapshot's order (the same in every worker), that runs no batch and whose batcher holds
+        fewer queued requests than a full batch (its queue word, :meth:`DirectLink.queued`; an instance that does
+        not say: where this worker has fewer requests in flight than its share of a full batch, ``max_batch_size`` /
+        the workers): the requests of all workers meet there and run as one batch, as they would in one queue,
+        instead of as one small batch per worker and instance, and an instance that is free takes the next batch
+        while another runs one, as from one queue. Where every instance runs a batch, to the first that holds less
+        than a full one behind it. Otherwise, and once every instance holds a full batch, to the instance with the
+        fewest of this worker's requests in flight (round robin among equals)."""
         limit = self._batch_limit(runtime)
         turn = self._turns.get(runtime.uid)
         if turn is not None:
@@ -339,15 +342,24 @@ class DirectRouter:
         best = None
         if limit > 1 and runtime.config.HasField("dynamic_batching"):
             share = -(-limit // self.workers)
+            busy = None  # the first instance that runs a batch and holds less than a full one behind it
             for address in addresses:
                 link = links.get(address)
                 if link is None:
                     best = address
                     break
                 queued = link.queued()
-                if queued < 0 and len(link.streams) < share or 0 <= queued < limit:
+                if queued < 0:
+                    if len(link.streams) < share:
+                        best = address
+                        break
+                elif queued < limit:
                     best = address
                     break
+                elif busy is None and queued - DIRECT_EXECUTING < limit and queued >= DIRECT_EXECUTING:
+                    busy = address
+            else:
+                best = busy
         if best is None:
             best_load = None
             count = len(addresses)

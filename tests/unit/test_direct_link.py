@@ -1,7 +1,7 @@
 """--frontend-direct's data path, without a server: a worker's requests of one loop turn for a model go to one
 instance process (up to its max_batch_size) and leave in one message, and with a dynamic batcher every worker's
-requests go to the first instance until it holds a full batch (they meet in one batch there; where the instances
-say how many requests their batchers hold, until its queue holds a full batch); an instance process answers a loop turn's
+requests go to the first instance that runs no batch until it holds a full batch (they meet in one batch there; the
+instances say in a shared word what their batchers hold and whether they run a batch); an instance process answers a loop turn's
 responses in one message; its batcher waits sub-millisecond delays on a timerfd (the loop's own timers would fire
 at once, round after round, for the whole delay)."""
 
@@ -108,7 +108,10 @@ def _queue_words(tmp_path, names: list[str]) -> tuple[list[str], dict]:
     return addresses, {name: _QueueWord(address) for name, address in zip(names, addresses, strict=True)}
 
 
-def test_with_queue_words_the_first_instance_takes_requests_until_its_queue_holds_a_full_batch(tmp_path):
+def test_with_queue_words_requests_meet_at_the_first_free_instance_as_in_one_queue(tmp_path):
+    """Every worker sends to the first instance that runs no batch and holds less than a full one (its requests meet
+    in one batch there); while it runs a batch, to the next free one (as one queue hands its next batch to a free
+    instance); where all run one, to the first with room behind its batch."""
     async def main():
         addresses, words = _queue_words(tmp_path, ["a", "b"])
         a, b = addresses
@@ -116,7 +119,8 @@ def test_with_queue_words_the_first_instance_takes_requests_until_its_queue_hold
         for router in workers:
             router.workers = 2
         model = _batched(1, max_batch_size=8)
-        for _ in range(6):  # a executes, its queue short of a batch: every worker's requests still go there
+        for queued in range(6):  # a collects its batch, short of a full one: every worker's requests go there
+            words["a"].set(queued)
             for router in workers:
                 assert (await _pick(router, addresses, model)).address == a
             await asyncio.sleep(0)
@@ -124,10 +128,22 @@ def test_with_queue_words_the_first_instance_takes_requests_until_its_queue_hold
         for router in workers:
             assert (await _pick(router, addresses, model)).address == b
         await asyncio.sleep(0)
-        words["b"].set(8)  # both hold a full batch: the least loaded of this worker's
+        words["a"].set(0)
+        words["a"].executing(True)  # a runs its batch: b, free, takes the next
+        for router in workers:
+            assert (await _pick(router, addresses, model)).address == b
+        await asyncio.sleep(0)
+        words["b"].executing(True)  # both run a batch: the first with room behind its batch
+        assert (await _pick(workers[0], addresses, model)).address == a
+        await asyncio.sleep(0)
+        words["a"].set(8)  # a holds a full batch behind its run: b
         assert (await _pick(workers[0], addresses, model)).address == b
         await asyncio.sleep(0)
-        words["a"].set(3)  # a took its batch: a again
+        words["b"].set(8)  # both hold a full batch: the least loaded of this worker's
+        assert (await _pick(workers[0], addresses, model)).address in (a, b)
+        await asyncio.sleep(0)
+        words["a"].executing(False)
+        words["a"].set(3)  # a finished its run and collects again: a
         assert (await _pick(workers[1], addresses, model)).address == a
         for word in words.values():
             word.close()
