@@ -17,7 +17,9 @@ rather than its timer: ``tideserve:w2:direct:spin0``), ``tideserve:wN:pyvoy`` wi
 checkout of this repository at PATH (an A/B of two commits in one run: ``git worktree add /tmp/prev HEAD~``,
 then ``--servers tideserve:w1@/tmp/prev tideserve:w1``). Besides throughput and latency it reports
 the server's CPU time per request: the server process and all its descendants (core, frontend workers,
-model processes; Triton and its Python stubs), measured over each perf_analyzer run.
+model processes; Triton and its Python stubs), measured over each perf_analyzer run, perf_analyzer's own CPU time
+per request (on 2 cores the client shares the CPUs: where none is idle, the throughput follows the server's and the
+client's CPU per request together) and the machine's idle share over the run.
 
 Peers come from ``../shared/peers`` (setup scripts install them under $PEERS_HOME, /tmp/peers).
 ``--instances N`` sets add_sub's instance count on every server; ``--grpc-channel-share 1`` gives each of perf_analyzer's
@@ -32,6 +34,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -220,6 +223,7 @@ def perf_analyzer(protocol: str, port: int, concurrency: int, http_format: str, 
         cmd += ["--input-tensor-format", "json", "--output-tensor-format", "json"]
     counts_before = executions(http) if http else None
     switches_before = tree_switches(server_pid)
+    client_before, idle_before = _children_cpu_s(), _machine_idle()
     cpu_before, started = tree_cpu_seconds(server_pid), time.monotonic()
     try:
         out, timed_out = subprocess.run(cmd, capture_output=True, text=True, timeout=300).stdout, False
@@ -227,11 +231,15 @@ def perf_analyzer(protocol: str, port: int, concurrency: int, http_format: str, 
         out, timed_out = exc.stdout or "", True
         out = out.decode(errors="replace") if isinstance(out, bytes) else out
     wall, cpu_after = time.monotonic() - started, tree_cpu_seconds(server_pid)
+    client_cpu, idle_after = _children_cpu_s() - client_before, _machine_idle()
     switches_after = tree_switches(server_pid)
     roles = {role: cpu_after.get(role, 0.0) - cpu_before.get(role, 0.0) for role in cpu_after}
     cpu = sum(roles.values())
     log.write_text(out)
-    result = {"command": " ".join(cmd[1:]), "server_cpu_s": cpu, "cpu_s_by_role": roles, "wall_s": wall}
+    result = {"command": " ".join(cmd[1:]), "server_cpu_s": cpu, "cpu_s_by_role": roles, "wall_s": wall,
+              "client_cpu_s": client_cpu}
+    if idle_after[1] > idle_before[1]:  # the machine's idle share over the run (all CPUs, every process on it)
+        result["machine_idle"] = round((idle_after[0] - idle_before[0]) / (idle_after[1] - idle_before[1]), 3)
     counts_after = executions(http) if counts_before else None
     if counts_before and counts_after and counts_after[1] > counts_before[1]:
         result["requests_per_execution"] = round((counts_after[0] - counts_before[0])
@@ -252,6 +260,7 @@ def perf_analyzer(protocol: str, port: int, concurrency: int, http_format: str, 
         requests = result["infer_per_s"] * wall
         result["cpu_us_per_request"] = cpu / requests * 1e6
         result["cpu_us_per_request_by_role"] = {role: round(t / requests * 1e6, 1) for role, t in roles.items()}
+        result["client_cpu_us_per_request"] = round(client_cpu / requests * 1e6, 1)
         result["switches_per_request_by_role"] = {  # processes that ran all along (a process that exited is left out)
             role: round((count - switches_before.get(role, 0)) / requests, 2) for role, count in switches_after.items()
             if role in switches_before}
@@ -259,6 +268,19 @@ def perf_analyzer(protocol: str, port: int, concurrency: int, http_format: str, 
 
 
 PROTOCOLS = ("http", "grpc", "grpc-stream")
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds (user + system) of this process's waited-for children: perf_analyzer's, over one run."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _machine_idle() -> tuple[int, int]:
+    """(idle + iowait, all) clock ticks of every CPU so far, from /proc/stat."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    return ticks[3] + ticks[4], sum(ticks[:8])
 
 
 def tree_switches(root: int) -> dict[str, int]:
@@ -340,6 +362,8 @@ def main() -> None:
                               f"CPU {r.get('cpu_us_per_request', float('nan')):.0f} us/req "
                               f"{r.get('requests_per_execution', float('nan')):.2f} req/exec "
                               f"{r.get('cpu_us_per_request_by_role', {})} "
+                              f"client {r.get('client_cpu_us_per_request', float('nan')):.0f} us/req "
+                              f"idle {r.get('machine_idle', float('nan')):.2f} "
                               f"switches/req {r.get('switches_per_request_by_role', {})}"
                               + ("" if r["stable"] else "  (unstable)") + ("  (timed out)" if r.get("timed_out") else ""),
                               flush=True)
@@ -357,8 +381,9 @@ def main() -> None:
     peer = "triton"
     for kind in [k for k in args.servers if k != peer] if peer in args.servers else []:
         print(f"\n{kind} vs {peer}\n\n| protocol | concurrency | {kind} infer/s | {peer} infer/s | ratio "
-              f"| {kind} p50 / p99 ms | {peer} p50 / p99 ms | CPU us/request {kind} / {peer} |\n"
-              f"|---|---|---|---|---|---|---|---|")
+              f"| {kind} p50 / p99 ms | {peer} p50 / p99 ms | CPU us/request {kind} / {peer} "
+              f"| perf_analyzer CPU us/request | machine idle |\n"
+              f"|---|---|---|---|---|---|---|---|---|---|")
         for protocol in args.protocols:
             for c in args.concurrency:
                 t, q = runs.get(f"{kind}/{protocol}/{c}"), runs.get(f"{peer}/{protocol}/{c}")
@@ -368,7 +393,9 @@ def main() -> None:
                 print(f"| {protocol} | {c} | {t['infer_per_s']:.0f} | {q['infer_per_s']:.0f} | {ratio:.2f}x | "
                       f"{t.get('p50_ms', 0):.2f} / {t.get('p99_ms', 0):.2f} | {q.get('p50_ms', 0):.2f} / "
                       f"{q.get('p99_ms', 0):.2f} | {t.get('cpu_us_per_request', 0):.0f} / "
-                      f"{q.get('cpu_us_per_request', 0):.0f} |")
+                      f"{q.get('cpu_us_per_request', 0):.0f} | {t.get('client_cpu_us_per_request', 0):.0f} / "
+                      f"{q.get('client_cpu_us_per_request', 0):.0f} | {t.get('machine_idle', 0):.2f} / "
+                      f"{q.get('machine_idle', 0):.2f} |")
     # the core's own CPU per request (the issue's target with frontend workers: <= 20 us), each server beside
     # tideserve:w1's throughput
     tideserves = [k for k in args.servers if k.startswith("tideserve")]
