@@ -24,6 +24,10 @@ Before each side the engine's prefix cache is reset (``POST /reset_prefix_cache`
 (one token each, no deadline), so every side starts from the same engine state (``--no-prime``: not). The
 clients run in ``--client-processes`` processes (one event loop alone falls behind the flood on a busy
 machine, and its lag would count as the server's); each reports its own loop lag (how late a 5 ms sleep wakes).
+``--observers`` of the flood's clients (8) run apart, in a process of their own, a thread each on a blocking
+socket: the kernel stamps each of their requests' last byte sent and each answer's first byte received
+(``SO_TIMESTAMPING``, software TX and RX stamps), so their refusals' lateness does not depend on when a client
+got a CPU (a client starved by its own flood measures itself).
 The server's ``GET /load`` is sampled every 0.25 s: requests in flight and those the engine has waiting, so a
 flood that did not reach the engine shows.
 
@@ -49,6 +53,10 @@ Reported, all rounds of a mode pooled:
    (``probe_*`` in the JSON), the requests the engine's scheduler took in, those whose first token came before
    their deadline, those that ran on with a place in the engine at their deadline, and the refusals (before the
    engine had them, and after its prefill had run): what the engine spent on requests then refused.
+   The same, on the observer's refusals, as the kernel timed them: TX stamp to RX stamp less the deadline (and from
+   the observer's clock read just before its send), beside the same refusals as its thread read them, split by the
+   server's header into the way in (TX stamp to the server's counted start), the server's own and the way back (its
+   answer written to the RX stamp). The client processes' measure above counts their refusals alone.
 2. goodput: requests per second that got their whole stream with TTFT (send to first token) <= ``--ttft-slo``
    (2 s), among those sent during the side's window; flooded vs unflooded (target >= 0.9x), for all clients and
    for the S steady clients alone. Also the counts: served, refused at the deadline, refused busy (the queue
@@ -70,7 +78,10 @@ import bisect
 import itertools
 import json
 import os
+import select
 import signal
+import socket
+import struct
 import sys
 import tempfile
 import threading
@@ -234,6 +245,141 @@ async def run_clients(base: str, api: str, roles: list[tuple[str, int]], tokens:
     return out, lags
 
 
+# Kernel timestamps of the observer's requests (Linux, <linux/net_tstamp.h>): the software stamp of the request's
+# last byte handed to the device (TX, read from the socket's error queue) and of the answer's first byte received
+# (RX, recvmsg's ancillary data), both CLOCK_REALTIME
+SO_TIMESTAMPING = 37
+SOF_TIMESTAMPING = (1 << 1) | (1 << 3) | (1 << 4) | (1 << 7) | (1 << 11)  # TX_SOFTWARE RX_SOFTWARE SOFTWARE OPT_ID OPT_TSONLY
+
+
+def _stamp(ancdata: list) -> float | None:
+    """The software timestamp (``scm_timestamping``'s first timespec) in ``recvmsg``'s ancillary data, in s on
+    CLOCK_REALTIME; None where there is none."""
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPING and len(data) >= 16:
+            sec, nsec = struct.unpack_from("qq", data)
+            if sec or nsec:
+                return sec + nsec / 1e9
+    return None
+
+
+def _tx_stamp(sock: socket.socket) -> float | None:
+    """The kernel's stamp of the request's last byte sent (the last of the error queue's stamps; on loopback they are
+    queued within the send itself), CLOCK_REALTIME s; None where the kernel gave none within 50 ms."""
+    stamp = None
+    for _ in range(2):
+        while True:
+            try:
+                _, ancdata, _, _ = sock.recvmsg(64, 512, socket.MSG_ERRQUEUE | socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                break
+            stamp = _stamp(ancdata) or stamp
+        if stamp is not None:
+            return stamp
+        select.select([], [], [sock], 0.05)  # an error-queue entry wakes select's exceptional set
+    return stamp
+
+
+def request_bytes(api: str, host: str, prompt: str, tokens: int, deadline_ms: float) -> bytes:
+    """The bytes of ``one_request``'s request (the same body and deadline), on a connection the server closes after
+    its answer (the observer reads to the end)."""
+    if api in ("generate", GENERATE_TENSORS):
+        path = f"/v2/models/{MODEL}/generate_stream"
+        body = {"text_input": [prompt] if api == GENERATE_TENSORS else prompt, "stream": True,
+                "parameters": {"max_tokens": tokens, "temperature": 0, "ignore_eos": True,
+                               "timeout": int(deadline_ms * 1000)}}
+        extra = ""
+    else:
+        path = "/v1/completions"
+        body = {"model": MODEL, "prompt": prompt, "stream": True, "max_tokens": tokens, "temperature": 0,
+                "ignore_eos": True}
+        extra = f"x-request-timeout-ms: {int(deadline_ms)}\r\n"
+    data = json.dumps(body).encode()
+    return (f"POST {path} HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\ncontent-length: {len(data)}"
+            f"\r\nconnection: close\r\n{extra}\r\n").encode() + data
+
+
+def timed_request(host: str, port: int, api: str, prompt: str, tokens: int, deadline_ms: float,
+                  mono_less_real: float) -> dict:
+    """One request of the observer, on a blocking socket of its own, with ``one_request``'s fields (client times
+    on CLOCK_MONOTONIC, read before the send and after the answer's first bytes were read) and the kernel's
+    stamps, moved to CLOCK_MONOTONIC: ``kernel_sent`` (the request's last byte to the device) and
+    ``kernel_answered`` (the answer's first byte received), which the client's scheduling does not move."""
+    result = {"sent": None, "status": None, "first": None, "answered": None, "complete": False, "error": None,
+              "written": None, "kernel_sent": None, "kernel_answered": None, "role": "observer"}
+    payload = request_bytes(api, host, prompt, tokens, deadline_ms)
+    try:
+        with socket.create_connection((host, port), timeout=120) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPING, SOF_TIMESTAMPING)
+            sock.settimeout(None)  # blocking: a MSG_DONTWAIT read returns at once (with a timeout Python waits)
+            result["sent"] = time.monotonic()
+            sock.sendall(payload)
+            result["written"] = time.monotonic()
+            if (tx := _tx_stamp(sock)) is not None:
+                result["kernel_sent"] = tx + mono_less_real
+            sock.settimeout(120)
+            # the first byte alone: TCP gives the stamp of the last segment a read took from, so a read of one byte
+            # has the stamp of the answer's first segment, however late this thread reads it
+            first, ancdata, _, _ = sock.recvmsg(1, 512)
+            result["answered"] = time.monotonic()
+            if (rx := _stamp(ancdata)) is not None:
+                result["kernel_answered"] = rx + mono_less_real
+            raw = bytearray(first)
+            while b"\r\n\r\n" not in raw and (chunk := sock.recv(65536)):
+                raw += chunk
+            head, _, body = bytes(raw).partition(b"\r\n\r\n")
+            lines = head.decode("latin-1").split("\r\n")
+            result["status"] = int(lines[0].split()[1])
+            headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+            rest = bytearray(body)
+            while b"data:" not in rest and (chunk := sock.recv(65536)):
+                rest += chunk
+            if b"data:" in rest:
+                result["first"] = time.monotonic()
+            while chunk := sock.recv(65536):
+                rest += chunk
+            text = bytes(rest)
+            if result["status"] != 200:
+                result["error"] = text.decode(errors="replace")[:300]
+                result["retry_after"] = headers.get("retry-after")
+                result["server_late"] = server_lateness(headers.get(LATE_HEADER))
+            elif b'{"error"' in text:
+                result["error"] = text[text.index(b'{"error"'):].decode(errors="replace")[:300]
+            elif result["first"] is not None:
+                result["complete"] = api != "openai" or b"data: [DONE]" in text
+    except (OSError, ValueError, IndexError) as exc:
+        result["status"] = f"client error: {type(exc).__name__}"
+    return result
+
+
+def _observer_process(args: tuple) -> list[dict]:
+    """``count`` closed-loop clients of the flood (a thread each, blocking sockets: no event loop to fall behind),
+    their requests timed by the kernel (``timed_request``)."""
+    base, api, count, first_index, tokens, deadline_ms, until, retry_s = args
+    host, port = base.removeprefix("http://").rsplit(":", 1)
+    mono_less_real = time.monotonic() - time.clock_gettime(time.CLOCK_REALTIME)
+    prompts = story_prompts(PROMPTS)
+    out: list[dict] = []
+
+    def client(index: int) -> None:
+        sent = 0
+        while time.monotonic() < until:
+            result = timed_request(host, int(port), api, prompts[(index + sent) % len(prompts)], tokens, deadline_ms,
+                                   mono_less_real)
+            out.append(result)
+            sent += 1
+            if result["status"] != 200 and retry_s:
+                time.sleep(retry_s)
+
+    threads = [threading.Thread(target=client, args=(first_index + i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return out
+
+
 def _client_process(args: tuple) -> tuple[list[dict], list[float]]:
     return uvloop.run(run_clients(*args))
 
@@ -361,9 +507,14 @@ def probe_counts(path: Path | None) -> dict[str, int]:
 
 def run_side(pool: ProcessPoolExecutor, processes: int, base: str, api: str, steady: int, flood: int, tokens: int,
              deadline_ms: float, duration: float, retry_s: float, pid: int | None = None,
-             sched: list | None = None, probe: Path | None = None) -> tuple[list[dict], list[float], list]:
+             sched: list | None = None, probe: Path | None = None, observers: int = 0,
+             observer_pool: ProcessPoolExecutor | None = None) -> tuple[list[dict], list[float], list]:
     """The side's clients, spread over ``processes`` client processes (each its own event loop), for ``duration``
-    seconds from now (CLOCK_MONOTONIC: one clock for all of them), and the server's load sampled meanwhile."""
+    seconds from now (CLOCK_MONOTONIC: one clock for all of them), and the server's load sampled meanwhile. With a
+    flood, ``observers`` of its clients run in ``observer_pool``'s process instead (``_observer_process``: the
+    kernel times their requests)."""
+    observers = min(observers, flood) if observer_pool is not None else 0
+    flood -= observers
     roles = [("steady", i) for i in range(steady)] + [("flood", steady + i) for i in range(flood)]
     until = time.monotonic() + duration
     shares = [roles[k::processes] for k in range(processes) if roles[k::processes]]
@@ -374,8 +525,12 @@ def run_side(pool: ProcessPoolExecutor, processes: int, base: str, api: str, ste
     engine_before, started = processes_schedstat(engine), time.monotonic()
     server_before, counts_before = processes_schedstat([pid] if pid is not None else []), probe_counts(probe)
     sampler.start()
+    observed = observer_pool.submit(_observer_process, (base, api, observers, steady + flood, tokens, deadline_ms,
+                                                        until, retry_s)) if observers else None
     results = list(pool.map(_client_process, [(base, api, share, tokens, deadline_ms, until, retry_s)
                                               for share in shares]))
+    if observed is not None:
+        results.append((observed.result(), []))
     sampler.join()
     if sched is not None and engine:  # the engine's processes (all their threads): CPU and run-queue wait, in cores
         engine_after, wall = processes_schedstat(engine), (time.monotonic() - started) * 1e9
@@ -398,7 +553,28 @@ def summarize(requests: list[dict], lags: list[float], load: list[tuple[int, int
         return r["status"] == 200 and r["complete"] and r["first"] is not None and r["first"] - r["sent"] <= slo_s
 
     refused = [r for r in requests if r["status"] == 503]
-    at_deadline = [r for r in refused if "deadline" in (r["error"] or "")]
+    deadline_refusals = [r for r in refused if "deadline" in (r["error"] or "")]
+    # the client processes' refusals, timed by the clients as before; the observer's (``_observer_process``) apart
+    at_deadline = [r for r in deadline_refusals if r.get("role") != "observer"]
+    observed = [r for r in deadline_refusals if r.get("role") == "observer"]
+    # the observer's refusals as the kernel timed them: the request's last byte sent (TX stamp) to the answer's first
+    # byte received (RX stamp), less the deadline: no client scheduling in it; the same from the observer's clock
+    # read just before its send; and as the observer's thread read them (its clock after the read, like the
+    # client processes' measure); and split where the server told its times: the way in (TX stamp to the server's
+    # counted start), the server's own (its header) and the way back (its answer written to the RX stamp)
+    stamped = [r for r in observed if r.get("kernel_sent") is not None and r.get("kernel_answered") is not None]
+    kernel_ms = [(r["kernel_answered"] - r["kernel_sent"]) * 1000 - deadline_ms for r in stamped]
+    kernel_from_send_ms = [(r["kernel_answered"] - r["sent"]) * 1000 - deadline_ms for r in stamped]
+    observer_read_ms = [(r["answered"] - r["sent"]) * 1000 - deadline_ms for r in observed]
+    kernel_in_ms: list[float] = []
+    kernel_server_ms: list[float] = []
+    kernel_back_ms: list[float] = []
+    for r in stamped:
+        late = r.get("server_late")
+        if late and late[3] is not None:
+            kernel_in_ms.append((late[3] - late[1] / 1000 - deadline_ms / 1000 - r["kernel_sent"]) * 1000)
+            kernel_server_ms.append(late[1])
+            kernel_back_ms.append((r["kernel_answered"] - late[3]) * 1000)
     late_ms = [(r["answered"] - r["sent"]) * 1000 - deadline_ms for r in at_deadline]
     # the same from the moment the request's bytes left the client (aiohttp's trace): the client's own time before
     # that (building the request, its loop busy with the flood's other clients) is not on the server's clock at all
@@ -472,7 +648,16 @@ def summarize(requests: list[dict], lags: list[float], load: list[tuple[int, int
         "good_steady": sum(1 for r in requests if r["role"] == "steady" and good(r)),
         "goodput_rps": sum(1 for r in requests if good(r)) / seconds,
         "goodput_steady_rps": sum(1 for r in requests if r["role"] == "steady" and good(r)) / seconds,
-        "refused_deadline": len(at_deadline), "refused_busy": len(refused) - len(at_deadline),
+        "refused_deadline": len(deadline_refusals), "refused_busy": len(refused) - len(deadline_refusals),
+        "refused_deadline_clients": len(at_deadline), "refused_deadline_observer": len(observed),
+        "observer_stamped": len(stamped), "observer_server_reported": len(kernel_server_ms),
+        **spread_ms("kernel_lateness", kernel_ms),
+        **spread_ms("kernel_lateness_from_send", kernel_from_send_ms),
+        **spread_ms("observer_read_lateness", observer_read_ms),
+        "kernel_early_refusals": sum(1 for ms in kernel_ms if ms < 0),
+        **spread_ms("kernel_way_in", kernel_in_ms),
+        **spread_ms("kernel_server", kernel_server_ms),
+        **spread_ms("kernel_way_back", kernel_back_ms),
         "refused_with_retry_after": sum(1 for r in refused if r.get("retry_after")),
         "errors": sum(1 for r in requests if r["status"] not in (200, 503)
                       or (r["status"] == 200 and not r["complete"])),
@@ -567,6 +752,10 @@ def main() -> None:
     parser.add_argument("--retry-ms", type=float, default=50, help="a refused client's pause before it resends")
     parser.add_argument("--client-processes", type=int, default=2,
                         help="processes the clients are spread over (one event loop cannot keep up with the flood)")
+    parser.add_argument("--observers", type=int, default=8,
+                        help="of the flood's clients, this many run in a process of their own on blocking sockets, "
+                             "their refusals timed by the kernel (the request's TX and the answer's RX software "
+                             "timestamps, SO_TIMESTAMPING): the lateness without the client's scheduling (0: none)")
     parser.add_argument("--pause", type=float, default=2.0, help="seconds of rest before each side")
     parser.add_argument("--loop-nice", type=int, default=0,
                         help="a nice value for the server's event-loop thread alone (e.g. -10; needs the right to "
@@ -652,6 +841,8 @@ def main() -> None:
     rounds_out: list[dict] = []
     pool = ProcessPoolExecutor(args.client_processes, initializer=os.nice if args.client_nice else None,
                                initargs=(args.client_nice,) if args.client_nice else ())
+    observer_pool = ProcessPoolExecutor(1, initializer=os.nice if args.client_nice else None,
+                                        initargs=(args.client_nice,) if args.client_nice else ())
     try:
         for api in apis:  # warm-up: each path with the engine full (its first batches are slow), no deadline
             run_side(pool, args.client_processes, base, api, args.max_num_seqs, 0, args.tokens, 60_000, 3.0, 0)
@@ -672,7 +863,8 @@ def main() -> None:
                         if side == "flooded" else None
                     requests, lags, load = run_side(pool, args.client_processes, base, api, args.max_num_seqs,
                                               flood if side == "flooded" else 0, args.tokens, args.deadline_ms,
-                                              args.duration, args.retry_ms / 1000, proc.pid, sched, probe_file)
+                                              args.duration, args.retry_ms / 1000, proc.pid, sched, probe_file,
+                                              args.observers, observer_pool)
                     sides[api][side].append((requests, lags, load))
                     if spy is not None:
                         stop_py_spy(spy)
@@ -683,7 +875,8 @@ def main() -> None:
                     print(f"round {round_index + 1} {api} {side}{primed}: load {loadavg:.2f}; sent {row['sent']}, "
                           f"good {row['good']} ({row['goodput_rps']:.2f}/s), TTFT p50 {row['ttft_p50_s']:.2f} s, "
                           f"refused at deadline {row['refused_deadline']} (lateness p99 {row['lateness_p99_ms']:.1f} "
-                          f"ms; server: timer p99 {row['server_timer_late_p99_ms']:.1f} (CPU wait p99 "
+                          f"ms; kernel-stamped p99 {row['kernel_lateness_p99_ms']:.1f} ms of "
+                          f"{row['observer_stamped']}; server: timer p99 {row['server_timer_late_p99_ms']:.1f} (CPU wait p99 "
                           f"{row['server_cpu_wait_p99_ms']:.1f}, own work p99 {row['server_timer_own_work_p99_ms']:.1f}), "
                           f"answer p99 "
                           f"{row['server_answer_late_p99_ms']:.1f} ms; way in p99 {row['way_in_p99_ms']:.1f} (client "
@@ -701,6 +894,7 @@ def main() -> None:
                           f"prefill run {row.get('probe_expired_with_tokens', '?')})", flush=True)
     finally:
         pool.shutdown()
+        observer_pool.shutdown()
         stop_process(proc)
 
     summary: dict = {}
@@ -756,6 +950,22 @@ def main() -> None:
                     lambda r: f"{_trio(r, 'way_in_to_server_burst')} ({r['way_in_to_server_burst']})"),
                    ("client's own share", "client_own"), ("lateness without it", "lateness_without_client"),
                    ("lateness", "lateness")])
+    flooded_table(summary, apis,
+                  f"Refusal lateness as the kernel timed it ({args.observers} of the flood's clients in a process of "
+                  "their own, blocking sockets; flooded sides pooled; ms after the deadline, p50 / p99 / max): the "
+                  "request's last byte sent (TX software timestamp) to the answer's first byte received (RX software "
+                  "timestamp); the same from the observer's clock just before its send; the same refusals as its "
+                  "thread read them (its clock after the read: the client processes' measure); and split by the "
+                  "server's account: the way in (TX stamp to the server's counted start), the server's own, the way "
+                  "back (the answer written to the RX stamp)",
+                  [("refusals (stamped, server-reported)",
+                    lambda r: f"{r['refused_deadline_observer']} ({r['observer_stamped']}, "
+                              f"{r['observer_server_reported']})"),
+                   ("kernel: TX to RX", "kernel_lateness"), ("kernel: send to RX", "kernel_lateness_from_send"),
+                   ("as the thread read them", "observer_read_lateness"), ("way in", "kernel_way_in"),
+                   ("server", "kernel_server"), ("way back", "kernel_way_back"),
+                   ("before the deadline", lambda r: str(r["kernel_early_refusals"])),
+                   ("client processes' measure (for comparison)", "lateness")])
     for api in apis:
         for side in ("unflooded", "flooded"):
             rows = [r for r in rounds_out if r["api"] == api and r["side"] == side]
@@ -781,7 +991,9 @@ def main() -> None:
               f"(from the request's bytes written {s['flooded']['lateness_from_written_p99_ms']:.1f} ms; the server's "
               f"own {s['flooded']['server_answer_late_p99_ms']:.1f} ms); "
               f"503s with Retry-After {s['flooded']['refused_with_retry_after']} of "
-              f"{s['flooded']['refused_deadline'] + s['flooded']['refused_busy']}; the client's own loop lag "
+              f"{s['flooded']['refused_deadline'] + s['flooded']['refused_busy']}; as the kernel timed the observer's "
+              f"refusals (TX to RX stamp) p99 {s['flooded']['kernel_lateness_p99_ms']:.1f} ms of "
+              f"{s['flooded']['observer_stamped']}; the client's own loop lag "
               f"p50 / p99 {s['flooded']['client_lag_p50_ms']:.1f} / {s['flooded']['client_lag_p99_ms']:.1f} ms flooded, "
               f"{s['unflooded']['client_lag_p50_ms']:.1f} / {s['unflooded']['client_lag_p99_ms']:.1f} ms unflooded")
         for sample in s["flooded"]["error_samples"] + s["unflooded"]["error_samples"]:
