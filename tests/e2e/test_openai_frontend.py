@@ -142,6 +142,18 @@ def test_continuous_usage_stats(toy_server):
     assert all("usage" in c for c in chunks) and chunks[-1]["choices"] == []
 
 
+@pytest.mark.parametrize("route, body", [
+    ("/v1/chat/completions", {"model": "words_chat", "messages": [{"role": "user", "content": "x"}]}),
+    ("/v1/completions", {"model": "words", "prompt": "x"})])
+def test_continuous_usage_stats_needs_include_usage(toy_server, route, body):
+    """As vLLM: ``continuous_usage_stats`` without ``include_usage`` puts usage in no chunk (vLLM's
+    tests/entrypoints/openai completion test_completion_stream_options)."""
+    lines = _sse(toy_server, route, {**body, "max_tokens": 3, "stream": True,
+                                     "stream_options": {"include_usage": False, "continuous_usage_stats": True}})
+    chunks = [json.loads(x) for x in lines[:-1]]
+    assert chunks and all(c.get("usage") is None and c["choices"] for c in chunks)
+
+
 def test_completion_several_prompts(client):
     result = client.completions.create(model="words", prompt=["a", "b", "c"], max_tokens=2)
     assert [(c.index, c.text) for c in result.choices] == [(0, "w0 w1"), (1, "w0 w1"), (2, "w0 w1")]

@@ -133,7 +133,8 @@ async def _events(request: ChatCompletionRequest, header: dict, llm: LLMModel, r
     include_usage = bool(options and options.include_usage)
     top = request.top_logprobs or 0
     usage = Usage(llm)
-    live_usage = usage if options and options.continuous_usage_stats else None
+    # usage in every chunk only when the final usage is asked for too (vLLM: include_usage and continuous_usage_stats)
+    live_usage = usage if include_usage and options.continuous_usage_stats else None
     usage.add_prompt(run, prompt)
     finished = [False] * n
     chunks = Chunks(header)

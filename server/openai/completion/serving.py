@@ -113,7 +113,8 @@ async def _events(request: CompletionRequest, header: dict, llm, runs, prompts, 
     options = request.stream_options
     include_usage = bool(options and options.include_usage)
     usage = Usage(llm)
-    live_usage = usage if options and options.continuous_usage_stats else None
+    # usage in every chunk only when the final usage is asked for too (vLLM: include_usage and continuous_usage_stats)
+    live_usage = usage if include_usage and options.continuous_usage_stats else None
     for k, run in enumerate(runs):
         usage.add_prompt(run, prompts[k])
     total = len(runs) * n
