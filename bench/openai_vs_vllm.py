@@ -17,7 +17,9 @@ that was started (vLLM's api_server; tideserve's core process), ``engine`` its d
 is vLLM's (``VLLM::EngineCore``, ``VLLM::Worker``; also split into ``core`` and ``worker``), ``other`` the rest
 (tideserve's frontend workers, Python's resource tracker). On a loaded machine these are steadier than the
 throughput: the API process's CPU per token is what the two servers do differently (the engine core is the same
-code on both sides).
+code on both sides). Context switches per 1,000 output tokens, per kind likewise (all threads' voluntary and
+involuntary switches, ``/proc/<pid>/task/*/status``): the wake-ups a step costs (a sleeping reader of vLLM's
+shared-memory queue woken by its ZMQ notification, the I/O threads that carry it), steadier than the time they take.
 
     python bench/openai_vs_vllm.py [--streams 32 [64 ...]] [--tokens 128] [--size 100m|tiny] [--dtype bfloat16]
         [--eager] [--rounds 4] [--tideserve-args "--frontend-workers 2" [--tideserve-args ...]] [--one-at-a-time]
@@ -141,6 +143,25 @@ def _own_cpu_s(pid: int) -> float:
         return 0.0
 
 
+def _switches(pid: int) -> int:
+    """Context switches (voluntary and not) of all of ``pid``'s threads so far; 0 when it is gone. A thread that
+    sleeps and is woken (a step's wake-up, a ZMQ I/O thread's) counts one voluntary switch each time."""
+    total = 0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/status") as status:
+                for line in status:
+                    if line.endswith("ctxt_switches:", 0, line.index(":") + 1):
+                        total += int(line.split()[1])
+        except (OSError, ValueError):
+            pass
+    return total
+
+
 def _kind(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
@@ -152,28 +173,33 @@ def _kind(pid: int) -> str:
     return "core" if title.startswith(b"VLLM::EngineCore") else "worker"
 
 
-def cpu_by_kind(pid: int) -> dict[int, tuple[str, float]]:
-    """The server process ``pid`` and its descendants: pid -> (kind, CPU seconds so far)."""
+def cpu_by_kind(pid: int) -> dict[int, tuple[str, float, int]]:
+    """The server process ``pid`` and its descendants: pid -> (kind, CPU seconds so far, context switches so far)."""
     import psutil
 
-    out = {pid: ("api", _own_cpu_s(pid))}
+    out = {pid: ("api", _own_cpu_s(pid), _switches(pid))}
     try:
         children = psutil.Process(pid).children(recursive=True)
     except psutil.Error:
         return out
     for child in children:
-        out[child.pid] = (_kind(child.pid), _own_cpu_s(child.pid))
+        out[child.pid] = (_kind(child.pid), _own_cpu_s(child.pid), _switches(child.pid))
     return out
 
 
-def cpu_used(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
-    """CPU seconds per kind between two readings (a process that started meanwhile counts from 0); ``engine`` is
-    ``core`` and ``worker`` together."""
+def cpu_used(before: dict[int, tuple[str, float, int]],
+             after: dict[int, tuple[str, float, int]]) -> tuple[dict[str, float], dict[str, int]]:
+    """CPU seconds and context switches per kind between two readings (a process that started meanwhile counts
+    from 0); ``engine`` is ``core`` and ``worker`` together."""
     used = dict.fromkeys((*CPU_KINDS, *ENGINE_PARTS), 0.0)
-    for pid, (kind, seconds) in after.items():
-        used[kind] += seconds - before.get(pid, (kind, 0.0))[1]
+    switches = dict.fromkeys((*CPU_KINDS, *ENGINE_PARTS), 0)
+    for pid, (kind, seconds, count) in after.items():
+        _, seconds_before, count_before = before.get(pid, (kind, 0.0, 0))
+        used[kind] += seconds - seconds_before
+        switches[kind] += count - count_before
     used["engine"] = used["core"] + used["worker"]
-    return used
+    switches["engine"] = switches["core"] + switches["worker"]
+    return used, switches
 
 
 # -- load -----------------------------------------------------------------------------------------
@@ -186,7 +212,7 @@ def load(port: int, streams: int, max_tokens: int, pid: int | None = None) -> di
     measure("openai-chat", url, MODEL_NAME, ["warm up"], 8, extra={"temperature": 0})
     before = cpu_by_kind(pid) if pid is not None else None
     result = measure("openai-chat", url, MODEL_NAME, prompts(streams), max_tokens, extra={"temperature": 0})
-    used = cpu_used(before, cpu_by_kind(pid)) if pid is not None else None
+    used, switches = cpu_used(before, cpu_by_kind(pid)) if pid is not None else (None, None)
     summary = result.summary
     if summary["failed"] or summary["truncated"]:
         raise RuntimeError(f"{summary['failed']} failed, {summary['truncated']} truncated: "
@@ -198,13 +224,14 @@ def load(port: int, streams: int, max_tokens: int, pid: int | None = None) -> di
     if used is not None:
         for kind in (*CPU_KINDS, *ENGINE_PARTS):
             out[f"{kind}_cpu_s_per_1k"] = used[kind] / tokens * 1000 if tokens else float("nan")
+            out[f"{kind}_switches_per_1k"] = switches[kind] / tokens * 1000 if tokens else float("nan")
     return out
 
 
 def medians(name: str, streams: int, ready: float, runs: list[dict]) -> dict:
     """Each measure's median over the side's rounds (all rounds kept in ``rounds``)."""
     keys = ("output_tokens", "wall_s", "tokens_per_s", "ttft_p50_s", "itl_p50_s",
-            *(f"{kind}_cpu_s_per_1k" for kind in (*CPU_KINDS, *ENGINE_PARTS)))
+            *(f"{kind}_{measure}_per_1k" for measure in ("cpu_s", "switches") for kind in (*CPU_KINDS, *ENGINE_PARTS)))
     return {"side": name, "streams": streams, "ready_s": ready,
             **{k: statistics.median(r[k] for r in runs) for k in keys if k in runs[0]}, "rounds": runs}
 
@@ -303,7 +330,9 @@ def main() -> None:
                           f"tok/s, TTFT p50 {result['ttft_p50_s']:.3f}s, ITL p50 {result['itl_p50_s'] * 1000:.1f}ms, "
                           f"CPU s per 1k tokens api {result['api_cpu_s_per_1k']:.4f} engine "
                           f"{result['engine_cpu_s_per_1k']:.4f} (core {result['core_cpu_s_per_1k']:.4f} worker "
-                          f"{result['worker_cpu_s_per_1k']:.4f}) other {result['other_cpu_s_per_1k']:.4f} "
+                          f"{result['worker_cpu_s_per_1k']:.4f}) other {result['other_cpu_s_per_1k']:.4f}; "
+                          f"context switches per 1k tokens api {result['api_switches_per_1k']:.0f} core "
+                          f"{result['core_switches_per_1k']:.0f} worker {result['worker_switches_per_1k']:.0f} "
                           f"(load average {result['load_average']:.1f})", flush=True)
                 if args.one_at_a_time:
                     up.pop(server.name).stop()
@@ -314,7 +343,8 @@ def main() -> None:
 
     print("\n| streams | server | output tok/s | TTFT p50 (s) | ITL p50 (ms) | wall (s) | output tokens "
           "| tok/s per round | API process CPU s / 1k tokens (per round) | engine CPU s / 1k (core / worker) "
-          "| other CPU s / 1k |\n|---|---|---|---|---|---|---|---|---|---|---|")
+          "| other CPU s / 1k | context switches / 1k (api / core / worker) |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         per_round = " / ".join(f"{r['tokens_per_s']:.0f}" for r in row["rounds"])
         api_rounds = " / ".join(f"{r['api_cpu_s_per_1k']:.4f}" for r in row["rounds"])
@@ -322,7 +352,8 @@ def main() -> None:
               f"| {row['itl_p50_s'] * 1000:.1f} | {row['wall_s']:.1f} | {row['output_tokens']:.0f} | {per_round} "
               f"| {row['api_cpu_s_per_1k']:.4f} ({api_rounds}) | {row['engine_cpu_s_per_1k']:.4f} "
               f"({row['core_cpu_s_per_1k']:.4f} / {row['worker_cpu_s_per_1k']:.4f}) "
-              f"| {row['other_cpu_s_per_1k']:.4f} |")
+              f"| {row['other_cpu_s_per_1k']:.4f} | {row['api_switches_per_1k']:.0f} / {row['core_switches_per_1k']:.0f} "
+              f"/ {row['worker_switches_per_1k']:.0f} |")
     ratios = []
     print()
     for streams in args.streams:

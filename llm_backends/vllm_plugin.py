@@ -16,17 +16,28 @@ and a dropped notification left an idle worker asleep for up to 5 s with its ste
 where that is set. A worker that sleeps between steps is woken by the engine core's ZMQ notification: the engine
 core's send then wakes its ZMQ I/O thread (a context switch on the core the server shares), and the worker waits for
 that chain; a worker still spinning when the step arrives takes it from the ring, and the notification, whose pipe it
-has not drained, is dropped at the sender."""
+has not drained, is dropped at the sender.
+
+``TIDESERVE_VLLM_SHM_QUIET_NOTIFY=1`` (with a recheck set) also leaves out a writer's notification where its reader
+still spins: a message written less than the reader's spin (less a margin) after the start of the previous one
+finds the reader spinning since it read that one (or still busy before its next wait), so the ZMQ send, which wakes
+the I/O threads of both processes, changes nothing. A reader that went to sleep anyway (preempted between its last
+look at the queue and its decision to sleep) finds the message at its next recheck. The readers of an engine core's
+queue are its workers (the worker spin where set); the reader of a worker's queue is the engine core."""
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 
 ENV = "TIDESERVE_VLLM_SHM_RECHECK_MS"
 SPIN_ENV = "TIDESERVE_VLLM_SHM_SPIN_MS"
 WORKER_SPIN_ENV = "TIDESERVE_VLLM_SHM_WORKER_SPIN_MS"
+QUIET_ENV = "TIDESERVE_VLLM_SHM_QUIET_NOTIFY"
+QUIET_MARGIN_S = 0.0005  # a reader's spin is trusted up to this much before its end
 _spin_s: float | None = None  # how long this process's readers spin, seconds (set by register)
+_quiet_within_s: float | None = None  # a notification within this long of the previous message's start is left out
 
 
 def _milliseconds(name: str) -> float | None:
@@ -44,7 +55,7 @@ def _in_worker() -> bool:
 
 
 def register() -> None:
-    global _spin_s
+    global _spin_s, _quiet_within_s
     recheck, spin, worker_spin = _milliseconds(ENV), _milliseconds(SPIN_ENV), _milliseconds(WORKER_SPIN_ENV)
     if recheck is None and spin is None and worker_spin is None:
         return
@@ -57,7 +68,14 @@ def register() -> None:
         return
     if recheck is not None and recheck >= 1:
         shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = int(recheck)
-    if worker_spin is not None and _in_worker():
+    in_worker = _in_worker()
+    # the spin of this process's queues' readers: a worker writes to the engine core, an engine core to its workers
+    reader_spin = spin if in_worker or worker_spin is None else worker_spin
+    if (os.environ.get(QUIET_ENV) == "1" and recheck is not None and recheck >= 1 and reader_spin is not None
+            and reader_spin / 1000 > QUIET_MARGIN_S):
+        _quiet_within_s = reader_spin / 1000 - QUIET_MARGIN_S
+        _quiet_notifications(shm_broadcast)
+    if worker_spin is not None and in_worker:
         spin = worker_spin
     if spin is None:
         return
@@ -73,3 +91,31 @@ def register() -> None:
         spin_then_wait.tideserve = True
         spin_then_wait.__wrapped__ = wait  # vLLM's own
         shm_broadcast.SpinCondition.wait = spin_then_wait
+
+
+def _quiet_notifications(shm_broadcast) -> None:
+    """A writer's queue notes when each message's write starts; its notification is left out within
+    ``_quiet_within_s`` of the previous one's start (the reader read that one after it, and spins on from there)."""
+    queue, condition = shm_broadcast.MessageQueue, shm_broadcast.SpinCondition
+    if getattr(condition.notify, "tideserve", False):
+        return
+    enqueue, notify = queue.enqueue, condition.notify
+
+    def enqueue_noting_start(self, obj, timeout=None):
+        spin = self._spin_condition
+        if spin is not None:
+            spin.tideserve_previous = getattr(spin, "tideserve_began", None)
+            spin.tideserve_began = time.monotonic()
+        return enqueue(self, obj, timeout)
+
+    def notify_unless_spinning(self):
+        previous = getattr(self, "tideserve_previous", None)
+        if _quiet_within_s is not None and previous is not None and time.monotonic() - previous < _quiet_within_s:
+            return
+        notify(self)
+
+    enqueue_noting_start.__wrapped__ = enqueue
+    notify_unless_spinning.tideserve = True
+    notify_unless_spinning.__wrapped__ = notify
+    queue.enqueue = enqueue_noting_start
+    condition.notify = notify_unless_spinning

@@ -21,7 +21,11 @@ def queue(monkeypatch):
     # plugin here with tideserve's variables set (the wrapper, installed once, stays)
     wait = shm_broadcast.SpinCondition.wait
     monkeypatch.setattr(shm_broadcast.SpinCondition, "wait", getattr(wait, "__wrapped__", wait))
-    for name in (vllm_plugin.ENV, vllm_plugin.SPIN_ENV, vllm_plugin.WORKER_SPIN_ENV):
+    notify, enqueue = shm_broadcast.SpinCondition.notify, shm_broadcast.MessageQueue.enqueue
+    monkeypatch.setattr(shm_broadcast.SpinCondition, "notify", getattr(notify, "__wrapped__", notify))
+    monkeypatch.setattr(shm_broadcast.MessageQueue, "enqueue", getattr(enqueue, "__wrapped__", enqueue))
+    monkeypatch.setattr(vllm_plugin, "_quiet_within_s", None)
+    for name in (vllm_plugin.ENV, vllm_plugin.SPIN_ENV, vllm_plugin.WORKER_SPIN_ENV, vllm_plugin.QUIET_ENV):
         monkeypatch.setenv(name, "")  # (undone at the end: the variables as they were)
         monkeypatch.delenv(name)
     return monkeypatch
@@ -82,6 +86,63 @@ def test_a_worker_spins_for_its_own_setting(queue, in_worker):
     queue.setattr(vllm_plugin, "_in_worker", lambda: in_worker)
     vllm_plugin.register()
     assert _busy_loop_after_a_wait() == (0.05 if in_worker else 0.002)
+
+
+class _Writer:
+    """A queue whose write and notification are counted, its SpinCondition a writer's."""
+
+    def __init__(self):
+        self.sent = 0
+        writer = self
+
+        class Condition:
+            is_reader = False
+
+            def __init__(self):
+                self.local_notify_socket = self
+
+            def send(self, _):
+                writer.sent += 1
+
+        self._spin_condition = Condition()
+
+    def write(self):  # MessageQueue.enqueue: the write, then the notification
+        shm_broadcast.MessageQueue.enqueue(self, None)
+
+
+@pytest.mark.parametrize("in_worker", [True, False])
+def test_a_writer_leaves_out_the_notification_while_its_reader_spins(queue, in_worker):
+    queue.setenv(vllm_plugin.ENV, "2")
+    queue.setenv(vllm_plugin.SPIN_ENV, "2")
+    queue.setenv(vllm_plugin.WORKER_SPIN_ENV, "50")
+    queue.setenv(vllm_plugin.QUIET_ENV, "1")
+    queue.setattr(vllm_plugin, "_in_worker", lambda: in_worker)
+    # vLLM's write, without its shared memory: the notification after it
+    queue.setattr(shm_broadcast.MessageQueue, "enqueue",
+                  lambda self, obj, timeout=None: shm_broadcast.SpinCondition.notify(self._spin_condition))
+    vllm_plugin.register()
+    vllm_plugin.register()  # (no second wrapper)
+    # an engine core's readers are its workers (50 ms), a worker's reader the engine core (2 ms)
+    assert vllm_plugin._quiet_within_s == pytest.approx((0.002 if in_worker else 0.05) - vllm_plugin.QUIET_MARGIN_S)
+    writer = _Writer()
+    writer.write()  # the first message: notified
+    writer.write()  # right after the previous one's start: the reader still spins
+    assert writer.sent == 1
+    writer._spin_condition.tideserve_began -= 0.06  # the previous message started 60 ms ago: the reader may sleep
+    writer.write()
+    assert writer.sent == 2
+
+
+def test_notifications_stay_without_a_recheck_or_the_setting(queue):
+    queue.setenv(vllm_plugin.SPIN_ENV, "2")
+    queue.setenv(vllm_plugin.QUIET_ENV, "1")  # no recheck: a missed wake-up would wait for vLLM's 5 s
+    vllm_plugin.register()
+    assert vllm_plugin._quiet_within_s is None
+    assert not getattr(shm_broadcast.SpinCondition.notify, "tideserve", False)
+    queue.setenv(vllm_plugin.ENV, "2")
+    queue.delenv(vllm_plugin.QUIET_ENV)
+    vllm_plugin.register()
+    assert not getattr(shm_broadcast.SpinCondition.notify, "tideserve", False)
 
 
 def test_the_plugin_is_declared_for_vllm():
