@@ -111,8 +111,10 @@ if TYPE_CHECKING:
     from .schedulers import DirectScheduler, DynamicBatcher, PassThroughScheduler, Scheduler
     from .schedulers.base import drop_cancelled
     from .stats import ModelStats
-    from .workers.direct import (DIRECT_EXECUTING, DIRECT_QUEUE_SUFFIX, DIRECT_QUEUE_WORD, DirectAnswer,
-                                  DirectAnswers, DirectSubmit, DirectToProcess)
+    from .workers.direct import (DIRECT_EXECUTING, DIRECT_QUEUE_SUFFIX, DIRECT_QUEUE_WORD, DIRECT_RUN_SHIFT,
+                                  DIRECT_SHORT_RUN_US, DIRECT_SHORT_RUNS, DirectAnswer, DirectAnswers, DirectSubmit,
+                                  DirectToProcess)
+    from .workers.direct import direct_run_stamp
     from .schedulers.passthrough import queue_bound
     from .workers.engines import engine_client_workers
 
@@ -125,7 +127,9 @@ _SCHEDULING = {"ModelRuntime": "runtime", "InstanceSlot": "runtime", "Scheduler"
                "ModelStats": "stats", "DirectSubmit": "workers.direct", "DirectAnswer": "workers.direct",
                "DirectAnswers": "workers.direct", "DirectToProcess": "workers.direct",
                "DIRECT_QUEUE_SUFFIX": "workers.direct", "DIRECT_QUEUE_WORD": "workers.direct",
-               "DIRECT_EXECUTING": "workers.direct",
+               "DIRECT_EXECUTING": "workers.direct", "DIRECT_SHORT_RUNS": "workers.direct",
+               "DIRECT_SHORT_RUN_US": "workers.direct", "DIRECT_RUN_SHIFT": "workers.direct",
+               "direct_run_stamp": "workers.direct",
                # an LLM engine's clients in frontend workers (workers/engines.py) and the max_queue_size it keeps
                "engine_client_workers": "workers.engines", "queue_bound": "schedulers.passthrough"}
 
@@ -156,7 +160,8 @@ __all__ = [
     "drop_cancelled",
     # --frontend-direct (general_backends/python/direct.py)
     "ModelStats", "DirectSubmit", "DirectAnswer", "DirectAnswers", "DirectToProcess", "DIRECT_QUEUE_SUFFIX",
-    "DIRECT_QUEUE_WORD", "DIRECT_EXECUTING",
+    "DIRECT_QUEUE_WORD", "DIRECT_EXECUTING", "DIRECT_SHORT_RUNS", "DIRECT_SHORT_RUN_US",
+    "DIRECT_RUN_SHIFT", "direct_run_stamp",
     # LLM engines: how many frontend workers take an engine client of their own, a model's max_queue_size
     "engine_client_workers", "queue_bound",
     # helpers

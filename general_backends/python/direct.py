@@ -36,6 +36,9 @@ from tideserve.backend_api import (
     DIRECT_EXECUTING,
     DIRECT_QUEUE_SUFFIX,
     DIRECT_QUEUE_WORD,
+    DIRECT_RUN_SHIFT,
+    DIRECT_SHORT_RUN_US,
+    DIRECT_SHORT_RUNS,
     DirectAnswer,
     DirectAnswers,
     DirectScheduler,
@@ -48,6 +51,7 @@ from tideserve.backend_api import (
     ResponseSender,
     ServerError,
     Status,
+    direct_run_stamp,
     wire,
 )
 
@@ -258,9 +262,15 @@ class _FineTimer:
             os.close(self.fd)
 
 
+# An instance whose batches run shorter than this on average (TIDESERVE_DIRECT_SHORT_RUN_US) collects the workers'
+# next requests behind the batch it runs, until a full batch waits, rather than have them wake another instance
+SHORT_RUN_NS = DIRECT_SHORT_RUN_US * 1000
+
+
 class _QueueWord:
     """The requests this instance's batcher holds (queued, not yet in a batch), plus ``DIRECT_EXECUTING`` while it
-    runs a batch, in a shared word the frontend workers read when they pick an instance (``tideserve.workers.direct``): a file beside the instance's socket
+    runs a batch (and when it started) and ``DIRECT_SHORT_RUNS`` while its batches run short, in a shared word the
+    frontend workers read when they pick an instance (``tideserve.workers.direct``): a file beside the instance's socket
     (``<socket>.queue``, in the same private directory), one native 8-byte integer written by this process only."""
 
     def __init__(self, path: str) -> None:
@@ -274,17 +284,25 @@ class _QueueWord:
         self.value = 0
         self.queued = 0
         self.running = 0  # DIRECT_EXECUTING while the instance runs a batch
+        self.short = 0  # DIRECT_SHORT_RUNS while its batches run short
+        self.mean_run_ns = -1.0  # the running mean of its batches' time (-1: none ran yet)
 
     def set(self, queued: int) -> None:
         self.queued = queued
         self._write()
 
-    def executing(self, running: bool) -> None:
-        self.running = DIRECT_EXECUTING if running else 0
+    def executing(self, running: bool, started_ns: int = 0) -> None:
+        self.running = DIRECT_EXECUTING + (direct_run_stamp(started_ns) << DIRECT_RUN_SHIFT) if running else 0
         self._write()
 
+    def ran(self, elapsed_ns: int) -> None:
+        """A batch ran for ``elapsed_ns``: its running mean (the last 8 or so batches) says whether they run short."""
+        mean = self.mean_run_ns
+        mean = self.mean_run_ns = elapsed_ns if mean < 0 else mean + (elapsed_ns - mean) / 8
+        self.short = DIRECT_SHORT_RUNS if mean < SHORT_RUN_NS else 0
+
     def _write(self) -> None:
-        value = self.queued + self.running
+        value = self.queued + self.running + self.short
         if value != self.value:
             self.value = value
             DIRECT_QUEUE_WORD.pack_into(self.map, 0, value)
@@ -315,10 +333,13 @@ class _DirectBatcher(DynamicBatcher):
         if word is None:
             await super().run(slot, batch)
             return
-        word.executing(True)  # the workers send the next requests to an instance that is free, as one queue would
+        started = time.monotonic_ns()
+        word.executing(True, started)  # the workers send the next requests to an instance that is free, as one queue
+        # would (or, where its batches run short, behind this one, for as long as it runs short)
         try:
             await super().run(slot, batch)
         finally:
+            word.ran(time.monotonic_ns() - started)
             word.executing(False)
 
     async def _sleep(self, timeout: float | None) -> None:

@@ -28,6 +28,7 @@ import logging
 import mmap
 import os
 import struct
+import time
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -52,6 +53,25 @@ SEQUENCE_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end")
 DIRECT_QUEUE_SUFFIX = ".queue"
 DIRECT_QUEUE_WORD = struct.Struct("q")
 DIRECT_EXECUTING = 1 << 32  # added to the word while the instance runs a batch
+# added while the instance's batches run short (their running mean under DIRECT_SHORT_RUN_US): a request sent to it
+# while it runs one, for no longer than that, waits less for its end than another instance process takes to wake
+# up, form a batch and run it
+DIRECT_SHORT_RUNS = 1 << 33
+DIRECT_QUEUED_MASK = DIRECT_EXECUTING - 1
+DIRECT_SHORT_RUN_US = float(os.environ.get("TIDESERVE_DIRECT_SHORT_RUN_US", "500"))
+# while it runs a batch, the word's bits from 34 on (29 bits, so that the word stays positive) hold when the run
+# started: CLOCK_MONOTONIC in units of 1,024 ns, modulo 2**29 (about 9 minutes), the clock every process shares
+DIRECT_RUN_SHIFT = 34
+DIRECT_RUN_UNIT_SHIFT = 10
+DIRECT_RUN_MASK = (1 << 29) - 1
+
+
+def direct_run_stamp(now_ns: int) -> int:
+    """``now_ns`` as the word holds a run's start."""
+    return (now_ns >> DIRECT_RUN_UNIT_SHIFT) & DIRECT_RUN_MASK
+
+
+_SHORT_RUN_UNITS = int(DIRECT_SHORT_RUN_US * 1000) >> DIRECT_RUN_UNIT_SHIFT
 
 
 # -- the link's messages (worker <-> instance process) -----------------------------------------------------
@@ -161,7 +181,8 @@ class DirectLink(asyncio.Protocol):
 
     def queued(self) -> int:
         """The requests the instance's batcher holds now (as of its last write), plus :data:`DIRECT_EXECUTING` while
-        it runs a batch; -1 where it does not say."""
+        it runs a batch (with the run's start, :data:`DIRECT_RUN_SHIFT`) and :data:`DIRECT_SHORT_RUNS` while its
+        batches run short; -1 where it does not say."""
         queue = self.queue
         return DIRECT_QUEUE_WORD.unpack_from(queue)[0] if queue is not None else -1
 
@@ -323,12 +344,14 @@ class DirectRouter:
         """The link for one request. The requests of one loop turn for a model go to one instance process, up to
         its ``max_batch_size`` (what a turn sends leaves in one write and can run as one batch there, as the
         requests one queue holds would). For a model with a dynamic batcher, the next turn's go to the first
-        instance, in the snapshot's order (the same in every worker), that runs no batch and whose batcher holds
-        fewer queued requests than a full batch (its queue word, :meth:`DirectLink.queued`; an instance that does
-        not say: where this worker has fewer requests in flight than its share of a full batch, ``max_batch_size`` /
-        the workers): the requests of all workers meet there and run as one batch, as they would in one queue,
-        instead of as one small batch per worker and instance, and an instance that is free takes the next batch
-        while another runs one, as from one queue. Where every instance runs a batch, to the first that holds less
+        instance, in the snapshot's order (the same in every worker), that runs no batch, or runs short ones
+        (:data:`DIRECT_SHORT_RUNS`), and whose batcher holds fewer queued requests than a full batch (its queue word,
+        :meth:`DirectLink.queued`; an instance that does not say: where this worker has fewer requests in flight
+        than its share of a full batch, ``max_batch_size`` / the workers): the requests of all workers meet there
+        and run as one batch, as they would in one queue, instead of as one small batch per worker and instance;
+        an instance that is free takes the next batch while another runs a long one, as from one queue, and one
+        whose batches run short collects the next batch behind the run, until a full one waits or the run has gone
+        on for longer than short (the wait is shorter than another process's wake-up and batch). Where every instance runs a batch, to the first that holds less
         than a full one behind it. Otherwise, and once every instance holds a full batch, to the instance with the
         fewest of this worker's requests in flight (round robin among equals)."""
         limit = self._batch_limit(runtime)
@@ -348,16 +371,20 @@ class DirectRouter:
                 if link is None:
                     best = address
                     break
-                queued = link.queued()
-                if queued < 0:
+                word = link.queued()
+                if word < 0:
                     if len(link.streams) < share:
                         best = address
                         break
-                elif queued < limit:
-                    best = address
-                    break
-                elif busy is None and queued - DIRECT_EXECUTING < limit and queued >= DIRECT_EXECUTING:
-                    busy = address
+                elif word & DIRECT_QUEUED_MASK < limit:
+                    if not word & DIRECT_EXECUTING or (
+                            word & DIRECT_SHORT_RUNS
+                            and (direct_run_stamp(time.monotonic_ns()) - (word >> DIRECT_RUN_SHIFT)) & DIRECT_RUN_MASK
+                            < _SHORT_RUN_UNITS):
+                        best = address
+                        break
+                    if busy is None:
+                        busy = address
             else:
                 best = busy
         if best is None:

@@ -22,6 +22,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from support import TEST_MODELS, start_server
+from tideserve.workers.direct import DIRECT_EXECUTING, DIRECT_QUEUED_MASK, DIRECT_SHORT_RUNS
 from tritonclient.utils import InferenceServerException
 
 SLOW = """
@@ -276,8 +277,10 @@ def test_each_instance_process_shares_its_queue_count_and_the_workers_read_it(se
     assert len(writers) >= 2, writers
     shared = set(readers) & set(writers)
     assert shared, (readers, writers)
-    for path in shared:  # nothing queued now: the instance took its requests into batches
-        assert struct.unpack("q", Path(path).read_bytes()) == (0,)
+    for path in shared:  # nothing queued now, no batch running: the instance took its requests into batches
+        (word,) = struct.unpack("q", Path(path).read_bytes())
+        assert word & DIRECT_QUEUED_MASK == 0 and not word & DIRECT_EXECUTING, hex(word)
+        assert word & ~DIRECT_SHORT_RUNS == 0, hex(word)  # at most the bit that says its batches ran short
 
 
 def test_a_bad_input_gets_the_core_paths_error_and_is_counted(server):

@@ -8,10 +8,12 @@ at once, round after round, for the whole delay)."""
 from __future__ import annotations
 
 import asyncio
+import time
 import types
 
 import pytest
 from tideserve import wire
+from tideserve.general_backends.python.direct import SHORT_RUN_NS as _SHORT_RUN_NS
 from tideserve.general_backends.python.direct import _FineTimer, _QueueWord
 from tideserve.workers.direct import DirectAnswer, DirectAnswers, DirectLink, DirectRouter, DirectSubmit
 from tritonclient.grpc import model_config_pb2 as mc
@@ -148,6 +150,42 @@ def test_with_queue_words_requests_meet_at_the_first_free_instance_as_in_one_que
         for word in words.values():
             word.close()
         assert not list(tmp_path.iterdir())
+
+    asyncio.run(main())
+
+
+def test_an_instance_whose_batches_run_short_collects_the_next_batch_behind_its_run(tmp_path):
+    """Where an instance's batches run short (their running mean), the workers' requests wait behind the batch it
+    runs, until a full one waits there, rather than wake the free instance; where the run has gone on for longer,
+    or its batches run long, the free instance takes the next batch."""
+    async def main():
+        addresses, words = _queue_words(tmp_path, ["a", "b"])
+        a, b = addresses
+        workers = [_router(addresses), _router(addresses)]
+        for router in workers:
+            router.workers = 2
+        model = _batched(1, max_batch_size=8)
+        short = int(_SHORT_RUN_NS // 4)
+        words["a"].ran(short)
+        words["a"].executing(True, time.monotonic_ns())
+        for queued in range(8):  # a runs a short batch: the next one collects behind it
+            words["a"].set(queued)
+            for router in workers:
+                assert (await _pick(router, addresses, model)).address == a
+            await asyncio.sleep(0)
+        words["a"].set(8)  # a full batch waits behind a's run: b takes the next
+        assert (await _pick(workers[0], addresses, model)).address == b
+        await asyncio.sleep(0)
+        words["a"].set(0)
+        words["a"].executing(True, time.monotonic_ns() - int(_SHORT_RUN_NS * 2))  # this run has gone on for long: b
+        assert (await _pick(workers[1], addresses, model)).address == b
+        await asyncio.sleep(0)
+        for _ in range(40):  # its batches now run long: b, free, takes the next, as from one queue
+            words["a"].ran(int(_SHORT_RUN_NS * 4))
+        words["a"].executing(True, time.monotonic_ns())
+        assert (await _pick(workers[0], addresses, model)).address == b
+        for word in words.values():
+            word.close()
 
     asyncio.run(main())
 
