@@ -50,6 +50,20 @@ def chat_content(entries: list[dict] | None, top_logprobs: int) -> list[dict]:
     return content
 
 
+def prompt_logprobs(entries: list[dict] | None) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs`` (its extension of both routes): per prompt token ``{token_id: {"logprob", "rank",
+    "decoded_token"}}``, the prompt token and the most likely ones; ``null`` for the first token, which has none."""
+    out: list[dict | None] = []
+    for entry in entries or ():
+        if _unscored(entry):
+            out.append(None)
+            continue
+        out.append({token_id: {"logprob": clamp_logprob(info.get("logprob")), "rank": info.get("rank"),
+                               "decoded_token": info.get("decoded_token")}
+                    for token_id, info in entry.items() if isinstance(info, dict)})
+    return out
+
+
 class CompletionLogprobs:
     """``choices[].logprobs`` of a completion, built piece by piece (``text_offset`` runs on across chunks)."""
 

@@ -255,6 +255,42 @@ def test_echo_with_max_tokens_0_and_streamed(client, tokenizer, hf_prompt_logpro
     assert info.value.body["param"] == "max_tokens"
 
 
+def test_prompt_logprobs_field(client, tokenizer, hf_prompt_logprobs):
+    """vLLM's ``prompt_logprobs`` extension (no echo needed): per prompt token ``{token_id: {logprob, rank,
+    decoded_token}}``, the prompt token and the k most likely, ``null`` first; on completions in each choice, on
+    chat at the top; absent it is ``null``; a negative or too large k is a 400 naming it."""
+    ids = tokenizer(PROMPT).input_ids
+    expected, _ = hf_prompt_logprobs(ids)
+    choices = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=2,
+                                         extra_body={"prompt_logprobs": 1}).model_dump()["choices"][0]
+               for prompt in (PROMPT, ids)]
+    for choice in choices:
+        entries = choice["prompt_logprobs"]
+        assert len(entries) == len(ids) and entries[0] is None
+        for token_id, expected_logprob, entry in zip(ids[1:], expected[1:], entries[1:]):
+            assert 1 <= len(entry) <= 2 and entry[str(token_id)]["logprob"] == pytest.approx(expected_logprob, abs=2e-3)
+            assert entry[str(token_id)]["decoded_token"] == tokenizer.decode([token_id])
+            assert min(e["rank"] for e in entry.values()) == 1
+        assert choice["logprobs"] is None and choice["text"]  # the choice itself as without it
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).model_dump()
+    assert plain["choices"][0]["prompt_logprobs"] is None
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2,
+                                          extra_body={"prompt_logprobs": 2}).model_dump()
+    prompt_ids = tokenizer(_rendered(tokenizer, MESSAGES), add_special_tokens=False).input_ids
+    assert len(chat["prompt_logprobs"]) == len(prompt_ids) and chat["prompt_logprobs"][0] is None
+    assert all(2 <= len(entry) <= 3 for entry in chat["prompt_logprobs"][1:])
+    assert client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2).model_dump()[
+        "prompt_logprobs"] is None
+    for value in (-1, 21):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"prompt_logprobs": value})
+        assert info.value.body["param"] == "prompt_logprobs"
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2,
+                                           extra_body={"prompt_logprobs": value})
+        assert info.value.body["param"] == "prompt_logprobs"
+
+
 # -- /tokenize and /detokenize ------------------------------------------------------------------
 def test_tokenize_and_detokenize(llm_server, tokenizer):
     base = llm_server.base_url

@@ -82,6 +82,7 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True  # with a reasoning parser: send the reasoning (else only the answer)
     echo: bool = False  # the answer starts with the final message when it is the assistant's (see echo_prefix)
+    prompt_logprobs: int | None = Field(None, ge=0)  # the rendered prompt's log probabilities, vLLM's shape
 
     @property
     def max_output(self) -> tuple[int | None, str]:
@@ -104,6 +105,7 @@ class ChatCompletionRequest(SamplingRequest):
         self.check(*self.max_output, limits)
         if self.top_logprobs is not None:
             limits.check_logprobs(self.top_logprobs, "top_logprobs")
+        limits.check_logprobs(self.prompt_logprobs, "prompt_logprobs")
         if self.top_logprobs is not None and not self.logprobs:  # OpenAI's rule: 0 too
             raise BadRequest("when using `top_logprobs`, `logprobs` must be set to true", "top_logprobs")
         if self.add_generation_prompt and self.continue_final_message:

@@ -25,7 +25,7 @@ from ..generation import Chunks, Run, Usage, close_all, collect
 from ..http import DONE, EventStream, event, request_received_ns, request_timeout_us
 from ..limits import OpenAILimits
 from ..llm import LLMModel
-from ..logprobs import chat_content
+from ..logprobs import chat_content, prompt_logprobs
 from ..protocol import parse
 from . import output
 from .output import ROLE
@@ -53,6 +53,11 @@ async def create_chat_completion(server, body: bytes, scope) -> bytes | EventStr
     sampling = request.sampling(max_tokens, (request.top_logprobs or 0) if request.logprobs else None)
     if mode == "auto" and llm.sampling_json and tool_parser(llm.tool_call_parser).keeps_special_tokens:
         sampling["skip_special_tokens"] = False  # the parser's markers are special tokens of such models
+    if request.prompt_logprobs is not None:
+        if not llm.prompt_logprobs:
+            raise BadRequest(f"model '{llm.name}' does not return the prompt's log probabilities (a vLLM model has "
+                             "them)", "prompt_logprobs")
+        sampling["prompt_logprobs"] = request.prompt_logprobs
     fields = {"max_tokens": max_field, "logprobs": "top_logprobs",
               "structured_outputs": constrained_by}
     stream = bool(request.stream)
@@ -63,6 +68,7 @@ async def create_chat_completion(server, body: bytes, scope) -> bytes | EventStr
         received = request_received_ns(scope) if timeout_us else 0  # the kernel is asked only for a deadline
         run = Run(llm, llm.start(server.dataplane, prompt, sampling, stream=stream, logprobs=bool(request.logprobs),
                                  add_special_tokens=False, request_id=request_id, priority=request.priority,
+                                 prompt_logprobs=request.prompt_logprobs is not None,
                                  cached_tokens=server.limits.prompt_tokens_details, timeout_us=timeout_us,
                                  received_ns=received), request.n)
         if stream:
@@ -94,7 +100,8 @@ async def create_chat_completion(server, body: bytes, scope) -> bytes | EventStr
                     "logprobs": {"content": chat_content(choice.logprobs, request.top_logprobs or 0)}
                     if request.logprobs else None,
                     "finish_reason": reason, "stop_reason": None})
-    return orjson.dumps({**header, "choices": out, "usage": usage.doc()})
+    prompt_entries = prompt_logprobs(run.prompt_logprobs) if request.prompt_logprobs is not None else None
+    return orjson.dumps({**header, "choices": out, "usage": usage.doc(), "prompt_logprobs": prompt_entries})
 
 
 create_chat_completion.takes_bytes = True  # the body's bytes go straight into the request model

@@ -21,6 +21,7 @@ class CompletionRequest(SamplingRequest):
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
     add_special_tokens: bool = True  # vLLM extension: BOS and the like when tokenizing the prompt
+    prompt_logprobs: int | None = Field(None, ge=0)  # vLLM extension: choices[].prompt_logprobs, vLLM's shape
 
     def prompts(self, limits: OpenAILimits) -> list[str | list[int]]:
         """One entry per prompt: text, or token ids (at most ``limits.max_prompts``)."""
@@ -40,6 +41,7 @@ class CompletionRequest(SamplingRequest):
     def check_completion(self, limits: OpenAILimits) -> None:
         self.check(self.max_tokens, "max_tokens", limits)
         limits.check_logprobs(self.logprobs, "logprobs")
+        limits.check_logprobs(self.prompt_logprobs, "prompt_logprobs")
         if self.max_tokens == 0 and not self.echo:
             raise BadRequest("'max_tokens' must be at least 1 (0 only with 'echo': the prompt alone)", "max_tokens")
         if self.suffix is not None:
@@ -51,9 +53,16 @@ class CompletionRequest(SamplingRequest):
             raise BadRequest("'best_of' other than n is not supported", "best_of")
 
     @property
-    def prompt_logprobs(self) -> bool:
-        """Whether the prompt's log probabilities are asked for (``echo`` with ``logprobs``, as vLLM)."""
+    def echo_logprobs(self) -> bool:
+        """Whether the echoed prompt has log probabilities (``echo`` with ``logprobs``, as vLLM)."""
         return bool(self.echo) and self.logprobs is not None
+
+    @property
+    def prompt_logprobs_count(self) -> int | None:
+        """How many of the most likely tokens the engine reports per prompt token (None: the prompt's log
+        probabilities are not asked for)."""
+        counts = [k for k in (self.logprobs if self.echo_logprobs else None, self.prompt_logprobs) if k is not None]
+        return max(counts) if counts else None
 
     @property
     def echo_only(self) -> bool:

@@ -21,7 +21,7 @@ from ...errors import ServerError
 from ..errors import BadRequest, from_server_error
 from ..generation import Choice, Run, Usage, chunk_event, close_all, collect, merged, peek_all
 from ..http import DONE, EventStream, event, request_received_ns, request_timeout_us
-from ..logprobs import CompletionLogprobs
+from ..logprobs import CompletionLogprobs, prompt_logprobs
 from ..protocol import parse
 from .protocol import CompletionRequest
 
@@ -44,8 +44,12 @@ async def create_completion(server, doc, scope) -> bytes | EventStream:
                          "response_format" if request.response_format is not None else "structured_outputs")
     max_tokens = request.max_tokens if request.max_tokens is not None else DEFAULT_MAX_TOKENS
     sampling = request.sampling(1 if request.echo_only else max_tokens, request.logprobs)
-    if request.prompt_logprobs:
-        sampling["prompt_logprobs"] = request.logprobs
+    prompt_count = request.prompt_logprobs_count
+    if prompt_count is not None:
+        if request.prompt_logprobs is not None and not llm.prompt_logprobs:
+            raise BadRequest(f"model '{llm.name}' does not return the prompt's log probabilities (a vLLM model has "
+                             "them)", "prompt_logprobs")
+        sampling["prompt_logprobs"] = prompt_count
     stream = bool(request.stream)
     n = request.n
     request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -59,7 +63,7 @@ async def create_completion(server, doc, scope) -> bytes | EventStream:
                 await asyncio.sleep(0)  # let the loop run the requests started so far, and other clients
             inference = llm.start(server.dataplane, prompt, sampling, stream=stream,
                                   logprobs=request.logprobs is not None, add_special_tokens=request.add_special_tokens,
-                                  request_id=f"{request_id}-{k}", prompt_logprobs=request.prompt_logprobs,
+                                  request_id=f"{request_id}-{k}", prompt_logprobs=prompt_count is not None,
                                   priority=request.priority, cached_tokens=server.limits.prompt_tokens_details,
                                   timeout_us=timeout_us, received_ns=received)
             runs.append(Run(llm, inference, n, index=k * n))
@@ -95,16 +99,18 @@ def _response(request: CompletionRequest, header: dict, llm, runs, prompts, echo
     choices = []
     for k, (run, result) in enumerate(zip(runs, results)):
         usage.add_prompt(run, prompts[k])
+        prompt = prompt_logprobs(run.prompt_logprobs) if request.prompt_logprobs is not None else None
         for i, choice in enumerate(result):
             usage.add_choice(choice)
             text, entries = (echoes[k], []) if request.echo_only else (echoes[k] + choice.text, choice.logprobs)
             logprobs = None
-            if request.prompt_logprobs:
+            if request.echo_logprobs:
                 logprobs = CompletionLogprobs(request.logprobs).piece((run.prompt_logprobs or []) + entries)
             elif request.logprobs is not None:
                 logprobs = CompletionLogprobs(request.logprobs, len(echoes[k])).piece(entries)
             choices.append({"index": run.index + i, "text": text, "logprobs": logprobs,
-                            "finish_reason": _finish(choice.finish_reason), "stop_reason": None})
+                            "finish_reason": _finish(choice.finish_reason), "stop_reason": None,
+                            "prompt_logprobs": prompt})
     return orjson.dumps({**header, "choices": choices, "usage": usage.doc()})
 
 
@@ -120,7 +126,7 @@ async def _events(request: CompletionRequest, header: dict, llm, runs, prompts, 
     total = len(runs) * n
     finished = [False] * total
     echoed = [not request.echo] * total
-    offset = (lambda j: 0) if request.prompt_logprobs else (lambda j: len(echoes[j // n]))
+    offset = (lambda j: 0) if request.echo_logprobs else (lambda j: len(echoes[j // n]))
     logprobs = ([CompletionLogprobs(request.logprobs, offset(j)) for j in range(total)]
                 if request.logprobs is not None else None)
     echo_only = request.echo_only
@@ -137,7 +143,7 @@ async def _events(request: CompletionRequest, header: dict, llm, runs, prompts, 
                     text, entries = "", None
                 if not echoed[index]:
                     text = echoes[index // n] + text
-                    if request.prompt_logprobs:
+                    if request.echo_logprobs:
                         entries = (run.prompt_logprobs or []) + (entries or [])
                     echoed[index] = True
                 if not text and reason is None and not entries:
