@@ -122,4 +122,4 @@ def from_raw(buffer: bytes | memoryview, datatype: str, shape: tuple[int, ...], 
         raise InvalidArgument(
             f"input '{name}': unexpected byte size {len(buffer)}, expecting {expected} "
             f"for {datatype} tensor of shape {list(shape)}")
-    return np.frombuffer(buffer, dtype=dtype).reshape(shape)
+    return np.frombuffer(buffer, dtype).reshape(shape)

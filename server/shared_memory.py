@@ -210,7 +210,7 @@ class SharedMemoryRegistry:
                                           f"'{request.model_name}'. Expected {expected}, got {byte_size}")
                 if datatype == "BF16":
                     raise InvalidArgument(f"{what}: BF16 tensors are not supported")
-                array = np.frombuffer(view, dtype=numpy_dtype(datatype)).reshape(shape)
+                array = np.frombuffer(view, numpy_dtype(datatype)).reshape(shape)
                 array.flags.writeable = False
             else:
                 array = from_raw(bytes(view), datatype, shape, name)
@@ -262,7 +262,7 @@ class SharedMemoryRegistry:
                                       "results")
             view = target.region.map.slice(target.offset, size)
             if raw is None:
-                np.copyto(np.frombuffer(view, dtype=array.dtype).reshape(array.shape), array, casting="no")
+                np.copyto(np.frombuffer(view, array.dtype).reshape(array.shape), array, casting="no")
             else:
                 view[:] = raw
             params = dict(tensor.parameters) if tensor.parameters else {}

@@ -237,7 +237,10 @@ def decode_request(msg, options: StreamOptions | None = None,
             raw = raws[raw_index]
             dtype = _NUMPY.get(datatype)
             if dtype is not None and len(raw) == count * dtype.itemsize:  # the common case, as from_raw reads it
-                data = np.frombuffer(raw, dtype=dtype).reshape(shape)
+                # the dtype by position (numpy's frombuffer parses keywords slowly: ~1k instructions more per
+                # call), the shape set in place (a fresh view: fewer instructions than reshape's argument parsing)
+                data = np.frombuffer(raw, dtype)
+                data.shape = shape
             else:  # BYTES, FP16, or a size that does not fit: from_raw reads it or names the problem
                 try:
                     data = from_raw(raw, datatype, shape, name)

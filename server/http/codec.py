@@ -168,7 +168,7 @@ def _json_tensor_data(name: str, datatype: str, shape: list[int] | tuple[int, ..
         array[:] = [s.encode("utf-8") for s in flat]
         return array.reshape(shape)
     try:
-        array = np.array(flat, dtype=_NUMPY[datatype])
+        array = np.array(flat, _NUMPY[datatype])
     except (OverflowError, ValueError, TypeError) as exc:
         raise InvalidArgument(f"input '{name}': 'data' does not fit {datatype}: {exc}") from None
     return array.reshape(shape)
@@ -289,7 +289,7 @@ def _decode_typed(model_name: str, model_version: str, body: bytes, limits: Tens
                 or not set(map(type, data)) <= kinds):
             return None
         try:
-            array = np.array(data, dtype=_NUMPY[datatype])
+            array = np.array(data, _NUMPY[datatype])
         except (OverflowError, ValueError, TypeError):
             return None
         shape = tuple(shape)
@@ -431,7 +431,10 @@ def decode_request(model_name: str, model_version: str, body: bytes, header_leng
                                           f"tensor of shape {shape} needs {count * itemsize}")
                 if datatype == "BF16":
                     raise InvalidArgument(f"input '{name}': BF16 tensors are not supported")
-                array = np.frombuffer(chunk, dtype=_NUMPY[datatype]).reshape(shape)
+                # the dtype by position (numpy's frombuffer parses keywords slowly: ~1k instructions more per call), the
+                # shape set in place (a new view: fewer instructions than reshape's argument parsing)
+                array = np.frombuffer(chunk, _NUMPY[datatype])
+                array.shape = shape
             elif count == 0 and not size:
                 array = np.empty(shape, dtype=np.object_)
             else:
@@ -443,7 +446,7 @@ def decode_request(model_name: str, model_version: str, body: bytes, header_leng
             if (kinds is not None and type(data) is list and len(data) == count
                     and set(map(type, data)) <= kinds):  # flat numbers or booleans (the usual JSON tensor)
                 try:
-                    array = np.array(data, dtype=_NUMPY[datatype])
+                    array = np.array(data, _NUMPY[datatype])
                 except (OverflowError, ValueError, TypeError):  # the general path says what does not fit
                     array = _json_tensor_data(name, datatype, shape, count, data, max_json_depth)
                 else:
