@@ -306,8 +306,9 @@ def core_tensor(tensor: Tensor, block: np.ndarray | None = None) -> CoreTensor:
             data[:] = tensor.data
             data = data.reshape(shape)
         else:
-            data = np.frombuffer(tensor.data, _DTYPES.get(dtype) or _dtype(dtype))
-            data.shape = shape  # in place (a new view): fewer instructions than reshape's argument parsing
+            # the array made with its shape over the message's bytes (which this module's encoder wrote from an
+            # array of that shape): ~0.8k instructions fewer than frombuffer then setting the shape
+            data = np.ndarray(shape, _DTYPES.get(dtype) or _dtype(dtype), tensor.data)
     elif tensor.dtype == "|O":
         count = int(np.prod(shape)) if shape else 1
         if not count:  # no elements: nothing in the block (there may be no block)
