@@ -922,10 +922,12 @@ def main() -> None:
                   f"| {r['goodput_steady_rps']:.2f} | {r['refused_deadline']} | {r['refused_busy']} | {r['errors']} "
                   f"| {r['in_flight_mean']:.1f} / {r['waiting_mean']:.1f} | {r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f} | {lateness} |")
     flooded_table(summary, apis,
-                  "Refusal lateness, split (ms after the deadline, flooded sides pooled; p50 / p99 / max): (a) the "
+                  "Refusal lateness as the client processes read it (their refusals, not the observer's), split (ms "
+                  "after the deadline, flooded sides pooled; p50 / p99 / max): (a) the "
                   "server's timer; (b) from the timer to the answer's bytes written; server total (a + b); (c) the "
                   "rest the client saw (way in, way back, client loop); client total",
-                  [("refusals (server-reported)", lambda r: f"{r['refused_deadline']} ({r['server_reported']})"),
+                  [("refusals (server-reported)",
+                    lambda r: f"{r['refused_deadline_clients']} ({r['server_reported']})"),
                    ("(a) timer", "server_timer_late"), ("of which: loop waiting for a CPU", "server_cpu_wait"),
                    ("(a) less that wait: the loop's own work (or blocked)", "server_timer_own_work"),
                    ("(b) timer to answer", "server_timer_to_answer"), ("server total", "server_answer_late"),
