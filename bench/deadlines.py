@@ -656,6 +656,8 @@ def summarize(requests: list[dict], lags: list[float], load: list[tuple[int, int
         **spread_ms("observer_read_lateness", observer_read_ms),
         "kernel_early_refusals": sum(1 for ms in kernel_ms if ms < 0),
         **spread_ms("kernel_way_in", kernel_in_ms),
+        # a counted start before the request's bytes were sent would refuse early: the least of the way in
+        "kernel_way_in_min_ms": min(kernel_in_ms, default=float("nan")),
         **spread_ms("kernel_server", kernel_server_ms),
         **spread_ms("kernel_way_back", kernel_back_ms),
         "refused_with_retry_after": sum(1 for r in refused if r.get("retry_after")),
@@ -967,6 +969,7 @@ def main() -> None:
                    ("as the thread read them", "observer_read_lateness"), ("way in", "kernel_way_in"),
                    ("server", "kernel_server"), ("way back", "kernel_way_back"),
                    ("before the deadline", lambda r: str(r["kernel_early_refusals"])),
+                   ("way in, least", lambda r: f"{r['kernel_way_in_min_ms']:.2f}"),
                    ("client processes' measure (for comparison)", "lateness")])
     for api in apis:
         for side in ("unflooded", "flooded"):

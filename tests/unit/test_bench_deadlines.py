@@ -66,6 +66,7 @@ def test_the_observers_refusals_are_timed_by_the_kernels_stamps_apart_from_the_c
     assert math.isclose(row["kernel_lateness_from_send_max_ms"], 1 + 1 + 2 + 0.1, rel_tol=1e-6)
     assert math.isclose(row["observer_read_lateness_max_ms"], 1 + 1 + 2 + 9.1, rel_tol=1e-6)
     assert math.isclose(row["kernel_way_in_max_ms"], 1.8, rel_tol=1e-6)
+    assert math.isclose(row["kernel_way_in_min_ms"], 1.8, rel_tol=1e-6)
     assert math.isclose(row["kernel_server_max_ms"], 2.0)
     assert math.isclose(row["kernel_way_back_max_ms"], 0.1, rel_tol=1e-4)
     assert row["kernel_early_refusals"] == 0
