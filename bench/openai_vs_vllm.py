@@ -17,8 +17,8 @@ that was started (vLLM's api_server; tideserve's core process), ``engine`` its d
 is vLLM's (``VLLM::EngineCore``, ``VLLM::Worker``; also split into ``core`` and ``worker``), ``other`` the rest
 (tideserve's frontend workers, Python's resource tracker). On a loaded machine these are steadier than the
 throughput: the API process's CPU per token is what the two servers do differently (the engine core is the same
-code on both sides). Context switches per 1,000 output tokens, per kind likewise (all threads' voluntary and
-involuntary switches, ``/proc/<pid>/task/*/status``): the wake-ups a step costs (a sleeping reader of vLLM's
+code on both sides). Wake-ups per 1,000 output tokens, per kind likewise (all threads' voluntary context switches,
+``/proc/<pid>/task/*/status``; preemptions left out): what a step costs in sleeps and wake-ups (a reader of vLLM's
 shared-memory queue woken by its ZMQ notification, the I/O threads that carry it), steadier than the time they take.
 
     python bench/openai_vs_vllm.py [--streams 32 [64 ...]] [--tokens 128] [--size 100m|tiny] [--dtype bfloat16]
@@ -144,8 +144,9 @@ def _own_cpu_s(pid: int) -> float:
 
 
 def _switches(pid: int) -> int:
-    """Context switches (voluntary and not) of all of ``pid``'s threads so far; 0 when it is gone. A thread that
-    sleeps and is woken (a step's wake-up, a ZMQ I/O thread's) counts one voluntary switch each time."""
+    """Voluntary context switches of all of ``pid``'s threads so far (a thread that went to sleep, e.g. in a poll,
+    and was woken: one each time); 0 when it is gone. Involuntary ones (preemptions) are left out: they count the
+    machine's load more than the server's work."""
     total = 0
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
@@ -155,7 +156,7 @@ def _switches(pid: int) -> int:
         try:
             with open(f"/proc/{pid}/task/{task}/status") as status:
                 for line in status:
-                    if line.endswith("ctxt_switches:", 0, line.index(":") + 1):
+                    if line.startswith("voluntary_ctxt_switches:"):
                         total += int(line.split()[1])
         except (OSError, ValueError):
             pass
@@ -331,7 +332,7 @@ def main() -> None:
                           f"CPU s per 1k tokens api {result['api_cpu_s_per_1k']:.4f} engine "
                           f"{result['engine_cpu_s_per_1k']:.4f} (core {result['core_cpu_s_per_1k']:.4f} worker "
                           f"{result['worker_cpu_s_per_1k']:.4f}) other {result['other_cpu_s_per_1k']:.4f}; "
-                          f"context switches per 1k tokens api {result['api_switches_per_1k']:.0f} core "
+                          f"wake-ups per 1k tokens api {result['api_switches_per_1k']:.0f} core "
                           f"{result['core_switches_per_1k']:.0f} worker {result['worker_switches_per_1k']:.0f} "
                           f"(load average {result['load_average']:.1f})", flush=True)
                 if args.one_at_a_time:
@@ -343,7 +344,7 @@ def main() -> None:
 
     print("\n| streams | server | output tok/s | TTFT p50 (s) | ITL p50 (ms) | wall (s) | output tokens "
           "| tok/s per round | API process CPU s / 1k tokens (per round) | engine CPU s / 1k (core / worker) "
-          "| other CPU s / 1k | context switches / 1k (api / core / worker) |\n"
+          "| other CPU s / 1k | wake-ups / 1k (api / core / worker) |\n"
           "|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         per_round = " / ".join(f"{r['tokens_per_s']:.0f}" for r in row["rounds"])

@@ -15,8 +15,9 @@ and a dropped notification left an idle worker asleep for up to 5 s with its ste
 ``VllmWorker-*`` processes, each pinned to a core of its own on a CPU) spins for ``TIDESERVE_VLLM_SHM_WORKER_SPIN_MS``
 where that is set. A worker that sleeps between steps is woken by the engine core's ZMQ notification: the engine
 core's send then wakes its ZMQ I/O thread (a context switch on the core the server shares), and the worker waits for
-that chain; a worker still spinning when the step arrives takes it from the ring, and the notification, whose pipe it
-has not drained, is dropped at the sender.
+that chain; a worker still spinning when the step arrives takes it from the ring without it, but the send still wakes
+the I/O threads of both processes, which carry it to the worker's socket (measured: docs/performance.md, "the engine
+core's wake-up of its worker").
 
 ``TIDESERVE_VLLM_SHM_QUIET_NOTIFY=1`` (with a recheck set) also leaves out a writer's notification where its reader
 still spins: a message written less than the reader's spin (less a margin) after the start of the previous one
