@@ -105,7 +105,8 @@ class ChatCompletionRequest(SamplingRequest):
         self.check(*self.max_output, limits)
         if self.top_logprobs is not None:
             limits.check_logprobs(self.top_logprobs, "top_logprobs")
-        limits.check_logprobs(self.prompt_logprobs, "prompt_logprobs")
+        if self.prompt_logprobs is not None:  # the limits are read only where a check may fail
+            limits.check_logprobs(self.prompt_logprobs, "prompt_logprobs")
         if self.top_logprobs is not None and not self.logprobs:  # OpenAI's rule: 0 too
             raise BadRequest("when using `top_logprobs`, `logprobs` must be set to true", "top_logprobs")
         if self.add_generation_prompt and self.continue_final_message:

@@ -41,7 +41,8 @@ class CompletionRequest(SamplingRequest):
     def check_completion(self, limits: OpenAILimits) -> None:
         self.check(self.max_tokens, "max_tokens", limits)
         limits.check_logprobs(self.logprobs, "logprobs")
-        limits.check_logprobs(self.prompt_logprobs, "prompt_logprobs")
+        if self.prompt_logprobs is not None:  # the limits are read only where a check may fail
+            limits.check_logprobs(self.prompt_logprobs, "prompt_logprobs")
         if self.max_tokens == 0 and not self.echo:
             raise BadRequest("'max_tokens' must be at least 1 (0 only with 'echo': the prompt alone)", "max_tokens")
         if self.suffix is not None:
