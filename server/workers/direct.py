@@ -351,9 +351,10 @@ class DirectRouter:
         and run as one batch, as they would in one queue, instead of as one small batch per worker and instance;
         an instance that is free takes the next batch while another runs a long one, as from one queue, and one
         whose batches run short collects the next batch behind the run, until a full one waits or the run has gone
-        on for longer than short (the wait is shorter than another process's wake-up and batch). Where every instance runs a batch, to the first that holds less
-        than a full one behind it. Otherwise, and once every instance holds a full batch, to the instance with the
-        fewest of this worker's requests in flight (round robin among equals)."""
+        on for longer than short (the wait is shorter than another process's wake-up and batch). Where every
+        instance runs a batch, to the first that holds less than a full one behind it. Otherwise, and once every
+        instance holds a full batch, to the instance with the fewest of this worker's requests in flight (round
+        robin among equals)."""
         limit = self._batch_limit(runtime)
         turn = self._turns.get(runtime.uid)
         if turn is not None:
