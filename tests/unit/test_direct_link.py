@@ -110,17 +110,23 @@ def _queue_words(tmp_path, names: list[str]) -> tuple[list[str], dict]:
     return addresses, {name: _QueueWord(address) for name, address in zip(names, addresses, strict=True)}
 
 
+def _two_workers_two_instances(tmp_path):
+    """Two instances' queue words (a, b), two workers' routers over them, and a model with a dynamic batcher and
+    ``max_batch_size`` 8."""
+    addresses, words = _queue_words(tmp_path, ["a", "b"])
+    workers = [_router(addresses), _router(addresses)]
+    for router in workers:
+        router.workers = 2
+    return addresses, words, workers, _batched(1, max_batch_size=8)
+
+
 def test_with_queue_words_requests_meet_at_the_first_free_instance_as_in_one_queue(tmp_path):
     """Every worker sends to the first instance that runs no batch and holds less than a full one (its requests meet
     in one batch there); while it runs a batch, to the next free one (as one queue hands its next batch to a free
     instance); where all run one, to the first with room behind its batch."""
     async def main():
-        addresses, words = _queue_words(tmp_path, ["a", "b"])
+        addresses, words, workers, model = _two_workers_two_instances(tmp_path)
         a, b = addresses
-        workers = [_router(addresses), _router(addresses)]
-        for router in workers:
-            router.workers = 2
-        model = _batched(1, max_batch_size=8)
         for queued in range(6):  # a collects its batch, short of a full one: every worker's requests go there
             words["a"].set(queued)
             for router in workers:
@@ -159,12 +165,8 @@ def test_an_instance_whose_batches_run_short_collects_the_next_batch_behind_its_
     runs, until a full one waits there, rather than wake the free instance; where the run has gone on for longer,
     or its batches run long, the free instance takes the next batch."""
     async def main():
-        addresses, words = _queue_words(tmp_path, ["a", "b"])
+        addresses, words, workers, model = _two_workers_two_instances(tmp_path)
         a, b = addresses
-        workers = [_router(addresses), _router(addresses)]
-        for router in workers:
-            router.workers = 2
-        model = _batched(1, max_batch_size=8)
         short = int(_SHORT_RUN_NS // 4)
         words["a"].ran(short)
         words["a"].executing(True, time.monotonic_ns())
