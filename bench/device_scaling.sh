@@ -7,7 +7,7 @@
 #   .devcarry/tree.tar.gz    a snapshot of HEAD with Triton's add_sub repository (../shared does not travel)
 # On the machine, from the repository root: `bash bench/device_scaling.sh` (results and logs go to $OUT).
 # It runs bench/addsub.py with --frontend-workers 1, 4 and 8 (--frontend-direct on, and 8 without it) over
-# HTTP and gRPC, concurrency 64, 4 add_sub instances, 2 alternating rounds.
+# HTTP and gRPC, concurrency 64, 4 add_sub instances, 2 alternating rounds; SCALING_* variables change these.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 CARRY=${DEVCARRY:-$ROOT/.devcarry}
@@ -64,7 +64,14 @@ cd "$SNAP"
   prev=("${cur[@]}"); done > "$OUT/cpu.log" ) &
 export TIDESERVE_SHARED=$SNAP/.devshared PYTHONUNBUFFERED=1
 timeout "${SCALING_TIMEOUT:-470}" "$PY" bench/addsub.py --servers ${SCALING_SERVERS:-tideserve:w1 tideserve:w4:direct tideserve:w8:direct tideserve:w8} \
-  --concurrency ${SCALING_CONCURRENCY:-64} --instances "${SCALING_INSTANCES:-4}" --grpc-channel-share 1 \
-  --rounds "${SCALING_ROUNDS:-2}" 2>&1 | tee "$OUT/scaling.log" || true
+  --concurrency ${SCALING_CONCURRENCY:-64} --instances "${SCALING_INSTANCES:-4}" --grpc-channel-share "${SCALING_CHANNEL_SHARE:-1}" \
+  --protocols ${SCALING_PROTOCOLS:-http grpc} --rounds "${SCALING_ROUNDS:-2}" 2>&1 | tee "$OUT/scaling.log" || true
+# With SCALING_TWO_CONNECTIONS_TIMEOUT (seconds), then issue 22's two-connection point: gRPC from one perf_analyzer
+# whose 32 request contexts share 2 connections (16 each), one process against two direct workers.
+if [ "${SCALING_TWO_CONNECTIONS_TIMEOUT:-0}" -gt 0 ]; then
+  timeout "$SCALING_TWO_CONNECTIONS_TIMEOUT" "$PY" bench/addsub.py --servers tideserve:w1 tideserve:w2:direct \
+    --concurrency 32 --instances "${SCALING_INSTANCES:-4}" --grpc-channel-share 16 --protocols grpc \
+    --rounds "${SCALING_ROUNDS:-2}" 2>&1 | tee "$OUT/two_connections.log" || true
+fi
 cp bench/results/addsub-*.json "$OUT/" 2>/dev/null || true
 tar -czf "$OUT/logs.tar.gz" -C /tmp $(cd /tmp && ls -d bench-addsub-* 2>/dev/null) 2>/dev/null || true
