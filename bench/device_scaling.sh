@@ -61,7 +61,8 @@ cd "$SNAP"
 ( prev=($(head -1 /proc/stat)); while sleep 5; do cur=($(head -1 /proc/stat)); idle=$(( cur[4] + cur[5] - prev[4] - prev[5] ))
   total=0; for i in 1 2 3 4 5 6 7 8; do total=$(( total + cur[i] - prev[i] )); done
   echo "$(date +%T) busy cores $(awk -v b=$(( total - idle )) -v t=$total -v n=$(nproc) 'BEGIN{printf "%.1f", t ? b / t * n : 0}')"
-  prev=("${cur[@]}"); done > "$OUT/cpu.log" ) &
+  prev=("${cur[@]}"); done ) > "$OUT/cpu.log" 2>&1 < /dev/null &
+sampler=$!; trap 'kill $sampler 2>/dev/null || true' EXIT  # else it outlives the run and holds a caller's pipe open
 export TIDESERVE_SHARED=$SNAP/.devshared PYTHONUNBUFFERED=1
 timeout "${SCALING_TIMEOUT:-470}" "$PY" bench/addsub.py --servers ${SCALING_SERVERS:-tideserve:w1 tideserve:w4:direct tideserve:w8:direct tideserve:w8} \
   --concurrency ${SCALING_CONCURRENCY:-64} --instances "${SCALING_INSTANCES:-4}" --grpc-channel-share "${SCALING_CHANNEL_SHARE:-1}" \
