@@ -79,6 +79,11 @@ class InvalidArgument(ServerError):
     status = Status.INVALID_ARG
 
 
+class ContentTooLarge(InvalidArgument):
+    """A request body over ``--http-max-input-size``: an invalid argument (HTTP 400) on the KServe routes, as
+    Triton's HTTP server answers it; the OpenAI routes answer 413, as Triton's OpenAI frontend does."""
+
+
 class UnsupportedMediaType(InvalidArgument):
     """A request body in a Content-Encoding the server cannot read: HTTP 415, otherwise an invalid argument."""
 

@@ -16,7 +16,7 @@ import zlib
 from typing import Any
 
 from ..asgi import ClientGone, whole_body
-from ..errors import InvalidArgument, UnsupportedMediaType
+from ..errors import ContentTooLarge, InvalidArgument, UnsupportedMediaType
 from . import codec
 
 DEFAULT_MAX_INPUT_SIZE = 64 * 1024 * 1024
@@ -32,8 +32,8 @@ def parse_length(value: bytes, header: str) -> int:
     return number
 
 
-def too_large(size: int, limit: int) -> InvalidArgument:
-    return InvalidArgument(f"request body of {size} bytes exceeds the maximum allowed input size of {limit} "
+def too_large(size: int, limit: int) -> ContentTooLarge:
+    return ContentTooLarge(f"request body of {size} bytes exceeds the maximum allowed input size of {limit} "
                            "bytes; use --http-max-input-size to increase the limit")
 
 

@@ -11,7 +11,7 @@ import re
 
 import orjson
 
-from ..errors import QueueFull, ServerError, Status
+from ..errors import ContentTooLarge, QueueFull, ServerError, Status
 
 _TYPES = {
     400: "BadRequestError",
@@ -19,6 +19,7 @@ _TYPES = {
     403: "PermissionDeniedError",
     404: "NotFoundError",
     409: "ConflictError",
+    413: "APIStatusError",
     422: "UnprocessableEntityError",
     429: "RateLimitError",
     499: "ClientClosedRequest",
@@ -85,7 +86,7 @@ def from_server_error(exc: BaseException, fields: dict[str, str] | None = None,
         return exc
     if not isinstance(exc, ServerError):
         return OpenAIError(f"internal error: {type(exc).__name__}: {exc}", 500)
-    status = exc.http_code
+    status = 413 if isinstance(exc, ContentTooLarge) else exc.http_code
     message, param = exc.message, None
     if exc.status is Status.INVALID_ARG:
         match = _NAMED.search(message)

@@ -629,6 +629,29 @@ def test_statistics(srv, client):
     assert status == 404 and "9" in error_of(body)
 
 
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"])
+def test_openai_body_over_the_limit_is_413(srv, path):
+    """The OpenAI routes answer a body over --http-max-input-size with 413 in OpenAI's error shape, as Triton's
+    OpenAI frontend does (its KServe routes: 400, above), whether the Content-Length says so or the chunks do."""
+    payload = b'{"model": "m", "prompt": "' + b"x" * MAX_INPUT + b'"}'
+    chunks = [payload[i:i + 65536] for i in range(0, len(payload), 65536)]
+    for chunked in (False, True):
+        status, _, body = raw(srv, "POST", path, chunks if chunked else payload,
+                              {"Content-Type": "application/json"}, chunked=chunked)
+        error = json.loads(body)["error"]
+        assert status == 413 and error["code"] == 413, (chunked, body)
+        assert str(MAX_INPUT) in error["message"] and "--http-max-input-size" in error["message"]
+    status, _, body = post_json(srv, path, {"model": "none", "prompt": "x" * 1000})  # within the limit: read, and
+    assert status in (400, 404) and "--http-max-input-size" not in body.decode()  # refused for what it says
+
+
+def test_openai_load_with_a_body_over_the_limit_is_413(explicit):
+    status, _, body = raw(explicit, "POST", "/v1/models/scale/load", b" " * (MAX_INPUT + 1))
+    assert status == 413 and "--http-max-input-size" in json.loads(body)["error"]["message"]
+    status, _, body = raw(explicit, "POST", "/v1/models/scale/load", b"")  # no body: on to the handler
+    assert status == 400 and "already loaded" in json.loads(body)["error"]["message"]
+
 # -- model repository -------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def explicit(tmp_path_factory):
