@@ -1,6 +1,7 @@
 """A vLLM general plugin (entry point ``vllm.general_plugins`` in pyproject.toml): vLLM runs :func:`register` in each
 of its processes (engine core, workers). It acts only in the engine a tideserve server starts, whose processes inherit
-``TIDESERVE_VLLM_SHM_RECHECK_MS`` and ``TIDESERVE_VLLM_SHM_SPIN_MS`` (set by ``llm_backends/vllm/engine.py``);
+``TIDESERVE_VLLM_SHM_RECHECK_MS``, ``TIDESERVE_VLLM_SHM_SPIN_MS``, ``TIDESERVE_VLLM_SHM_WORKER_SPIN_MS`` and
+``TIDESERVE_VLLM_SHM_QUIET_NOTIFY`` (set by ``llm_backends/vllm/engine.py``, the last three on a CPU platform);
 anywhere else (vLLM's own api_server in the same environment) it does nothing. Kept outside
 ``tideserve.llm_backends.vllm``, whose import brings the backend.
 

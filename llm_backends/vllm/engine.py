@@ -116,23 +116,29 @@ class _StateLogger(StatLoggerBase):
 
 # How a reader of vLLM's shared-memory message queue (worker, engine core) waits, set in the engine's processes by
 # tideserve's vLLM plugin (llm_backends/vllm_plugin.py): it spins SHM_SPIN_MS after its last message (vLLM: 1000 ms),
-# then sleeps, rechecking every SHM_RECHECK_MS (vLLM: 5000 ms). An environment variable of the same name set before
-# the server starts wins.
+# a worker SHM_WORKER_SPIN_MS, then sleeps, rechecking every SHM_RECHECK_MS (vLLM: 5000 ms); with SHM_QUIET_NOTIFY a
+# writer leaves out its ZMQ wake-up while its reader still spins (a reader asleep anyway finds the message at its
+# next recheck). An environment variable of the same name set before the server starts wins.
 SHM_RECHECK_MS = "2"
 SHM_SPIN_MS = "2"
+SHM_WORKER_SPIN_MS = "3"
+SHM_QUIET_NOTIFY = "1"
 
 
 def _engine_environment() -> None:
     """What the engine's processes (spawned from this one) inherit: the settings tideserve's vLLM plugin applies.
-    The short spin only on a CPU platform, where the engine core's spin takes a core the worker, the server and its
-    clients share; elsewhere the engine core keeps vLLM's spin (a core of many, and no wake-up per step)."""
+    The short spins and the quiet notification only on a CPU platform, where the engine core's spin takes a core the
+    worker, the server and its clients share; elsewhere the engine's processes keep vLLM's spin (a core of many, and
+    no wake-up per step)."""
     from vllm.platforms import current_platform
 
-    from tideserve.llm_backends.vllm_plugin import ENV, SPIN_ENV
+    from tideserve.llm_backends.vllm_plugin import ENV, QUIET_ENV, SPIN_ENV, WORKER_SPIN_ENV
 
     os.environ.setdefault(ENV, SHM_RECHECK_MS)
     if current_platform.is_cpu():
         os.environ.setdefault(SPIN_ENV, SHM_SPIN_MS)
+        os.environ.setdefault(WORKER_SPIN_ENV, SHM_WORKER_SPIN_MS)
+        os.environ.setdefault(QUIET_ENV, SHM_QUIET_NOTIFY)
 
 
 def engine_arg_defaults() -> dict[str, Any]:

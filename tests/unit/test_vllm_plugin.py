@@ -58,14 +58,22 @@ def test_the_plugin_does_nothing_outside_a_tideserve_engine(queue):
     assert shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS == 5000
 
 
-def test_a_tideserve_engine_gets_the_short_spin_and_recheck(queue):
+@pytest.mark.parametrize("in_worker", [True, False])
+def test_a_tideserve_engine_gets_the_short_spins_recheck_and_quiet_notification(queue, in_worker):
     from tideserve.llm_backends.vllm import engine
 
-    engine._engine_environment()  # what the engine's processes inherit
+    queue.setattr(vllm_plugin, "_in_worker", lambda: in_worker)
+    engine._engine_environment()  # what the engine's processes inherit (this machine: a CPU platform)
     vllm_plugin.register()  # as vLLM runs it in each of them
     vllm_plugin.register()  # (more than once: no second wrapper)
     assert shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS == int(engine.SHM_RECHECK_MS) < 5000
-    assert _busy_loop_after_a_wait() == float(engine.SHM_SPIN_MS) / 1000 < 1
+    spin_ms, worker_spin_ms = float(engine.SHM_SPIN_MS), float(engine.SHM_WORKER_SPIN_MS)
+    assert _busy_loop_after_a_wait() == (worker_spin_ms if in_worker else spin_ms) / 1000 < 1
+    # a writer's notification is left out within its reader's spin: a worker writes to the engine core, the engine
+    # core to its workers; a reader asleep anyway finds the message at its next recheck (2 ms)
+    reader_spin_ms = spin_ms if in_worker else worker_spin_ms
+    assert vllm_plugin._quiet_within_s == pytest.approx(reader_spin_ms / 1000 - vllm_plugin.QUIET_MARGIN_S)
+    assert getattr(shm_broadcast.SpinCondition.notify, "tideserve", False)
 
 
 def test_values_set_before_the_server_starts_win(queue):
@@ -73,10 +81,15 @@ def test_values_set_before_the_server_starts_win(queue):
 
     queue.setenv(vllm_plugin.ENV, "5000")  # vLLM's own
     queue.setenv(vllm_plugin.SPIN_ENV, "1000")
+    queue.setenv(vllm_plugin.WORKER_SPIN_ENV, "1000")
+    queue.setenv(vllm_plugin.QUIET_ENV, "0")
+    queue.setattr(vllm_plugin, "_in_worker", lambda: True)
     engine._engine_environment()
     vllm_plugin.register()
     assert shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS == 5000
     assert _busy_loop_after_a_wait() == 1.0
+    assert vllm_plugin._quiet_within_s is None
+    assert not getattr(shm_broadcast.SpinCondition.notify, "tideserve", False)
 
 
 @pytest.mark.parametrize("in_worker", [True, False])
