@@ -202,7 +202,7 @@ class Frontends:
 class Server:
     def __init__(self, options: ServerOptions, backends: BackendRegistry | None = None) -> None:
         self._store_dir: str | None = None
-        if options.frontend_workers > 1 and options.response_store.path == MEMORY:
+        if (options.frontend_workers > 1 or options.frontend_direct) and options.response_store.path == MEMORY:
             # ':memory:' lives in one process; the frontend workers share a file instead, gone when the server stops
             # (the same lifetime: a stored response is found by whichever worker a GET reaches)
             self._store_dir = tempfile.mkdtemp(prefix="tideserve-responses-")
@@ -250,9 +250,10 @@ class Server:
         if opts.allow_metrics:
             await self.frontends.serve_http(self._metrics_app(), opts.metrics_address, opts.metrics_port)
         pyvoy = opts.allow_grpc and opts.grpc_frontend == "pyvoy"  # the gRPC port: an Envoy process of its own
-        if (opts.frontend_workers > 1 and (opts.allow_http or opts.allow_grpc)) or pyvoy:
+        workers = opts.frontend_workers > 1 or opts.frontend_direct  # (one worker with direct instances too)
+        if (workers and (opts.allow_http or opts.allow_grpc)) or pyvoy:
             from .workers.pool import FrontendWorkers
-            http_workers = opts.frontend_workers if opts.frontend_workers > 1 else 0
+            http_workers = opts.frontend_workers if workers else 0
             self.workers = FrontendWorkers(self.dataplane, opts, http_workers, grpc_process=pyvoy)
             await self.workers.start()
             if not http_workers:
@@ -261,7 +262,7 @@ class Server:
             await self.frontends.start()
         log.info("tideserve ready: HTTP %s:%d, gRPC %s:%d, metrics %s:%d%s", opts.host, opts.http_port,
                  opts.host, opts.grpc_port, opts.metrics_address, opts.metrics_port,
-                 (f"; {opts.frontend_workers} frontend worker processes" if opts.frontend_workers > 1 else "")
+                 (f"; {opts.frontend_workers} frontend worker processes" if workers else "")
                  + ("; gRPC on pyvoy (Envoy)" if pyvoy else ""))
 
     def _metrics_app(self) -> Starlette:

@@ -295,11 +295,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "process that runs the models; 1 serves them in the core process itself. 'auto' "
                         "(default): one per two cores, at most 8")
     p.add_argument("--frontend-direct", type=_on_off_auto, default=None, metavar="on|off|auto",
-                   help="with more than one frontend worker: plain inference requests to Python models (process "
+                   help="with frontend workers (more than one, or one with 'on'): plain inference requests to Python models (process "
                         "mode; no sequence batching, response cache, ensemble or --rate-limit) go from the worker "
                         "straight to the model's instance processes, which batch them with the model's "
                         "dynamic_batching settings (one queue per instance), instead of through the core process. "
-                        "'auto' (default): on whenever there is more than one frontend worker")
+                        "'auto' (default): on whenever there is more than one frontend worker; '--frontend-workers 1 "
+                        "--frontend-direct on': one worker process serves the ports and the core runs none of those requests")
     p.add_argument("--grpc-frontend", choices=["grpcio", "pyvoy"], default="grpcio",
                    help="what serves the gRPC port: 'grpcio' (default): grpc.aio in each frontend process; 'pyvoy': "
                         "Envoy's HTTP/2 (pyvoy, the optional extra tideserve[pyvoy]) running tideserve's gRPC app in "

@@ -48,7 +48,7 @@ def configure(options) -> None:
     """From the server's options: N with ``--frontend-workers N`` (N > 1) and ``--frontend-direct on``, else 0."""
     global ENGINE_CLIENT_WORKERS
     workers = getattr(options, "frontend_workers", 1)
-    ENGINE_CLIENT_WORKERS = workers if workers > 1 and getattr(options, "frontend_direct", False) else 0
+    ENGINE_CLIENT_WORKERS = workers if getattr(options, "frontend_direct", False) else 0
 
 
 def engine_client_workers() -> int:

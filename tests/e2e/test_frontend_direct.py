@@ -502,3 +502,25 @@ def test_a_model_that_calls_itself_through_other_instances_is_not_sent_to_its_ow
             result = client.infer("recursive", inputs, client_timeout=30)
             assert result.as_numpy("CALLS").tolist() == [4]
     assert _stats(server, "recursive")["inference_stats"]["success"]["count"] == 16
+
+
+def test_one_worker_with_direct_instances_serves_both_protocols_without_the_core(tmp_path_factory):
+    """``--frontend-workers 1 --frontend-direct on``: one worker process serves the ports and sends add_sub's
+    requests straight to its instance processes (the core runs no request of theirs), as two workers do."""
+    repo = tmp_path_factory.mktemp("one-worker-models")
+    _add_sub_copy(repo, "add_sub", "instance_group [ { kind: KIND_CPU count: 2 } ]\n"
+                                   "dynamic_batching { max_queue_delay_microseconds: 100 }\n")
+    running = start_server([repo], "--frontend-workers", "1", "--frontend-direct", "on", "--log-verbose", "1",
+                           tmp_dir=tmp_path_factory.mktemp("one-worker-server"))
+    try:
+        with httpclient.InferenceServerClient(running.http_url) as client:
+            inputs, a = _add_sub_inputs(httpclient, rows=2)
+            np.testing.assert_array_equal(client.infer("add_sub", inputs).as_numpy("OUTPUT0"), a + 1)
+        with grpcclient.InferenceServerClient(running.grpc_url) as grpc_client:
+            inputs, a = _add_sub_inputs(grpcclient)
+            np.testing.assert_array_equal(grpc_client.infer("add_sub", inputs).as_numpy("OUTPUT1"), a - 1)
+        assert _stats(running, "add_sub")["inference_count"] == 3
+        log = running.log()
+        assert "1 frontend worker processes" in log and "a frontend worker linked directly" in log
+    finally:
+        running.stop()
