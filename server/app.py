@@ -102,6 +102,12 @@ class ServerOptions:
     # --grpc-frontend: what serves the gRPC port: "grpcio" (grpc.aio, in the frontend process) or "pyvoy" (Envoy's
     # HTTP/2 with an ASGI app of ours in its embedded Python: a frontend process of its own; server/grpc/asgi_transport.py)
     grpc_frontend: str = "grpcio"
+
+    @property
+    def serves_in_workers(self) -> bool:
+        """Frontend worker processes serve the ports: more than one, or one with the direct path."""
+        return self.frontend_workers > 1 or self.frontend_direct
+
     # Freeze the garbage collector's heap once models are loaded (the CLI does; see tideserve.heap). Off by default
     # for servers embedded in another program, whose heap is that program's business.
     freeze_heap: bool = False
@@ -202,7 +208,7 @@ class Frontends:
 class Server:
     def __init__(self, options: ServerOptions, backends: BackendRegistry | None = None) -> None:
         self._store_dir: str | None = None
-        if (options.frontend_workers > 1 or options.frontend_direct) and options.response_store.path == MEMORY:
+        if options.serves_in_workers and options.response_store.path == MEMORY:
             # ':memory:' lives in one process; the frontend workers share a file instead, gone when the server stops
             # (the same lifetime: a stored response is found by whichever worker a GET reaches)
             self._store_dir = tempfile.mkdtemp(prefix="tideserve-responses-")
@@ -250,7 +256,7 @@ class Server:
         if opts.allow_metrics:
             await self.frontends.serve_http(self._metrics_app(), opts.metrics_address, opts.metrics_port)
         pyvoy = opts.allow_grpc and opts.grpc_frontend == "pyvoy"  # the gRPC port: an Envoy process of its own
-        workers = opts.frontend_workers > 1 or opts.frontend_direct  # (one worker with direct instances too)
+        workers = opts.serves_in_workers
         if (workers and (opts.allow_http or opts.allow_grpc)) or pyvoy:
             from .workers.pool import FrontendWorkers
             http_workers = opts.frontend_workers if workers else 0

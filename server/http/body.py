@@ -89,10 +89,14 @@ class BodyReader:
         self.max_json_depth = max_json_depth
         """Deepest nesting of arrays and objects in a JSON body (``--http-max-json-depth``)."""
 
-    def _inflater(self, content_length: int | None, encoding: bytes | None) -> _Inflater | None:
-        """The checks before any of the body is read; the body's inflater (None: not compressed)."""
+    def check_length(self, content_length: int | None) -> None:
+        """A Content-Length over the limit is refused before any of the body is read."""
         if content_length is not None and content_length > self.max_input_size:
             raise too_large(content_length, self.max_input_size)
+
+    def _inflater(self, content_length: int | None, encoding: bytes | None) -> _Inflater | None:
+        """The checks before any of the body is read; the body's inflater (None: not compressed)."""
+        self.check_length(content_length)
         if encoding is not None:
             encoding = encoding.strip().lower()
             if encoding not in (b"", b"identity"):

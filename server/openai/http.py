@@ -110,18 +110,15 @@ class OpenAIServer:
         except ServerError as exc:
             raise from_server_error(exc) from None
 
-
-    def no_body(self, scope) -> None:
+    def check_no_body(self, scope) -> None:
         """A route that reads no body (``/v1/models/{model}/load``) still refuses one whose Content-Length is over
         the size limit, as the routes that read theirs do (413)."""
         for key, value in scope["headers"]:
             if key == b"content-length":
-                from ..http.body import parse_length, too_large  # (its package imports this module)
+                from ..http.body import parse_length  # (its package imports this module)
 
                 try:
-                    size = parse_length(value, "Content-Length")
-                    if size > self.body.max_input_size:
-                        raise too_large(size, self.body.max_input_size)
+                    self.body.check_length(parse_length(value, "Content-Length"))
                 except ServerError as exc:
                     raise from_server_error(exc) from None
 
@@ -143,7 +140,11 @@ class OpenAIRoute:
     async def __call__(self, scope, receive, send) -> None:
         server = self.server
         try:
-            doc = await server.read_json(scope, receive, self.parse) if self.body else server.no_body(scope)
+            if self.body:
+                doc = await server.read_json(scope, receive, self.parse)
+            else:
+                server.check_no_body(scope)
+                doc = None
         except OpenAIError as exc:
             await _send_error(send, exc)
             return
