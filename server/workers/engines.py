@@ -3,10 +3,12 @@
 With ``--frontend-workers N`` (N > 1) and ``--frontend-direct on``, the vLLM backend in the core starts its engine
 core with N + 1 clients: index 0 is the core's own (Triton's tensor requests, health, LoRA, metrics), index ``i``
 (1..N) belongs to frontend worker ``i - 1``. The engine's ``EngineInfo.engine_clients`` tells the workers where
-(``llm_backends/vllm/engine.py start_engine_with_clients``). A worker builds its client for a model version the
-first time it gets a typed generation for it (in the background: until the client is up, and whenever it cannot
-be built, generations are relayed through the core as before), then runs the backend's own ``Generator`` on it:
-GenerationRequest -> SamplingParams -> the engine -> GenerationDelta, with no hop to the core per token.
+(``llm_backends/vllm/engine.py start_engine_with_clients``). A worker builds its client for a model version once
+its snapshot shows the version: for the versions loaded at the server's start before the worker serves the ports
+(workers/main.py: the server is ready once they are built), for those loaded later (and in a worker started again)
+in the background; until the client is up, and whenever it cannot be built, generations are relayed through the
+core. On its client the worker runs the backend's own ``Generator``: GenerationRequest -> SamplingParams -> the
+engine -> GenerationDelta, with no hop to the core per token.
 
 What the core keeps: the worker tells it, in one :class:`~.protocol.WorkerGenerations` message per loop turn and
 version, how many generations it started and finished and its statistics counters for the version; the core
@@ -502,6 +504,28 @@ class EngineClients:
         if client.generator is None or client.retiring:
             return None
         return client.run(model_name, generation, dict(identity, model_version=model_version))
+
+    def start_building(self) -> None:
+        """Build now the clients the core's current snapshot calls for (the versions loaded before this worker
+        started), in the background."""
+        snapshot = self.plane.link.snapshot
+        if snapshot is not None:
+            self.snapshot_applied({uid for table in snapshot.lookups.values() for uid in table.values()
+                                   if isinstance(uid, int)})
+
+    async def built(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` seconds) until each client being built is up or has given up (its generations
+        then go through the core)."""
+        tasks = [client.task for client in self.clients.values() if client.task is not None]
+        if not tasks:
+            return
+        started = time.monotonic()
+        _, pending = await asyncio.wait(tasks, timeout=timeout)
+        if pending:
+            log.warning("frontend worker %d: %d engine client(s) not built after %.0f s; serving meanwhile (their "
+                        "generations go through the core until they are)", self.index - 1, len(pending), timeout)
+        else:
+            log.info("frontend worker %d: engine clients built in %.1f s", self.index - 1, time.monotonic() - started)
 
     def abort_all(self, error: ServerError) -> None:
         """End every generation running on this worker's clients with ``error`` (the server's exit timeout ran out);

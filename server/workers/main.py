@@ -1,7 +1,11 @@
 """A frontend worker process: the HTTP and gRPC frontends over a RemoteDataPlane.
 
 Started by the core (server/workers/pool.py) with its end of a socketpair and the shared HTTP listening
-socket. It serves until the core says Stop, and exits at once if the core goes away.
+socket. It serves until the core says Stop, and exits at once if the core goes away. Started with the server
+(``--engine-clients-first``), it builds its engine clients (workers/engines.py) for the models loaded at start before
+it serves the ports and says Ready: the server is ready once every worker's generations run on its own client, not
+relayed through the core while a client is being built (importing vLLM: 10-20 s on 2 cores). A worker started again
+after one died serves at once and builds in the background.
 """
 
 from __future__ import annotations
@@ -18,9 +22,12 @@ from .remote import CoreLink, open_frontend
 
 log = logging.getLogger("tideserve.workers")
 
+# at the server's start, a worker serves once its engine clients are built or after this long (relaying meanwhile)
+ENGINE_CLIENTS_START_S = 300.0
+
 
 async def serve(link_fd: int, http_fd: int | None, arena: tuple[int, int, int] | None = None,
-                balance: tuple[int, int] | None = None) -> int:
+                balance: tuple[int, int] | None = None, engine_clients_first: bool = False) -> int:
     from ..app import Frontends
 
     loop = asyncio.get_running_loop()
@@ -34,6 +41,10 @@ async def serve(link_fd: int, http_fd: int | None, arena: tuple[int, int, int] |
         os.close(send_fd)
         os.close(receive_fd)
     start, options, dataplane, access = await open_frontend(link)
+    if dataplane.engines is not None:
+        dataplane.engines.start_building()
+        if engine_clients_first:
+            await dataplane.engines.built(ENGINE_CLIENTS_START_S)
     frontends = Frontends(dataplane, options, access)
     if balance is not None and http_fd is not None:  # (the table's fd, the number of workers)
         from .balance import ConnectionTable, acceptor_for
@@ -68,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arena", default=None, help="SEND_FD,RECEIVE_FD,BYTES: the link's shared-memory arenas")
     parser.add_argument("--balance", default=None,
                         help="FD,WORKERS: the table of each worker's open HTTP connections (workers/balance.py)")
+    parser.add_argument("--engine-clients-first", action="store_true",
+                        help="build the engine clients of the models loaded now before serving (the server's start)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s %(levelname)s %(name)s[worker {os.getpid()}]: %(message)s")
@@ -78,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         run = asyncio.run
     arena = tuple(int(x) for x in args.arena.split(",")) if args.arena else None
     balance = tuple(int(x) for x in args.balance.split(",")) if args.balance else None
-    return run(serve(args.link_fd, args.http_fd, arena, balance))
+    return run(serve(args.link_fd, args.http_fd, arena, balance, args.engine_clients_first))
 
 
 if __name__ == "__main__":

@@ -284,6 +284,8 @@ class FrontendWorkers:
             # no preexec_fn: it would run the process's at-fork handlers (gRPC's among them) in a process whose
             # gRPC threads are live; the worker ignores Ctrl-C itself, first thing (workers/main.py)
             if index != self.grpc_index:
+                if options.frontend_direct and self._ticker is None:  # the server's start: clients before Ready
+                    args.append("--engine-clients-first")
                 process = subprocess.Popen(args, pass_fds=fds, start_new_session=False)
 
             def new_link() -> _Link:

@@ -31,14 +31,22 @@ def llm_server(tmp_path_factory, tiny_model):
                           "--log-verbose", "1", "--model-control-mode", "explicit", "--load-model", MODEL,
                           "--allowed-model-root", str(tiny_model), tmp_dir=tmp, env=vllm_env(tmp), ready_timeout=540)
     try:
-        deadline = time.monotonic() + 180  # each worker builds its client once it sees the model (imports vLLM)
-        while len(set(CLIENT_UP.findall(server.log()))) < 2:
-            assert server.process.poll() is None, server.log()
-            assert time.monotonic() < deadline, server.log()
-            time.sleep(0.5)
+        server.log_at_ready = server.log()
         yield server
     finally:
         server.stop()
+
+
+def test_the_worker_clients_are_built_before_ready(llm_server):
+    """Each worker builds its engine client for the models loaded at start before the server is ready, so a
+    generation right after ready runs on a worker's client, not relayed through the core."""
+    assert set(CLIENT_UP.findall(llm_server.log_at_ready)) == {("0", "1"), ("1", "2")}, llm_server.log_at_ready
+    runs_before = len(re.findall(r"runs on this worker's engine client (\d)", llm_server.log()))
+    with openai.OpenAI(base_url=f"{llm_server.base_url}/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        reply = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert reply.usage.completion_tokens == 4
+    assert _worker_runs(llm_server, runs_before), llm_server.log()[-4000:]
 
 
 def _success_count(server) -> int:
