@@ -67,6 +67,7 @@ import asyncio
 import base64
 import json
 import os
+import shlex
 import socket
 import statistics
 import subprocess
@@ -481,13 +482,17 @@ def main() -> int:
                         help="the requests' encoding_format (base64 is the openai client's default)")
     parser.add_argument("--ensemble-path", action="store_true",
                         help="also serve text_embedder_ensemble (text through the tokenizer step) in a second process")
+    parser.add_argument("--tideserve-args", default="", metavar="FLAGS",
+                        help="extra command-line flags of the tideserve servers (e.g. '--frontend-workers 1 "
+                             "--frontend-direct on')")
     args = parser.parse_args()
+    extra = tuple(shlex.split(args.tideserve_args))
     texts = sentences()
     results: dict = {"args": vars(args), "loadavg_start": os.getloadavg()}
     logs = Path(tempfile.mkdtemp(prefix="bench-embeddings-"))
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc, http, _ = start_tideserve(EXAMPLE, logs / "tideserve.log", env, MODEL,
-                                    args=("--model-control-mode", "explicit", "--load-model", MODEL))
+                                    args=("--model-control-mode", "explicit", "--load-model", MODEL, *extra))
     peer = ensemble = None
     urls = {"tideserve": f"http://127.0.0.1:{http}"}
     pids = {"tideserve": proc.pid}
@@ -496,7 +501,8 @@ def main() -> int:
             repo = ensemble_repository(Path(tempfile.mkdtemp(prefix="bench-embeddings-repo-")))
             ensemble, ensemble_http, _ = start_tideserve(
                 EXAMPLE, logs / "tideserve-ensemble.log", env, ENSEMBLE,
-                args=("--model-repository", str(repo), "--model-control-mode", "explicit", "--load-model", ENSEMBLE))
+                args=("--model-repository", str(repo), "--model-control-mode", "explicit", "--load-model", ENSEMBLE,
+                      *extra))
             urls["tideserve_ensemble"] = f"http://127.0.0.1:{ensemble_http}"
             pids["tideserve_ensemble"] = ensemble.pid
         if args.peer == "vllm":
