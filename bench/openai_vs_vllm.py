@@ -254,6 +254,8 @@ def main() -> None:
                              "one another tideserve server measured in the same rounds (default: one, no extra flags)")
     parser.add_argument("--tideserve-tree", action="append", default=[], metavar="DIR",
                         help="another tideserve side served from the checkout DIR (repeatable): a change A/B")
+    parser.add_argument("--tideserve-tree-args", default="", metavar="FLAGS",
+                        help="extra command-line flags of the --tideserve-tree sides")
     parser.add_argument("--tideserve-env", action="append", default=[], metavar="NAME=VALUE ...",
                         help="another tideserve side started with these environment variables (repeatable)")
     parser.add_argument("--no-vllm", action="store_true",
@@ -296,7 +298,9 @@ def main() -> None:
 
         for index, tree in enumerate(args.tideserve_tree):
             port = free_port()
-            sides.append((f"tideserve @{tree}", tideserve_command(engine_args, port, work / f"tree-{index}"),
+            flags = args.tideserve_tree_args
+            sides.append((f"tideserve @{tree} {flags}".strip(),
+                          tideserve_command(engine_args, port, work / f"tree-{index}", shlex.split(flags)),
                           port, work / f"tree-{index}.log", tree_env(tree)))
     for index, assignments in enumerate(args.tideserve_env):
         port = free_port()

@@ -228,7 +228,8 @@ def add_engine_increments(registry, entries) -> None:
                 child._sum.inc(values[-1])
 
 
-ENGINE_VALUES_EVERY_S = 0.5  # a worker reads its vllm:* registry at a generation's end, else at most this often
+# a worker reads its vllm:* registry and its LLM metrics at a generation's start or end, else at most this often
+ENGINE_VALUES_EVERY_S = 0.5
 
 
 # -- the worker's side --------------------------------------------------------------------------------------------
@@ -297,6 +298,7 @@ class _Client:
         self.stats = ModelStats(runtime.name, str(runtime.version))
         self.metrics = None  # the Generator's LLMMetrics (a registry of its own; increments go to the core)
         self._sent: dict[str, list[float]] = {}  # the LLM metrics' values at the last message
+        self._llm_read = 0.0  # when (monotonic) they were last read
         self.vllm_registry = None  # the vllm:* families of this client's PrometheusStatLogger (increments go to the core)
         self._engine_sent: dict[tuple, list[float]] = {}  # their values at the last message that carried them
         self._engine_read = 0.0  # when (monotonic) they were last read
@@ -376,6 +378,11 @@ class _Client:
                                   dtypes, max_queue_delay_ms=options.max_queue_delay_ms)
             generator.order.enabled = False  # this worker sees only its own requests (see the module docstring)
             self.vllm_registry = registry
+            from vllm import envs as vllm_envs
+
+            # as the backend does in the core: vLLM reads its environment variables on every access unless cached,
+            # and its output handler reads some on every step (4 % of a worker's CPU in a 64-stream profile)
+            vllm_envs.enable_envs_cache()
         except BaseException:
             engine.shutdown()
             raise
@@ -412,13 +419,18 @@ class _Client:
         self.state = state
         self.clients.note(self.uid)
 
-    def llm_increments(self) -> dict[str, list[float]] | None:
-        """The LLM metrics' increments since the last call (None: none)."""
+    def llm_increments(self, changed: bool) -> dict[str, list[float]] | None:
+        """The LLM metrics' increments since they were last read (None: none), read when a generation started or
+        ended (``changed``) or ``ENGINE_VALUES_EVERY_S`` after the last read (not on every engine step)."""
         from tideserve.llm_backends.metrics import _BULK_OBSERVE
 
         metrics = self.metrics
         if metrics is None or not _BULK_OBSERVE:  # (prometheus_client's members differ: not sent)
             return None
+        now = time.monotonic()
+        if not changed and now - self._llm_read < ENGINE_VALUES_EVERY_S:
+            return None
+        self._llm_read = now
         now = llm_values(metrics, (self.name, str(self.remote.version)))
         sent, self._sent = self._sent, now
         out = {}
@@ -575,7 +587,7 @@ class EngineClients:
             client = self.clients.get(uid)
             llm = state = engine = None
             if client is not None:
-                llm = client.llm_increments()
+                llm = client.llm_increments(started > 0 or finished > 0)
                 if client.state is not None:
                     found, client.state = client.state, None
                     state = [found.running, found.waiting, found.kv_cache_usage]
