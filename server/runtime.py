@@ -58,24 +58,43 @@ HANDOVER_WAIT_S = 0.002
 HANDOVER_MIN_RUN_NS = 1_000_000
 
 
-def _run_in_thread(slot: InstanceSlot, requests: list[InferenceRequest]) -> asyncio.Future:
+def _run_in_thread(slot: InstanceSlot, requests: list[InferenceRequest], take=None) -> asyncio.Future:
     """Run ``execute`` on the instance's thread and hand it the GIL now: the loop blocks (without the GIL) until the
     thread has started, which then holds the GIL only to assemble the batch before its native run releases it.
     Without this the thread waits for the GIL until the loop's work of the moment ends or the switch interval
     (5 ms) forces it off the loop: measured on ``text_encoder`` (``/v1/embeddings``, 32 clients, a loaded
     2-core machine), the time from the hand-over to the thread's start fell from 2.1 ms median (p90 11.3) to
-    0.3 (p90 4.3) per batch of ~12 (docs/performance.md, "the hand-over to ONNX Runtime's threads")."""
+    0.3 (p90 4.3) per batch of ~12 (docs/performance.md, "the hand-over to ONNX Runtime's threads").
+
+    The future's result is ``(result, follow)``: ``follow`` None, or the next batch the thread took itself at the
+    end of the run (``take``: the scheduler's ``take_ready``) as ``(requests, start_ns, concurrent future)``, run
+    next on the same thread (its future's result again ``(result, follow)``)."""
     lock = threading.Lock()  # one per batch: a thread that starts after the wait has run out releases only its own
     lock.acquire()
-    future = asyncio.get_running_loop().run_in_executor(slot.executor, _started, lock, slot.instance.execute,
-                                                        requests)
+    future = asyncio.get_running_loop().run_in_executor(slot.executor, _started, lock, slot, take, requests)
     lock.acquire(timeout=HANDOVER_WAIT_S)
     return future
 
 
-def _started(lock: threading.Lock, execute, requests: list[InferenceRequest]):
+def _started(lock: threading.Lock, slot: InstanceSlot, take, requests: list[InferenceRequest]):
     lock.release()
-    return execute(requests)
+    return _run_and_follow(slot, take, requests)
+
+
+def _run_and_follow(slot: InstanceSlot, take, requests: list[InferenceRequest]):
+    """Run a batch on the instance's thread; then, with ``take``, take the next ready batch and queue it on the
+    same thread before returning this one's result to the loop: the thread starts it at once, while the loop
+    answers this one."""
+    result = slot.instance.execute(requests)
+    follow = take() if take is not None else None
+    if not follow:
+        return result, None
+    start = time.monotonic_ns()
+    try:
+        future = slot.executor.submit(_run_and_follow, slot, take, follow)
+    except RuntimeError:  # the executor shut down meanwhile (the model unloads): the loop answers them
+        future = None
+    return result, (follow, start, future)
 
 
 class ModelRuntime:
@@ -259,25 +278,13 @@ class ModelRuntime:
         ``record=False`` (warmup) leaves the statistics alone; a request never queued (a sequence
         batch's padding row) records no queue time."""
         start = time.monotonic_ns()
-        stats = self.stats
-        traced = False
-        waited = queued = rows = inferences = 0  # rows never queued (a sequence batch's padding) are no inferences
-        for request in requests:
-            rows += request.batch_size
-            if request.queue_start_ns:
-                waited += start - request.queue_start_ns
-                queued += 1
-                inferences += request.batch_size
-            if request.trace is not None:
-                request.trace.compute = (start, 0)
-                traced = True
-        if queued:
-            stats.record_queue(waited, queued)
+        self._started(requests, start)
+        follow = None
         try:
             if slot.is_async:
                 result = await slot.instance.execute(requests)
             elif slot.hands_over and slot.last_run_ns >= HANDOVER_MIN_RUN_NS:
-                result = await _run_in_thread(slot, requests)
+                result, follow = await _run_in_thread(slot, requests, self._taker(slot) if record else None)
             else:
                 result = await asyncio.get_running_loop().run_in_executor(
                     slot.executor, slot.instance.execute, requests)
@@ -285,8 +292,55 @@ class ModelRuntime:
         except Exception as exc:  # a failing model answers with an error and keeps serving
             log.debug("model '%s' execute raised", self.name, exc_info=True)
             result, error = None, as_server_error(exc)
+        self._ended(slot, requests, start, result, error, record)
+        while follow is not None:  # batches the instance's thread took itself at the end of a run, in order
+            requests, start, future = follow
+            follow = None
+            self._started(requests, start)
+            try:
+                if future is None:
+                    raise Unavailable(f"model '{self.name}' version {self.version} is unloading")
+                result, follow = await asyncio.wrap_future(future)
+                error = None
+            except Exception as exc:
+                log.debug("model '%s' execute raised", self.name, exc_info=True)
+                result, error = None, as_server_error(exc)
+            self._ended(slot, requests, start, result, error, record)
+
+    def _taker(self, slot: InstanceSlot):
+        """What lets the instance's thread take its next batch itself (the dynamic batcher's ``take_ready``), where
+        nothing else decides when an instance runs: no rate limiter, no hold (direct instances)."""
+        if self.rate_limiter is not None or slot.limits is not None or slot.instance.hold is not None:
+            return None
+        return getattr(getattr(self, "scheduler", None), "take_ready", None)
+
+    def _started(self, requests: list[InferenceRequest], start: int) -> None:
+        """Record the queue time of a batch that starts at ``start``, and its traces' compute start."""
+        waited = queued = 0
+        for request in requests:
+            if request.queue_start_ns:
+                waited += start - request.queue_start_ns
+                queued += 1
+            if request.trace is not None:
+                request.trace.compute = (start, 0)
+        if queued:
+            self.stats.record_queue(waited, queued)
+
+    def _ended(self, slot: InstanceSlot, requests: list[InferenceRequest], start: int, result, error, record: bool
+               ) -> None:
+        """Record a batch's execution and answer whatever the backend left unanswered."""
         end = time.monotonic_ns()
         slot.last_run_ns = end - start
+        stats = self.stats
+        traced = False
+        queued = rows = inferences = 0  # rows never queued (a sequence batch's padding) are no inferences
+        for request in requests:
+            rows += request.batch_size
+            if request.queue_start_ns:
+                queued += 1
+                inferences += request.batch_size
+            if request.trace is not None:
+                traced = True
         if traced:
             for request in requests:
                 if request.trace is not None:

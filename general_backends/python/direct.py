@@ -67,6 +67,7 @@ class _Runtime:
     """What the schedulers and ``ModelRuntime.execute`` read of a model version: here, this one instance."""
 
     execute = ModelRuntime.execute
+    _started, _ended, _taker = ModelRuntime._started, ModelRuntime._ended, ModelRuntime._taker
     _send_returned = ModelRuntime._send_returned
     rate_limiter = None
 
@@ -316,6 +317,8 @@ class _QueueWord:
 
 class _DirectBatcher(DynamicBatcher):
     """The model's dynamic batcher, whose waits shorter than the loop's timers can time go to a fine timer."""
+
+    take_ready = None  # run() marks each batch in the queue word: every batch goes through it, none taken on a thread
 
     def __init__(self, runtime, queue: _QueueWord | None = None) -> None:
         super().__init__(runtime)

@@ -6,12 +6,18 @@ A batch grows, highest priority level first and oldest request first, while the 
 It runs at once when it is full, reaches the largest ``preferred_batch_size`` or cannot grow;
 otherwise it waits up to ``max_queue_delay_microseconds`` from its oldest request for more. Queue
 policies reject or delay requests that wait too long.
+
+An instance whose batches run on its own thread (``ModelRuntime.execute``'s hand-over, ONNX Runtime) takes its
+next batch itself at the end of a run (:meth:`DynamicBatcher.take_ready`) when one is ready by the rules above
+and no other instance waits for it: the thread goes on to it at once while the event loop answers the batch
+that ended, instead of idling until the loop has answered, formed the batch and handed it over.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import threading
 import time
 from dataclasses import dataclass
 
@@ -75,6 +81,9 @@ class DynamicBatcher(Scheduler):
         self._has_deadlines = any(level.timeout_us or level.allow_override for level in self.levels.values())
         self._waiter: asyncio.Future | None = None  # set while batch formation waits for a request or a timer
         self._form_lock = asyncio.Lock()
+        # the queues' guard: an instance's thread takes a batch from them (take_ready) while the loop queues
+        self._mutex = threading.RLock()
+        self._stopped = False
         self._gate = OrderGate() if batching.preserve_ordering else None
         self._hold = held_until(DELAY_SCHEDULER_ENV)  # Triton's test hook: no batch until this many are queued
 
@@ -87,14 +96,16 @@ class DynamicBatcher(Scheduler):
             raise QueueFull(f"exceeds maximum queue size for model '{self.runtime.name}'")
         entry = level.entry(request)
         entry.signature = self._signature(request)
-        level.queue.append(entry)
+        with self._mutex:
+            level.queue.append(entry)
         if entry.deadline_ns:  # expire it on time even while every instance is busy
             delay = (entry.deadline_ns - time.monotonic_ns()) / 1e9
             running_loop().call_later(max(delay, 0.0), self._on_deadline)
         self._wake()
 
     def _on_deadline(self) -> None:
-        self._expire(time.monotonic_ns())
+        with self._mutex:
+            self._expire(time.monotonic_ns())
         self._wake()
 
     def _wake(self) -> None:
@@ -225,22 +236,46 @@ class DynamicBatcher(Scheduler):
                     break
                 await self._sleep(None)
             while True:
-                now = time.monotonic_ns()
-                self._expire(now)
-                picked, rows, blocked = self._candidate()
-                if picked and self._ready(picked, rows, blocked, now):
-                    batch = self._take(picked)
-                    if self._gate is not None:
-                        self._gate.admit(batch)
-                    return batch
-                wait_until = 0
-                if picked:
-                    wait_until = min(e.request.queue_start_ns for e in picked) + self.delay_ns
-                if self._has_deadlines:
-                    deadline = self._next_deadline()
-                    if deadline and (not wait_until or deadline < wait_until):
-                        wait_until = deadline
+                with self._mutex:
+                    now = time.monotonic_ns()
+                    self._expire(now)
+                    picked, rows, blocked = self._candidate()
+                    if picked and self._ready(picked, rows, blocked, now):
+                        batch = self._take(picked)
+                        if self._gate is not None:
+                            self._gate.admit(batch)
+                        return batch
+                    wait_until = 0
+                    if picked:
+                        wait_until = min(e.request.queue_start_ns for e in picked) + self.delay_ns
+                    if self._has_deadlines:
+                        deadline = self._next_deadline()
+                        if deadline and (not wait_until or deadline < wait_until):
+                            wait_until = deadline
                 await self._sleep(max(0.0, (wait_until - now) / 1e9) if wait_until else None)
+
+    def take_ready(self) -> list[InferenceRequest] | None:
+        """The next batch for an instance's thread whose run just ended (any thread): the batch
+        :meth:`next_batch` would form now, if it is ready now and no instance's worker waits in ``next_batch`` for
+        one (an idle instance takes it there). None leaves the batching to the workers: none ready, an idle
+        instance, a request cancelled or with a queue timeout among the picked (the loop answers those),
+        ``preserve_ordering``, the scheduler's test hook, or the scheduler stopped."""
+        if self._stopped or self._hold or self._gate is not None or self._form_lock.locked():
+            return None
+        with self._mutex:
+            if self._form_lock.locked():
+                return None
+            picked, rows, blocked = self._candidate()
+            if not picked or not self._ready(picked, rows, blocked, time.monotonic_ns()):
+                return None
+            for entry in picked:
+                if entry.deadline_ns or entry.request.is_cancelled():
+                    return None
+            return self._take(picked)
+
+    async def stop(self) -> None:
+        self._stopped = True
+        await super().stop()
 
 
 def _resolve(waiter: asyncio.Future) -> None:
