@@ -86,7 +86,13 @@ def _run_and_follow(slot: InstanceSlot, take, requests: list[InferenceRequest]):
     same thread before returning this one's result to the loop: the thread starts it at once, while the loop
     answers this one."""
     result = slot.instance.execute(requests)
-    follow = take() if take is not None else None
+    if take is None:
+        return result, None
+    try:
+        follow = take()
+    except Exception:  # never the run's failure: the loop's workers form the next batch as before
+        log.exception("instance '%s': taking the next batch on its thread failed", slot.instance.ctx.name)
+        follow = None
     if not follow:
         return result, None
     start = time.monotonic_ns()
