@@ -86,9 +86,9 @@ class CoalescingTransport:
 
     uvicorn writes a response's head and its body with two ``write`` calls; on uvloop each is a ``send``
     system call, and the client often wakes for two TCP segments. Held here until the end of the turn, they
-    cost one of each. A response that streams (SSE) still sends each event as it comes: the next turn."""
+    cost one of each. A response that streams (SSE) still sends each event as it comes (:meth:`write_event`)."""
 
-    __slots__ = ("_transport", "_loop", "_pending")
+    __slots__ = ("_loop", "_pending", "_transport")
 
     def __init__(self, transport, loop) -> None:
         self._transport = transport
@@ -107,6 +107,15 @@ class CoalescingTransport:
         if self._pending is not None:
             self._pending += data
             self.flush()
+        elif not self._transport.is_closing():
+            self._transport.write(data)
+
+    def write_event(self, data: bytes) -> None:
+        """An event of a streamed answer (SSE): written at once when nothing is held, after what is held otherwise.
+        Each event of a stream is a ``send`` of its own either way (they come an engine step apart); held to the
+        turn's end it would also cost a callback per event, and one per stream per engine step adds up."""
+        if self._pending is not None:
+            self._pending += data
         elif not self._transport.is_closing():
             self._transport.write(data)
 

@@ -200,7 +200,9 @@ def _write_event(cycle, chunk: bytes) -> bool:
         if (not chunk or cycle.disconnected or cycle.response_complete or cycle.chunked_encoding is not True
                 or cycle.flow.write_paused):
             return False
-        cycle.transport.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        transport = cycle.transport
+        write = getattr(transport, "write_event", None) or transport.write  # (http/limits.py: the event at once)
+        write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
     except AttributeError:
         return False
     return True

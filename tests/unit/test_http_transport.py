@@ -45,3 +45,18 @@ async def test_close_sends_what_is_pending_first():
     assert inner.writes == [b"last words"] and inner.closed and transport.is_closing()
     await asyncio.sleep(0)  # the scheduled flush finds nothing left
     assert inner.writes == [b"last words"]
+
+
+async def test_a_streamed_event_is_written_at_once_after_what_is_held():
+    inner = _Transport()
+    transport = CoalescingTransport(inner, asyncio.get_running_loop())
+    transport.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+    transport.write_event(b"data: 1\n\n")  # the stream's first event joins the head held in this turn
+    assert inner.writes == []
+    await asyncio.sleep(0)
+    assert inner.writes == [b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\ndata: 1\n\n"]
+    transport.write_event(b"data: 2\n\n")  # nothing held: written now, no callback for the turn's end
+    assert inner.writes[1:] == [b"data: 2\n\n"]
+    inner.closed = True
+    transport.write_event(b"data: 3\n\n")  # a closing connection takes nothing more
+    assert inner.writes[1:] == [b"data: 2\n\n"]
