@@ -7,7 +7,8 @@ workers, which then run at the speed of one. Here each worker accepts the connec
 only while it holds no more open connections than the worker holding the fewest; the counts are a small table of
 shared memory the core makes (one slot per worker, written by its owner only). A worker that holds more steps aside
 for ``DEFER_S`` and looks again; after ``MAX_DEFER_S`` of stepping aside for the same backlog (the others busy or
-gone) it accepts anyway, so a connection never waits on a worker that does not come.
+gone) it accepts anyway, so a connection never waits on a worker that does not come. A worker not started yet,
+stopping, or dead (the core marks one that exits) counts as holding :data:`GONE`: no other steps aside for it.
 
 Where the workers cannot all run at once beside their model processes (as many workers as cores, or more: two
 workers on 2 cores), spreading costs more than it gives: each worker's loop turn serves fewer requests, so every
@@ -16,7 +17,7 @@ the cores with the instance processes and the client. There only the first :func
 cores, as ``--frontend-workers auto`` counts them; one on 2 cores) take connections, evenly among them, until each
 holds ``fill`` (:func:`fill_limit`: unbounded unless ``TIDESERVE_HTTP_FILL_CONNECTIONS`` says; 0 spreads over every
 worker from the first connection); beyond, every worker takes them evenly. The others step aside for a taker up to
-``MAX_TAKER_WAIT_S`` (a taker stopped or gone). With fewer workers than cores every worker takes its share from the
+``MAX_TAKER_WAIT_S`` (a taker whose loop does not come). With fewer workers than cores every worker takes its share from the
 first connection, as before.
 """
 
@@ -39,6 +40,7 @@ MAX_TAKER_WAIT_S = 0.1  # a worker that is not a taker steps aside this long for
 # can take longer than MAX_DEFER_S to come, and one connection on another worker costs every request of it more)
 ACCEPTS_PER_WAKE = 16  # where some workers take before others: the most connections one wake-up accepts
 FILL_CONNECTIONS = 1 << 20  # what each of those takes before the others take any (all, in effect)
+GONE = 1 << 62  # the count of a worker that accepts none: never the fewest, never a taker with room
 _SLOT = struct.Struct("q")
 
 
@@ -61,11 +63,21 @@ def fill_limit(override: str | None = None) -> int:
 
 
 def create_table(count: int) -> int:
-    """A file descriptor (inheritable) of a zeroed table of ``count`` connection counts."""
+    """A file descriptor (inheritable) of a table of ``count`` connection counts, every worker :data:`GONE` until
+    its acceptor starts."""
     fd = os.memfd_create("tideserve-http-connections", 0) if hasattr(os, "memfd_create") else _temp_fd()
     os.ftruncate(fd, _SLOT.size * count)
     os.set_inheritable(fd, True)
+    for index in range(count):
+        mark_gone(fd, index, count)
     return fd
+
+
+def mark_gone(fd: int, index: int, count: int) -> None:
+    """Worker ``index`` accepts no connections (not started, stopping, or dead: the core marks a worker that
+    exits), so that no other worker steps aside for it."""
+    with mmap.mmap(fd, _SLOT.size * count) as table:
+        _SLOT.pack_into(table, index * _SLOT.size, GONE)
 
 
 def _temp_fd() -> int:  # pragma: no cover - systems without memfd_create
@@ -83,7 +95,6 @@ class ConnectionTable:
         self.index = index
         self.count = count
         self.offset = index * _SLOT.size
-        self.set(0)  # a restarted worker begins with none
 
     def set(self, value: int) -> None:
         _SLOT.pack_into(self.map, self.offset, value)
@@ -129,6 +140,7 @@ class BalancedAcceptor:
 
     def start(self) -> None:
         self.sock.setblocking(False)
+        self._publish()  # from here on this worker takes connections (a restarted one begins with none)
         self._read()
 
     def _read(self) -> None:
@@ -207,15 +219,19 @@ class BalancedAcceptor:
 
     def _opened(self) -> None:
         self.open += 1
-        self.table.set(self.open)
+        self._publish()
 
     def _closed(self) -> None:
         self.open -= 1
-        self.table.set(self.open)
+        self._publish()
+
+    def _publish(self) -> None:
+        self.table.set(GONE if self.closed else self.open)
 
     def close(self) -> None:
         """Accept no more (the open connections are uvicorn's to close)."""
         self.closed = True
+        self._publish()
         if self.reading:
             self.loop.remove_reader(self.sock.fileno())
             self.reading = False

@@ -318,6 +318,9 @@ class FrontendWorkers:
         """A worker's connection closed: expected while stopping, else the worker died: start another."""
         if self._stopping or self.links[link.index] is not link or not link.served:
             return  # one that never served failed at start-up: start() reports it
+        if self._balance is not None and link.index != self.grpc_index:  # no worker steps aside for it
+            from .balance import mark_gone
+            mark_gone(self._balance, link.index, self.count)
         code = link.process.poll() if link.process is not None else None
         log.error("frontend worker %d (pid %s) exited%s; starting another", link.index,
                   link.process.pid if link.process else "?", f" with code {code}" if code is not None else "")

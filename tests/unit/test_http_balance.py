@@ -64,7 +64,8 @@ def test_connections_that_arrive_together_spread_evenly_and_closing_counts():
 def test_a_worker_alone_accepts_after_stepping_aside_at_most_max_defer():
     async def main():
         listener = _listening()
-        fd = balance.create_table(2)  # the other worker's slot says 0: it holds fewer, but never accepts
+        fd = balance.create_table(2)
+        balance.ConnectionTable(fd, 1, 2).set(0)  # the other worker's slot says 0: it holds fewer, but never accepts
         acceptor = balance.BalancedAcceptor(socket.socket(fileno=os.dup(listener.fileno())),
                                             balance.ConnectionTable(fd, 0, 2), _Protocol)
         acceptor.start()
@@ -156,7 +157,8 @@ def test_one_taker_keeps_every_connection_that_arrives_later_too():
 def test_a_worker_that_is_not_a_taker_accepts_when_the_taker_never_comes():
     async def main():
         listener = _listening()
-        fd = balance.create_table(2)  # worker 0's slot says 0: its turn, but it never accepts
+        fd = balance.create_table(2)
+        balance.ConnectionTable(fd, 0, 2).set(0)  # worker 0's slot says 0: its turn, but it never accepts
         acceptor = balance.BalancedAcceptor(socket.socket(fileno=os.dup(listener.fileno())),
                                             balance.ConnectionTable(fd, 1, 2), _Protocol, 1)
         acceptor.start()
@@ -164,5 +166,32 @@ def test_a_worker_that_is_not_a_taker_accepts_when_the_taker_never_comes():
         await _settle([acceptor], 3)
         assert acceptor.open == 3
         _close(listener, fd, [acceptor], clients)
+
+    asyncio.run(main())
+
+
+def test_nobody_steps_aside_for_a_worker_not_started_stopped_or_dead(monkeypatch):
+    monkeypatch.setattr(balance, "MAX_TAKER_WAIT_S", 60.0)  # stepping aside for a gone taker would outlast _settle
+    monkeypatch.setattr(balance, "MAX_DEFER_S", 60.0)
+
+    async def main():
+        listener = _listening()
+        fd = balance.create_table(2)
+        first, second = _acceptors(listener, fd, 2, takers=1, fill=balance.FILL_CONNECTIONS)
+        second.start()  # the taker has not started: the other takes the connections
+        clients: list[socket.socket] = []
+        await _connect(listener, [first, second], clients, 3)
+        assert [first.open, second.open] == [0, 3]
+        first.start()  # the taker starts: it takes the next ones
+        await _connect(listener, [first, second], clients, 2)
+        assert [first.open, second.open] == [2, 3]
+        first.close()  # stopping: the other takes them again
+        await _connect(listener, [first, second], clients, 2)
+        assert [first.open, second.open] == [2, 5]
+        first.table.set(0)  # as a dead worker's last count says; the core marks it gone when it exits
+        balance.mark_gone(fd, 0, 2)
+        await _connect(listener, [first, second], clients, 1)
+        assert [first.open, second.open] == [2, 6]
+        _close(listener, fd, [first, second], clients)
 
     asyncio.run(main())
