@@ -8,6 +8,7 @@ version. Histograms (never summaries) so replicas can be summed. A backend makes
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import Metric
@@ -55,7 +56,7 @@ class LLMMetrics:
         self.waiting = gauge("num_requests_waiting", "Requests waiting for the engine")
         self.kv_cache_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1)")
 
-    def tracker(self, model: str, version: str) -> "GenerationTracker":
+    def tracker(self, model: str, version: str) -> GenerationTracker:
         return GenerationTracker(self, model, version)
 
     def set_engine_state(self, model: str, version: str, *, running: int, waiting: int, kv_cache_usage: float) -> None:
@@ -65,6 +66,9 @@ class LLMMetrics:
 
     def aborted(self, model: str, version: str) -> None:
         self.request_aborted.labels(model, version).inc()
+
+
+ITL_FLUSH_STEPS = 32  # a request's inter-token gaps reach its histogram at least every this many increments
 
 
 def observe_many(hist, value: float, count: int) -> None:
@@ -120,7 +124,8 @@ class EngineStateGauges:
 class GenerationTracker:
     """Timings of one generation; call :meth:`tokens` as increments arrive, :meth:`finish` at the end."""
 
-    __slots__ = ("_metrics", "_labels", "arrival", "_last", "_itl", "generated", "prompt_tokens")
+    __slots__ = ("_gaps", "_gaps_sum", "_itl", "_labels", "_last", "_metrics", "arrival", "generated",
+                 "prompt_tokens")
 
     def __init__(self, metrics: LLMMetrics, model: str, version: str, arrival: float | None = None) -> None:
         self._metrics = metrics
@@ -128,6 +133,11 @@ class GenerationTracker:
         self.arrival = arrival if arrival is not None else time.monotonic()
         self._last: float | None = None
         self._itl = None  # the inter-token latency histogram's child of these labels, once the first gap comes
+        # the gaps not yet in that histogram: a count per bucket (None: none held), their sum; written to it every
+        # ITL_FLUSH_STEPS increments and at the end, each step costing a bucket's search and an add, not a
+        # Histogram.observe (its locks, its loop over the buckets) per request per engine step
+        self._gaps: list[int] | None = None
+        self._gaps_sum = 0.0
         self.generated = 0
         self.prompt_tokens = 0
 
@@ -141,14 +151,40 @@ class GenerationTracker:
             m.time_to_first_token.labels(*self._labels).observe(now - self.arrival)
         else:  # an increment of several tokens spreads its gap evenly over them
             gap = (now - self._last) / count
-            hist = self._itl
-            if hist is None:
-                hist = self._itl = m.inter_token_latency.labels(*self._labels)
-            observe_many(hist, gap, count)
+            gaps = self._gaps
+            if gaps is None:
+                if self._itl is None:
+                    self._itl = m.inter_token_latency.labels(*self._labels)
+                if not _BULK_OBSERVE:
+                    observe_many(self._itl, gap, count)
+                    self._last = now
+                    self.generated += count
+                    return
+                gaps = self._gaps = [0] * (len(self._itl._upper_bounds) + 1)  # [-1]: the increments held
+            gaps[bisect_left(self._itl._upper_bounds, gap)] += count  # (the first bound >= gap, as observe)
+            self._gaps_sum += gap * count
+            gaps[-1] += 1
+            if gaps[-1] >= ITL_FLUSH_STEPS:
+                self._flush_gaps()
         self._last = now
         self.generated += count
 
+    def _flush_gaps(self) -> None:
+        """The gaps held into the inter-token latency histogram: what the ``observe`` calls would have left."""
+        gaps, self._gaps = self._gaps, None
+        if gaps is None:
+            return
+        hist = self._itl
+        hist._sum.inc(self._gaps_sum)
+        self._gaps_sum = 0.0
+        buckets = hist._buckets
+        for i in range(len(gaps) - 1):
+            if gaps[i]:
+                buckets[i].inc(gaps[i])
+
     def finish(self, prompt_tokens: int, queue_time: float | None = None, aborted: bool = False) -> None:
+        if self._gaps is not None:
+            self._flush_gaps()
         m, labels = self._metrics, self._labels
         self.prompt_tokens = prompt_tokens
         m.e2e_latency.labels(*labels).observe(time.monotonic() - self.arrival)
