@@ -212,6 +212,7 @@ class FrontendWorkers:
         self._balance: int | None = None  # the workers' table of open HTTP connections (workers/balance.py)
         self._grpc: socket.socket | None = None
         self._stopping = False
+        self._started = False  # every worker said Ready once (the snapshots say ready from then on)
         self._push_scheduled = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ticker: asyncio.Task | None = None
@@ -255,6 +256,8 @@ class FrontendWorkers:
         except RuntimeError as exc:
             await self.stop(grace=2.0)
             raise InternalError(f"{exc} (its error is in the log above)") from None
+        self._started = True
+        self.push_all()
         self._ticker = self._loop.create_task(self._tick())
 
     async def _spawn(self, index: int) -> _Link:
@@ -499,7 +502,10 @@ class FrontendWorkers:
         except Exception:
             log.exception("listing the adapters")
             adapters = []
-        link.send(p.Snapshot(dataplane.accepting, dataplane.ready(), dataplane.healthy(), index, lookups, fresh,
+        # ready once every worker said Ready: one that serves first (each builds its engine clients before it
+        # serves, workers/main.py) does not answer for the others still starting
+        link.send(p.Snapshot(dataplane.accepting, self._started and dataplane.ready(), dataplane.healthy(), index,
+                             lookups, fresh,
                              adapters, self._direct_snapshot()))
 
 
