@@ -59,7 +59,13 @@ def fill_limit(override: str | None = None) -> int:
     """How many connections each of the first :func:`takers` workers takes before the others take any:
     :data:`FILL_CONNECTIONS`, or ``override`` (``TIDESERVE_HTTP_FILL_CONNECTIONS``) where given (0: none, every
     worker takes its share from the first connection)."""
-    return FILL_CONNECTIONS if override in (None, "") else max(0, int(override))
+    if override in (None, ""):
+        return FILL_CONNECTIONS
+    try:
+        return max(0, int(override))
+    except ValueError:  # a worker that cannot start over a setting's typo would take the server's start with it
+        log.warning("TIDESERVE_HTTP_FILL_CONNECTIONS=%r is not an integer: ignored", override)
+        return FILL_CONNECTIONS
 
 
 def create_table(count: int) -> int:

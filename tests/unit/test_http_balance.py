@@ -92,6 +92,7 @@ def test_the_workers_that_take_first_depend_on_the_workers_against_the_cores():
     assert balance.fill_limit() == balance.fill_limit("") == balance.FILL_CONNECTIONS
     assert balance.fill_limit("6") == 6  # TIDESERVE_HTTP_FILL_CONNECTIONS decides where given
     assert balance.fill_limit("0") == 0
+    assert balance.fill_limit("many") == balance.FILL_CONNECTIONS  # not an integer: ignored (logged)
 
 
 def _acceptors(listener: socket.socket, fd: int, count: int, takers: int, fill: int):
