@@ -435,10 +435,10 @@ class _Client:
         if not changed and now - self._llm_read < ENGINE_VALUES_EVERY_S:
             return None
         self._llm_read = now
-        now = llm_values(metrics, (self.name, str(self.remote.version)))
-        sent, self._sent = self._sent, now
+        current = llm_values(metrics, (self.name, str(self.remote.version)))
+        sent, self._sent = self._sent, current
         out = {}
-        for name, values in now.items():
+        for name, values in current.items():
             before = sent.get(name)
             diff = values if before is None else [a - b for a, b in zip(values, before)]
             if any(diff):
