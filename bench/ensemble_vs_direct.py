@@ -38,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 
-from tideserve.bench.llm_servers import start_tideserve, stop_process, story_prompts
+from tideserve.bench.llm_servers import cpu_seconds, start_tideserve, stop_process, story_prompts
 
 EXAMPLE = ROOT / "model_repository"
 LLM_MODELS = ("llm", "llm_preprocess", "llm_postprocess", "llm_ensemble")
@@ -54,12 +54,6 @@ def write_repository(repo: Path, model_dir: Path, engine_args: dict) -> None:
         config = re.sub(r'("tokenizer_dir" value \{ string_value: )"[^"]*"', rf'\1"{model_dir}"', config)
         (repo / name / "config.pbtxt").write_text(config)
     (repo / "llm" / "1" / "model.json").write_text(json.dumps(engine_args, indent=2))
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of one process (not its children)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # -- the clients ----------------------------------------------------------------------------------

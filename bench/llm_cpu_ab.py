@@ -18,9 +18,14 @@ import asyncio
 import os
 import statistics
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+from tideserve.bench.llm_servers import cpu_seconds
 
 
 def _pids(core: int) -> list[int]:
@@ -30,12 +35,7 @@ def _pids(core: int) -> list[int]:
 
 
 def _cpu_s(pids: list[int]) -> float:
-    ticks = 0
-    for pid in pids:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        ticks += int(fields[11]) + int(fields[12])
-    return ticks / os.sysconf("SC_CLK_TCK")
+    return sum(cpu_seconds(pid) for pid in pids)
 
 
 async def _one(client: httpx.AsyncClient, port: int, tokens: int) -> int:
