@@ -30,6 +30,27 @@ async def _settle(acceptors, total: int) -> None:
     raise AssertionError([a.open for a in acceptors])
 
 
+def _acceptors(listener: socket.socket, fd: int, count: int, takers: int, fill: int):
+    tables = [balance.ConnectionTable(fd, i, count) for i in range(count)]
+    return [balance.BalancedAcceptor(socket.socket(fileno=os.dup(listener.fileno())), table, _Protocol, takers, fill)
+            for table in tables]
+
+
+def _close(listener, fd, acceptors, clients) -> None:
+    for acceptor in acceptors:
+        acceptor.close()
+        acceptor.sock.close()
+    for client in clients:
+        client.close()
+    listener.close()
+    os.close(fd)
+
+
+async def _connect(listener, acceptors, clients, count: int) -> None:
+    clients += [socket.create_connection(listener.getsockname()) for _ in range(count)]
+    await _settle(acceptors, len(clients))
+
+
 def test_connections_that_arrive_together_spread_evenly_and_closing_counts():
     async def main():
         listener = _listening()
@@ -50,13 +71,7 @@ def test_connections_that_arrive_together_spread_evenly_and_closing_counts():
                 break
             await asyncio.sleep(0.005)
         assert sum(a.open for a in acceptors) == 5
-        for acceptor in acceptors:
-            acceptor.close()
-            acceptor.sock.close()
-        for client in clients[3:]:
-            client.close()
-        listener.close()
-        os.close(fd)
+        _close(listener, fd, acceptors, clients[3:])
 
     asyncio.run(main())
 
@@ -72,12 +87,7 @@ def test_a_worker_alone_accepts_after_stepping_aside_at_most_max_defer():
         clients = [socket.create_connection(listener.getsockname()) for _ in range(3)]
         await _settle([acceptor], 3)
         assert acceptor.open == 3
-        acceptor.close()
-        acceptor.sock.close()
-        for client in clients:
-            client.close()
-        listener.close()
-        os.close(fd)
+        _close(listener, fd, [acceptor], clients)
 
     asyncio.run(main())
 
@@ -93,27 +103,6 @@ def test_the_workers_that_take_first_depend_on_the_workers_against_the_cores():
     assert balance.fill_limit("6") == 6  # TIDESERVE_HTTP_FILL_CONNECTIONS decides where given
     assert balance.fill_limit("0") == 0
     assert balance.fill_limit("many") == balance.FILL_CONNECTIONS  # not an integer: ignored (logged)
-
-
-def _acceptors(listener: socket.socket, fd: int, count: int, takers: int, fill: int):
-    tables = [balance.ConnectionTable(fd, i, count) for i in range(count)]
-    return [balance.BalancedAcceptor(socket.socket(fileno=os.dup(listener.fileno())), table, _Protocol, takers, fill)
-            for table in tables]
-
-
-def _close(listener, fd, acceptors, clients) -> None:
-    for acceptor in acceptors:
-        acceptor.close()
-        acceptor.sock.close()
-    for client in clients:
-        client.close()
-    listener.close()
-    os.close(fd)
-
-
-async def _connect(listener, acceptors, clients, count: int) -> None:
-    clients += [socket.create_connection(listener.getsockname()) for _ in range(count)]
-    await _settle(acceptors, len(clients))
 
 
 def test_the_first_workers_take_connections_evenly_until_full_then_every_worker_does():
