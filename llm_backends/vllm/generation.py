@@ -487,6 +487,8 @@ class _OutputSink:
         pending, collector.output = collector.output, None
         if pending is not None:
             sink.put(pending)
+        if steps.streaming and steps.typed:
+            _StepOutputs.install(state, sink)
         return sink
 
     def put(self, output) -> None:
@@ -507,6 +509,114 @@ class _OutputSink:
         if output.finished:
             self.closed = True
             done.set_result(None)
+
+
+_MAKE_OUTPUT_PARAMS = ("new_token_ids", "pooling_output", "finish_reason", "stop_reason", "kv_transfer_params",
+                       "ec_transfer_params", "error")
+
+
+def _fits_make_output() -> bool:
+    """Whether this vLLM's ``RequestState.make_request_output`` takes the arguments :class:`_StepOutputs` stands in
+    for (another release: vLLM's own method serves every step)."""
+    import inspect
+
+    try:
+        from vllm.v1.engine.output_processor import RequestState
+
+        names = tuple(inspect.signature(RequestState.make_request_output).parameters)[1:]
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return False
+    return names == _MAKE_OUTPUT_PARAMS
+
+
+_STEP_OUTPUTS = _fits_make_output()
+
+
+class _StepCompletion:
+    """The one completion of a :class:`_StepOutput`: the fields of vLLM's ``CompletionOutput`` a step is read for."""
+
+    __slots__ = ("cumulative_logprob", "finish_reason", "index", "logprobs", "stop_reason", "text", "token_ids")
+
+    def __init__(self) -> None:
+        self.index = 0
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.logprobs = None
+        self.cumulative_logprob = None
+        self.finish_reason = None
+        self.stop_reason = None
+
+
+class _StepOutput:
+    """A streamed request's unfinished step as :class:`_Steps` reads a ``RequestOutput`` (the same names), one object
+    per request filled again at each step: it is read within the step (the typed delta copies what it needs)."""
+
+    __slots__ = ("finished", "metrics", "num_cached_tokens", "outputs", "prompt", "prompt_logprobs",
+                 "prompt_token_ids", "request_id")
+
+    def __init__(self, state) -> None:
+        self.request_id = state.external_req_id
+        self.prompt = state.prompt
+        self.prompt_token_ids = state.prompt_token_ids
+        self.prompt_logprobs = None
+        self.outputs = [_StepCompletion()]
+        self.finished = False
+        self.metrics = state.stats
+        self.num_cached_tokens = state.num_cached_tokens
+
+
+class _StepOutputs:
+    """Stands in for vLLM's ``RequestState.make_request_output`` of one streamed typed request of one sequence (the
+    engine's output processor calls it per request per engine step): a step that does not finish the request goes
+    to the request's sink as a :class:`_StepOutput` filled in place, with no ``RequestOutput`` and
+    ``CompletionOutput`` made per step only to be read back into the typed delta. What it reads is what vLLM's
+    method reads for such a step (``RequestOutputKind.DELTA``, a stream interval of 1, no parent request): the
+    detokenizer's new text, the new tokens' log probabilities, the cumulative log probability, the prompt's log
+    probabilities popped once. The step that finishes the request (a stop, a length, a stop string, an abort), a
+    step with transfer parameters, an error or a sampling mask, and anything else are vLLM's own method's: the
+    request's last output is vLLM's ``RequestOutput``, as before."""
+
+    __slots__ = ("make", "output", "sink", "state")
+
+    def __init__(self, state, sink: _OutputSink) -> None:
+        self.state = state
+        self.sink = sink
+        self.make = state.make_request_output  # vLLM's own (bound) method
+        self.output = _StepOutput(state)
+
+    @classmethod
+    def install(cls, state, sink: _OutputSink) -> None:
+        if (not _STEP_OUTPUTS or state.parent_req is not None or state.stream_interval != 1
+                or state.output_kind != RequestOutputKind.DELTA or state.streaming_input
+                or state.detokenizer is None or state.logprobs_processor is None or state.prompt_token_ids is None):
+            return
+        state.make_request_output = cls(state, sink).__call__
+
+    def __call__(self, new_token_ids, pooling_output, finish_reason, stop_reason, kv_transfer_params=None,
+                 ec_transfer_params=None, error=None):
+        state = self.state
+        if (finish_reason is not None or pooling_output is not None or kv_transfer_params is not None
+                or ec_transfer_params is not None or error is not None or state.sampling_mask_chunks):
+            if finish_reason is not None:  # the request's last output: vLLM's method again (and no cycle left)
+                state.__dict__.pop("make_request_output", None)
+            return self.make(new_token_ids, pooling_output, finish_reason, stop_reason, kv_transfer_params,
+                             ec_transfer_params, error=error)
+        processor = state.logprobs_processor
+        output = self.output
+        completion = output.outputs[0]
+        completion.text = state.detokenizer.get_next_output_text(False, True)
+        completion.token_ids = new_token_ids
+        logprobs = processor.logprobs
+        if logprobs:
+            count = len(new_token_ids)
+            logprobs = logprobs[-count:] if count else logprobs[:0]
+        completion.logprobs = logprobs
+        completion.cumulative_logprob = processor.cumulative_logprob
+        output.prompt_logprobs = processor.pop_prompt_logprobs()
+        processor.pop_prompt_token_id_logprobs()
+        output.num_cached_tokens = state.num_cached_tokens
+        self.sink.put(output)
+        return None  # (taken: the output processor puts nothing in the request's queue)
 
 
 class Generator:

@@ -402,3 +402,88 @@ async def test_prompts_fail_rather_than_hang_when_the_tokenizer_thread_is_gone()
     results = await asyncio.wait_for(asyncio.gather(*(tokenizing.render(p, None) for p in "ab"),
                                                     return_exceptions=True), 5)
     assert all(isinstance(r, RuntimeError) for r in results)
+
+
+# -- a streamed request's steps without vLLM's per-step output objects ---------------------------------------------
+class _Detokenizer:
+    """vLLM's incremental detokenizer as a request's state reads it for an output: the text not handed out yet."""
+
+    def __init__(self) -> None:
+        self.output_text = ""
+        self._offset = 0
+
+    def get_next_output_text(self, finished: bool, delta: bool) -> str:
+        text, self._offset = self.output_text[self._offset:], len(self.output_text)
+        return text
+
+    def num_output_tokens(self) -> int:  # (read by the finishing step)
+        return 0
+
+
+class _Logprobs:
+    """vLLM's logprobs processor as a request's state reads it for an output."""
+
+    def __init__(self) -> None:
+        self.logprobs: list | None = []
+        self.cumulative_logprob: float | None = 0.0
+        self.prompt_logprobs: list | None = [None, {8: -1.0}]
+        self.prompt_token_id_logprobs = None
+
+    def pop_prompt_logprobs(self):
+        found = self.prompt_logprobs
+        if found:
+            self.prompt_logprobs = []
+        return found
+
+    def pop_prompt_token_id_logprobs(self):
+        found, self.prompt_token_id_logprobs = self.prompt_token_id_logprobs, None
+        return found
+
+
+def _request_state(logprobs: bool):
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.output_processor import RequestState
+
+    processor = _Logprobs()
+    if not logprobs:
+        processor.logprobs = None
+    return RequestState("r-1", "llm-1", None, 0, None, RequestOutputKind.DELTA, "Hi", [7, 8], None, processor,
+                        _Detokenizer(), 16, 0.0, None, False, 1)
+
+
+@pytest.mark.parametrize("logprobs", [True, False])
+def test_step_outputs_read_what_vllms_request_output_holds(logprobs):
+    """A streamed typed request's unfinished steps reach its sink without vLLM's ``RequestOutput``: each step reads
+    as the one vLLM's ``make_request_output`` makes from the same state (text, tokens, log probabilities, the
+    prompt's log probabilities once); the finishing step is vLLM's own output, after which the state's method is
+    vLLM's again."""
+    from tideserve.llm_backends.vllm import generation
+
+    assert generation._STEP_OUTPUTS  # this vLLM's make_request_output takes the arguments the stand-in takes
+    theirs, ours = _request_state(logprobs), _request_state(logprobs)
+    seen: list[dict] = []
+
+    def fields(output) -> dict:
+        (completion,) = output.outputs
+        return {"request_id": output.request_id, "prompt": output.prompt, "prompt_ids": output.prompt_token_ids,
+                "prompt_logprobs": output.prompt_logprobs, "finished": output.finished,
+                "cached": output.num_cached_tokens, "metrics": output.metrics, "index": completion.index,
+                "text": completion.text, "token_ids": list(completion.token_ids), "logprobs": completion.logprobs,
+                "cumulative": completion.cumulative_logprob, "finish_reason": completion.finish_reason}
+
+    sink = SimpleNamespace(put=lambda output: seen.append(fields(output)))
+    generation._StepOutputs.install(ours, sink)
+    assert "make_request_output" in vars(ours)
+    steps = [(" a", [5]), (" b c", [6, 7]), ("", [])]
+    for text, tokens in steps:
+        for state in (theirs, ours):
+            state.detokenizer.output_text += text
+            if state.logprobs_processor.logprobs is not None:
+                state.logprobs_processor.logprobs.extend({token: -0.5} for token in tokens)
+                state.logprobs_processor.cumulative_logprob -= 0.5 * len(tokens)
+        expected = fields(theirs.make_request_output(list(tokens), None, None, None))
+        assert ours.make_request_output(list(tokens), None, None, None) is None  # (handed to the sink)
+        assert seen.pop() == expected
+    last = ours.make_request_output([9], None, "length", None)
+    assert last.finished and last.outputs[0].finish_reason == "length" and last.outputs[0].token_ids == [9]
+    assert "make_request_output" not in vars(ours) and not seen
