@@ -38,6 +38,8 @@ class InstanceSlot:
         self.instance = instance
         self.is_async = inspect.iscoroutinefunction(instance.execute)
         self.hands_over = not self.is_async and instance.releases_gil  # see _run_in_thread
+        # it takes its next batch while it runs one (ModelInstance.submit): see ModelRuntime._execute_ahead
+        self.queues = getattr(type(instance), "submit", ModelInstance.submit) is not ModelInstance.submit
         self.last_run_ns = 0  # how long its last batch took (execute, hand-overs included)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=instance.ctx.name)
         self.limits = None  # what the rate limiter makes it wait for (schedulers/rate_limiter.py), if on
@@ -56,6 +58,9 @@ HANDOVER_WAIT_S = 0.002
 # Only an instance whose last batch ran this long is handed the GIL: for a model that runs in microseconds the
 # thread's wait for the GIL is no idle worth a forced switch per batch.
 HANDOVER_MIN_RUN_NS = 1_000_000
+# Only an instance whose last batch ran (and came back) within this long is handed its next full batch while it runs
+# one: a batch then waits behind a short run at most, never behind a long one while another instance frees up.
+QUEUE_AHEAD_MAX_RUN_NS = 2_000_000
 
 
 def _run_in_thread(slot: InstanceSlot, requests: list[InferenceRequest], take=None) -> asyncio.Future:
@@ -286,6 +291,11 @@ class ModelRuntime:
         start = time.monotonic_ns()
         self._started(requests, start)
         follow = None
+        if slot.queues and record:
+            offer = self._offer(slot)
+            if offer is not None:
+                await self._execute_ahead(slot, requests, start, offer)
+                return
         try:
             if slot.is_async:
                 result = await slot.instance.execute(requests)
@@ -312,6 +322,55 @@ class ModelRuntime:
                 log.debug("model '%s' execute raised", self.name, exc_info=True)
                 result, error = None, as_server_error(exc)
             self._ended(slot, requests, start, result, error, record)
+
+    def _offer(self, slot: InstanceSlot):
+        """The scheduler's ``offer`` where it may hand this instance its next full batch while it runs one: the
+        dynamic batcher, no rate limiter, no hold (as :meth:`_taker`)."""
+        if self.rate_limiter is not None or slot.limits is not None or slot.instance.hold is not None:
+            return None
+        return getattr(getattr(self, "scheduler", None), "offer", None)
+
+    async def _execute_ahead(self, slot: InstanceSlot, requests: list[InferenceRequest], start: int, offer) -> None:
+        """Run batches on an instance that takes the next one while it runs one (``ModelInstance.submit``: a model
+        process runs what it is sent in order, its responses reach each request's sender as they come): while a
+        batch runs, the scheduler may hand this instance the next full batch (``offer``), which goes out at once, so
+        that the instance starts it as soon as the running one ends instead of waiting for the loop to hear of the
+        end and send the next. Such a batch's queue time runs until the one before it ends."""
+        withdraw = self.scheduler.withdraw
+        try:
+            done, error = slot.instance.submit(requests), None
+        except Exception as exc:  # noqa: BLE001 - the instance cannot take it (its process is gone)
+            done, error = None, as_server_error(exc)
+        while True:
+            taken: list = []
+
+            def send(batch: list[InferenceRequest], taken=taken) -> None:
+                try:
+                    taken.append((batch, slot.instance.submit(batch)))
+                except Exception as exc:  # noqa: BLE001 - the instance cannot take it: answered as its run
+                    taken.append((batch, exc))
+
+            if done is not None:
+                if slot.last_run_ns < QUEUE_AHEAD_MAX_RUN_NS:
+                    offer(send)
+                try:
+                    await done
+                except Exception as exc:
+                    log.debug("model '%s' execute raised", self.name, exc_info=True)
+                    error = as_server_error(exc)
+                finally:
+                    if not taken:
+                        withdraw(send)
+            self._ended(slot, requests, start, None, error, True)
+            if not taken:
+                return
+            (requests, sent), = taken
+            start = time.monotonic_ns()
+            self._started(requests, start)
+            if isinstance(sent, Exception):
+                done, error = None, as_server_error(sent)
+            else:
+                done, error = sent, None
 
     def _taker(self, slot: InstanceSlot):
         """What lets the instance's thread take its next batch itself (the dynamic batcher's ``take_ready``), where

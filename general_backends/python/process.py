@@ -186,7 +186,10 @@ class ProcessInstance(ModelInstance):
                   (time.monotonic() - started) * 1e3)
 
     async def execute(self, requests: list[CoreRequest]) -> None:
-        await self.process.execute(requests)
+        await self.process.submit(requests)
+
+    def submit(self, requests: list[CoreRequest]) -> asyncio.Future:
+        return self.process.submit(requests)
 
     async def finalize(self) -> None:
         if self.process is not None:
@@ -383,6 +386,12 @@ class ModelProcess:
     # -- requests -----------------------------------------------------------------------------------
     async def execute(self, requests: list[CoreRequest]) -> None:
         """Run one batch in the process; the responses reach each request's sender as they come."""
+        await self.submit(requests)
+
+    def submit(self, requests: list[CoreRequest]) -> asyncio.Future:
+        """Send one batch to the process; the future is done once it has run (the responses reach each request's
+        sender as they come). The process runs the batches it is sent in order: one sent while another runs
+        starts as that one ends, without waiting for the loop."""
         if self.failure is not None:
             raise self.failure
         batch = next(self._ids)
@@ -402,7 +411,7 @@ class ModelProcess:
                 self._rescheduled.discard(rid)
             else:
                 request.cancellation.add_callback(partial(self._cancel, rid))
-        await done
+        return done
 
     def _cancel(self, rid: int) -> None:
         if threading.get_ident() != self._loop_thread:

@@ -86,6 +86,8 @@ class DynamicBatcher(Scheduler):
         self._stopped = False
         self._gate = OrderGate() if batching.preserve_ordering else None
         self._hold = held_until(DELAY_SCHEDULER_ENV)  # Triton's test hook: no batch until this many are queued
+        # offers of instances that run a batch and can take the next full one (offer): the earliest first
+        self._ahead: collections.deque = collections.deque()
 
     # -- queueing ------------------------------------------------------------------------
     def enqueue(self, request: InferenceRequest) -> None:
@@ -102,6 +104,8 @@ class DynamicBatcher(Scheduler):
             delay = (entry.deadline_ns - time.monotonic_ns()) / 1e9
             running_loop().call_later(max(delay, 0.0), self._on_deadline)
         self._wake()
+        if self._ahead and len(level.queue) >= self.max_batch_size:  # (as _may_fill)
+            self._fill_ahead()
 
     def _on_deadline(self) -> None:
         with self._mutex:
@@ -254,7 +258,45 @@ class DynamicBatcher(Scheduler):
                             wait_until = deadline
                 await self._sleep(max(0.0, (wait_until - now) / 1e9) if wait_until else None)
 
-    def take_ready(self) -> list[InferenceRequest] | None:
+    def take_full(self) -> list[InferenceRequest] | None:
+        """A batch that is ready and cannot grow (full, or the next queued request cannot join it), for an instance that
+        runs one now and starts this one as soon as that one ends (:meth:`ModelInstance.submit`): with every instance
+        busy, waiting could not change what the batch holds, only when it starts. None as :meth:`take_ready`."""
+        return self.take_ready(full=True)
+
+    def offer(self, send) -> None:
+        """``send(batch)`` takes the next full batch (:meth:`take_full`) while its instance runs one: called at
+        once if one is there, else when a request fills one, unless an instance takes it first; once."""
+        if self._may_fill():
+            batch = self.take_full()
+            if batch:
+                send(batch)
+                return
+        self._ahead.append(send)
+
+    def _may_fill(self) -> bool:
+        """Whether some queue holds at least ``max_batch_size`` requests: a full batch's rows at the least (a
+        cheap test before :meth:`take_full`; a full batch of multi-row requests in fewer waits for a free instance)."""
+        for level in self.levels.values():
+            if len(level.queue) >= self.max_batch_size:
+                return True
+        return False
+
+    def withdraw(self, send) -> None:
+        """An offer (:meth:`offer`) not taken up, withdrawn (its instance's run ended)."""
+        try:
+            self._ahead.remove(send)
+        except ValueError:
+            pass
+
+    def _fill_ahead(self) -> None:
+        while self._ahead:
+            batch = self.take_full()
+            if not batch:
+                return
+            self._ahead.popleft()(batch)
+
+    def take_ready(self, full: bool = False) -> list[InferenceRequest] | None:
         """The next batch for an instance's thread whose run just ended (any thread): the batch
         :meth:`next_batch` would form now, if it is ready now and no instance's worker waits in ``next_batch`` for
         one (an idle instance takes it there). None leaves the batching to the workers: none ready, an idle
@@ -266,7 +308,7 @@ class DynamicBatcher(Scheduler):
             if self._form_lock.locked():
                 return None
             picked, rows, blocked = self._candidate()
-            if not picked or not self._ready(picked, rows, blocked, time.monotonic_ns()):
+            if not picked or (not blocked if full else not self._ready(picked, rows, blocked, time.monotonic_ns())):
                 return None
             for entry in picked:
                 if entry.deadline_ns or entry.request.is_cancelled():
