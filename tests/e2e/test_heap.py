@@ -10,6 +10,7 @@ import pytest
 from support import free_port
 from in_process import InProcessServer
 
+from tideserve import heap
 from tideserve.app import ServerOptions
 from tideserve.repository import ControlMode
 
@@ -23,8 +24,10 @@ def test_the_command_freezes_the_heap_after_loading(server):
 @pytest.fixture()
 def unfrozen():
     gc.unfreeze()
-    yield
+    threshold = gc.get_threshold()
+    yield threshold
     gc.unfreeze()  # give the test process its heap back
+    gc.set_threshold(*threshold)
 
 
 def test_explicit_load_and_unload_freeze_again(tmp_path, unfrozen):
@@ -35,6 +38,9 @@ def test_explicit_load_and_unload_freeze_again(tmp_path, unfrozen):
     running = InProcessServer(options)
     try:
         assert gc.get_freeze_count() > 0  # frozen at start-up, with no model loaded yet
+        # the youngest generation collected less often (the requests in flight are not walked every few dozen)
+        assert gc.get_threshold()[0] == max(unfrozen[0], heap.YOUNG_THRESHOLD)
+        assert gc.get_threshold()[1:] == unfrozen[1:]
         for change in (running.server.dataplane.load_model, running.server.dataplane.unload_model):
             gc.unfreeze()
             running.call(change("add_sub"))
@@ -49,5 +55,6 @@ def test_embedded_servers_leave_the_heap_alone(tmp_path, unfrozen):
     running = InProcessServer(options)
     try:
         assert gc.get_freeze_count() == 0
+        assert gc.get_threshold() == unfrozen
     finally:
         running.stop()
