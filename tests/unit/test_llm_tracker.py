@@ -37,3 +37,37 @@ def test_held_gaps_reach_the_histogram_as_observations_would(monkeypatch):
            for k, v in _samples(m.inter_token_latency).items() if "_created" not in k}
     want = {k: v for k, v in _samples(expected).items() if "_created" not in k}
     assert got.keys() == want.keys() and all(abs(got[k] - want[k]) < 1e-9 for k in want)
+
+
+def test_observe_all_leaves_the_histogram_as_one_observe_per_value():
+    bounds = (0.001, 0.01, 0.1, 1.0)
+    got = Histogram("got", "", ["model_name"], registry=None, buckets=bounds).labels("llm")
+    want = Histogram("want", "", ["model_name"], registry=None, buckets=bounds).labels("llm")
+    values = [0.0092] * 50 + [0.001, 0.0, 0.01, 0.5, 3.0, 0.1000001]
+    metrics.observe_all(got, values)
+    for value in values:
+        want.observe(value)
+    got_samples = {k.replace("got", "want"): v for k, v in _samples(got).items() if "_created" not in k}
+    want_samples = {k: v for k, v in _samples(want).items() if "_created" not in k}
+    assert got_samples.keys() == want_samples.keys()
+    assert all(abs(got_samples[k] - want_samples[k]) < 1e-9 for k in want_samples)
+
+
+def test_vllm_prometheus_logger_writes_the_steps_latencies_together(monkeypatch):
+    """vLLM's Prometheus logger (``llm_backends/vllm/prometheus.py``) gets the step's stats without the inter-token
+    latencies, which go into its histogram together; the loggers after it read the stats as they came."""
+    from types import SimpleNamespace
+
+    from tideserve.llm_backends.vllm import prometheus
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    seen = []
+    monkeypatch.setattr(PrometheusStatLogger, "record",
+                        lambda self, scheduler, iteration, mm=None, engine_idx=0: seen.append(
+                            list(iteration.inter_token_latencies_iter)))
+    hist = Histogram("itl", "", ["engine"], registry=None, buckets=(0.01, 0.1)).labels("0")
+    logger = SimpleNamespace(histogram_inter_token_latency={0: hist})
+    stats = SimpleNamespace(inter_token_latencies_iter=[0.005, 0.005, 0.05])
+    prometheus._record(logger, None, stats)
+    assert seen == [[]] and stats.inter_token_latencies_iter == [0.005, 0.005, 0.05]
+    assert _samples(hist)["itl_count"] == 3 and _samples(hist)["itl_bucket0.01"] == 2
