@@ -106,6 +106,26 @@ def observe_all(hist, values) -> None:
             buckets[i].inc(count)
 
 
+def record_latencies_together(logger, base: type, scheduler_stats, iteration_stats, mm_cache_stats=None,
+                              engine_idx: int = 0):
+    """``base.record`` (vLLM's ``PrometheusStatLogger``) for ``logger`` (llm_backends/vllm/prometheus.py installs this
+    as the method of its subclass), the step's inter-token latencies (one per running request) written into
+    ``vllm:inter_token_latency_seconds`` together (:func:`observe_all`: the same bucket counts and count as vLLM's
+    ``observe`` per value, which took a lock and a loop over the buckets per request per engine step); the loggers
+    after it read the step's stats as they came."""
+    latencies = getattr(iteration_stats, "inter_token_latencies_iter", None)
+    families = getattr(logger, "histogram_inter_token_latency", None)  # (another vLLM release: its own record)
+    if not latencies or families is None or not _BULK_OBSERVE:
+        return base.record(logger, scheduler_stats, iteration_stats, mm_cache_stats, engine_idx)
+    iteration_stats.inter_token_latencies_iter = []
+    try:
+        base.record(logger, scheduler_stats, iteration_stats, mm_cache_stats, engine_idx)
+    finally:
+        iteration_stats.inter_token_latencies_iter = latencies
+    observe_all(families[engine_idx], latencies)
+    return None
+
+
 def _bulk_observe_works() -> bool:
     """Whether this prometheus_client's Histogram has the members :func:`observe_many` writes to (its own, not an
     API: a release that renames them gets ``count`` ``observe`` calls instead)."""

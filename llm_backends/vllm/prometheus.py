@@ -11,11 +11,11 @@ Nothing is recomputed here: the engine's logger records every value.
 
 from __future__ import annotations
 
-from functools import partial
+from functools import partial, partialmethod
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import Metric
-from tideserve.llm_backends.metrics import _BULK_OBSERVE, observe_all
+from tideserve.llm_backends.metrics import record_latencies_together
 from vllm.v1.metrics.loggers import PrometheusStatLogger
 
 _METRIC_CLASSES = {"_gauge_cls": Gauge, "_counter_cls": Counter, "_histogram_cls": Histogram}
@@ -31,26 +31,12 @@ def _registering_in(cls: type, registry: CollectorRegistry) -> type:
     return type(cls.__name__, (cls,), overrides)
 
 
-def _record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
-    """``PrometheusStatLogger.record``, the step's inter-token latencies (one per running request) written into
-    ``vllm:inter_token_latency_seconds`` together (:func:`observe_all`: the same bucket counts and sum as vLLM's
-    ``observe`` per value, which took a lock and a loop over the buckets per request per engine step)."""
-    latencies = getattr(iteration_stats, "inter_token_latencies_iter", None)
-    families = getattr(self, "histogram_inter_token_latency", None)  # (another vLLM release: its own record)
-    if not latencies or families is None or not _BULK_OBSERVE:
-        return PrometheusStatLogger.record(self, scheduler_stats, iteration_stats, mm_cache_stats, engine_idx)
-    iteration_stats.inter_token_latencies_iter = []
-    try:
-        PrometheusStatLogger.record(self, scheduler_stats, iteration_stats, mm_cache_stats, engine_idx)
-    finally:
-        iteration_stats.inter_token_latencies_iter = latencies  # (the loggers after this one read it as it was)
-    observe_all(families[engine_idx], latencies)
-
-
 def prometheus_logger(registry: CollectorRegistry) -> type[PrometheusStatLogger]:
     """A ``PrometheusStatLogger`` class (a stat-logger factory for ``AsyncLLM``) writing into ``registry``."""
     overrides = {attr: partial(metric, registry=registry) for attr, metric in _METRIC_CLASSES.items()}
-    overrides["record"] = _record
+    # the step's inter-token latencies written together (the function is metrics.py's, a file the token path crosses
+    # anyway: llm_path counts the files a streamed token's work runs in)
+    overrides["record"] = partialmethod(record_latencies_together, PrometheusStatLogger)
     for helper in _HELPERS:
         base = getattr(PrometheusStatLogger, helper, None)
         if isinstance(base, type):

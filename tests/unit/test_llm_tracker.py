@@ -58,16 +58,17 @@ def test_vllm_prometheus_logger_writes_the_steps_latencies_together(monkeypatch)
     latencies, which go into its histogram together; the loggers after it read the stats as they came."""
     from types import SimpleNamespace
 
-    from tideserve.llm_backends.vllm import prometheus
-    from vllm.v1.metrics.loggers import PrometheusStatLogger
+    from tideserve.llm_backends.vllm.prometheus import prometheus_logger
 
     seen = []
-    monkeypatch.setattr(PrometheusStatLogger, "record",
+    logger_class = prometheus_logger(CollectorRegistry())
+    hist = Histogram("itl", "", ["engine"], registry=None, buckets=(0.01, 0.1)).labels("0")
+    logger = logger_class.__new__(logger_class)  # (no engine config: only record is called)
+    logger.histogram_inter_token_latency = {0: hist}
+    monkeypatch.setattr(logger_class.__mro__[1], "record",  # vLLM's own record: what it was handed
                         lambda self, scheduler, iteration, mm=None, engine_idx=0: seen.append(
                             list(iteration.inter_token_latencies_iter)))
-    hist = Histogram("itl", "", ["engine"], registry=None, buckets=(0.01, 0.1)).labels("0")
-    logger = SimpleNamespace(histogram_inter_token_latency={0: hist})
     stats = SimpleNamespace(inter_token_latencies_iter=[0.005, 0.005, 0.05])
-    prometheus._record(logger, None, stats)
+    logger.record(None, stats)
     assert seen == [[]] and stats.inter_token_latencies_iter == [0.005, 0.005, 0.05]
     assert _samples(hist)["itl_count"] == 3 and _samples(hist)["itl_bucket0.01"] == 2
