@@ -177,13 +177,6 @@ class ModelInstance:
     # waits on a BLS call): its scheduler hands it no batch until the event is set
     hold: asyncio.Event | None = None
 
-    def submit(self, requests: "list[InferenceRequest]") -> "asyncio.Future | None":
-        """An instance that runs its batches in order elsewhere (a model process) sends ``requests`` now and returns
-        a future done when they have run (``await`` it as ``execute``; the responses go through each request's
-        sender); it may be handed the next batch while one runs, which it starts as soon as that one ends. The
-        base class's (not overridden): the instance takes one batch at a time, through :meth:`execute`."""
-        return None
-
     def __init__(self, model: "Model", ctx: InstanceContext) -> None:
         self.model = model
         self.ctx = ctx
@@ -193,6 +186,13 @@ class ModelInstance:
 
     def execute(self, requests: "list[InferenceRequest]") -> "list[InferenceResponse] | None":
         raise NotImplementedError(f"{type(self).__name__} does not implement execute()")
+
+    def submit(self, requests: "list[InferenceRequest]") -> "asyncio.Future | None":
+        """An instance that runs its batches in order elsewhere (a model process) sends ``requests`` now and returns
+        a future done when they have run (``await`` it as ``execute``; the responses go through each request's
+        sender); it may be handed the next batch while one runs, which it starts as soon as that one ends. The
+        base class's (not overridden): the instance takes one batch at a time, through :meth:`execute`."""
+        return None
 
     def finalize(self) -> None:
         """Release what :meth:`initialize` acquired."""
