@@ -292,7 +292,7 @@ class ModelRuntime:
         self._started(requests, start)
         follow = None
         if slot.queues and record:
-            offer = self._offer(slot)
+            offer = self._batcher_hook(slot, "offer")
             if offer is not None:
                 await self._execute_ahead(slot, requests, start, offer)
                 return
@@ -300,7 +300,7 @@ class ModelRuntime:
             if slot.is_async:
                 result = await slot.instance.execute(requests)
             elif slot.hands_over and slot.last_run_ns >= HANDOVER_MIN_RUN_NS:
-                result, follow = await _run_in_thread(slot, requests, self._taker(slot) if record else None)
+                result, follow = await _run_in_thread(slot, requests, self._batcher_hook(slot, "take_ready") if record else None)
             else:
                 result = await asyncio.get_running_loop().run_in_executor(
                     slot.executor, slot.instance.execute, requests)
@@ -322,13 +322,6 @@ class ModelRuntime:
                 log.debug("model '%s' execute raised", self.name, exc_info=True)
                 result, error = None, as_server_error(exc)
             self._ended(slot, requests, start, result, error, record)
-
-    def _offer(self, slot: InstanceSlot):
-        """The scheduler's ``offer`` where it may hand this instance its next full batch while it runs one: the
-        dynamic batcher, no rate limiter, no hold (as :meth:`_taker`)."""
-        if self.rate_limiter is not None or slot.limits is not None or slot.instance.hold is not None:
-            return None
-        return getattr(getattr(self, "scheduler", None), "offer", None)
 
     async def _execute_ahead(self, slot: InstanceSlot, requests: list[InferenceRequest], start: int, offer) -> None:
         """Run batches on an instance that takes the next one while it runs one (``ModelInstance.submit``: a model
@@ -372,12 +365,14 @@ class ModelRuntime:
             else:
                 done, error = sent, None
 
-    def _taker(self, slot: InstanceSlot):
-        """What lets the instance's thread take its next batch itself (the dynamic batcher's ``take_ready``), where
-        nothing else decides when an instance runs: no rate limiter, no hold (direct instances)."""
+    def _batcher_hook(self, slot: InstanceSlot, name: str):
+        """The dynamic batcher's ``name`` method where the instance may be handed its next batch outside the batcher's
+        workers — ``take_ready`` (its thread takes the next ready batch itself) or ``offer`` (its next full batch sent
+        while it runs one) — as long as nothing else decides when it runs: no rate limiter, no hold (direct
+        instances). None otherwise, or for another scheduler."""
         if self.rate_limiter is not None or slot.limits is not None or slot.instance.hold is not None:
             return None
-        return getattr(getattr(self, "scheduler", None), "take_ready", None)
+        return getattr(getattr(self, "scheduler", None), name, None)
 
     def _started(self, requests: list[InferenceRequest], start: int) -> None:
         """Record the queue time of a batch that starts at ``start``, and its traces' compute start."""

@@ -109,9 +109,12 @@ def write_model(repo: Path, name: str, *, max_batch_size: int = 8, dims: str = "
     return model_dir
 
 
-async def start_core(repo: Path, mode: ControlMode = ControlMode.NONE, load=()) -> DataPlane:
+async def start_core(repo: Path, mode: ControlMode = ControlMode.NONE, load=(),
+                     registry: BackendRegistry | None = None) -> DataPlane:
+    """A started core over ``repo`` (its repository: ``dataplane.repository``), the toy backends' registry or
+    ``registry``."""
     metrics = Metrics()
-    repository = ModelRepository([repo], toy_registry(), metrics, mode, list(load))
+    repository = ModelRepository([repo], registry or toy_registry(), metrics, mode, list(load))
     dataplane = DataPlane(repository, metrics)
     repository.handles = dataplane.server_handles()
     await repository.start()

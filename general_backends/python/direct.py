@@ -67,7 +67,7 @@ class _Runtime:
     """What the schedulers and ``ModelRuntime.execute`` read of a model version: here, this one instance."""
 
     execute = ModelRuntime.execute
-    _started, _ended, _taker = ModelRuntime._started, ModelRuntime._ended, ModelRuntime._taker
+    _started, _ended, _batcher_hook = ModelRuntime._started, ModelRuntime._ended, ModelRuntime._batcher_hook
     _send_returned = ModelRuntime._send_returned
     rate_limiter = None
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
-from toy_backends import BATCHES, SumInstance, collect, instance_backend, sum_request, wait_for, write_model
+from toy_backends import BATCHES, SumInstance, collect, instance_backend, start_core, sum_request, wait_for, write_model
 
 LOG: list[tuple] = []  # ("submit", ids, busy when sent) / ("start", ids, instance)
 
@@ -48,20 +48,20 @@ class QueuedSum(SumInstance):
 
 async def start(tmp_path, instances: int, delay_us: int):
     from tideserve.backend import BackendRegistry
-    from tideserve.dataplane import DataPlane
-    from tideserve.repository import ControlMode, ModelRepository
-    from tideserve.stats import Metrics
 
     write_model(tmp_path, "m", max_batch_size=4, instances=instances,
                 extra=f"dynamic_batching {{ max_queue_delay_microseconds: {delay_us} }}", params={"run_ms": "100"})
     registry = BackendRegistry()
     registry.register("toy", instance_backend(QueuedSum))
-    metrics = Metrics()
-    repository = ModelRepository([tmp_path], registry, metrics, ControlMode.NONE, [])
-    dataplane = DataPlane(repository, metrics)
-    repository.handles = dataplane.server_handles()
-    await repository.start()
-    return dataplane, repository
+    dataplane = await start_core(tmp_path, registry=registry)
+    return dataplane, dataplane.repository
+
+
+async def first_running(dataplane) -> asyncio.Task:
+    """Request 0 sent, once its batch has started on an instance."""
+    first = asyncio.create_task(collect(dataplane, sum_request("m", 0, value=0)))
+    await wait_for(lambda: any(e[0] == "start" for e in LOG))
+    return first
 
 
 def check(results, ids) -> None:
@@ -76,8 +76,7 @@ async def test_a_full_batch_goes_to_the_busy_instance_and_one_that_can_grow_wait
     LOG.clear()
     dataplane, repository = await start(tmp_path, instances=1, delay_us=0)
     try:
-        first = asyncio.create_task(collect(dataplane, sum_request("m", 0, value=0)))
-        await wait_for(lambda: any(e[0] == "start" for e in LOG))
+        first = await first_running(dataplane)
         full = [asyncio.create_task(collect(dataplane, sum_request("m", i, value=i))) for i in range(1, 5)]
         await wait_for(lambda: len([e for e in LOG if e[0] == "submit"]) == 2)
         more = [asyncio.create_task(collect(dataplane, sum_request("m", i, value=i))) for i in range(5, 7)]
@@ -100,8 +99,7 @@ async def test_an_idle_instance_takes_a_full_batch_not_the_busy_one(tmp_path):
     # a long window: the idle instance's worker waits in the batcher while the requests gather
     dataplane, repository = await start(tmp_path, instances=2, delay_us=100_000)
     try:
-        first = asyncio.create_task(collect(dataplane, sum_request("m", 0, value=0)))
-        await wait_for(lambda: any(e[0] == "start" for e in LOG))
+        first = await first_running(dataplane)
         busy = next(e[2] for e in LOG if e[0] == "start")
         full = [asyncio.create_task(collect(dataplane, sum_request("m", i, value=i))) for i in range(1, 5)]
         results = await asyncio.gather(first, *full)

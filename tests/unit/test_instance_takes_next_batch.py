@@ -7,7 +7,7 @@ import asyncio
 import threading
 
 import numpy as np
-from toy_backends import BATCHES, SumInstance, collect, instance_backend, sum_request, wait_for, write_model
+from toy_backends import BATCHES, SumInstance, collect, instance_backend, start_core, sum_request, wait_for, write_model
 
 
 class ThreadedSum(SumInstance):
@@ -18,19 +18,12 @@ class ThreadedSum(SumInstance):
 
 async def start(tmp_path, instances: int = 1, extra: str = "dynamic_batching { }"):
     from tideserve.backend import BackendRegistry
-    from tideserve.dataplane import DataPlane
-    from tideserve.repository import ControlMode, ModelRepository
-    from tideserve.stats import Metrics
 
     write_model(tmp_path, "m", instances=instances, extra=extra, params={"delay_ms": "40", "kind": "threaded"})
     registry = BackendRegistry()
     registry.register("toy", instance_backend({"threaded": ThreadedSum}))
-    metrics = Metrics()
-    repository = ModelRepository([tmp_path], registry, metrics, ControlMode.NONE, [])
-    dataplane = DataPlane(repository, metrics)
-    repository.handles = dataplane.server_handles()
-    await repository.start()
-    return dataplane, repository
+    dataplane = await start_core(tmp_path, registry=registry)
+    return dataplane, dataplane.repository
 
 
 def spy_take(repository) -> list:
