@@ -14,6 +14,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -141,6 +142,45 @@ def _engine_environment() -> None:
         os.environ.setdefault(QUIET_ENV, SHM_QUIET_NOTIFY)
 
 
+# "0": the model's worker runs in a process of its own, as vLLM's CPU platform sets it (its ``mp`` executor)
+WORKER_IN_CORE_ENV = "TIDESERVE_VLLM_WORKER_IN_CORE"
+
+
+def _worker_in_core(vllm_config, kwargs: dict[str, Any]) -> bool:
+    """Whether the engine core process runs the model's worker itself (vLLM's ``uni`` executor), and if so set it.
+
+    On a CPU platform vLLM turns a one-worker engine's ``uni`` executor into ``mp`` (the worker in a process of its
+    own) because a worker's OpenMP threads are set through the environment its process starts with; every step then
+    crosses a shared-memory queue twice (the scheduler's output pickled to the worker, the runner's output back), with
+    the engine core spinning for the answer while the worker computes. The engine core process is spawned from this
+    one, so it can start with the worker's OpenMP environment (:func:`_engine_core_threads`) and run the worker itself.
+    Only for one worker (no tensor, pipeline or data parallelism), with the engine core in a process of its own, and
+    where ``model.json`` names no executor."""
+    from vllm.platforms import current_platform
+
+    parallel = vllm_config.parallel_config
+    if (os.environ.get(WORKER_IN_CORE_ENV, "1") == "0" or kwargs.get("distributed_executor_backend") is not None
+            or not current_platform.is_cpu() or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "1"
+            or parallel.world_size != 1 or parallel.data_parallel_size != 1
+            or parallel.distributed_executor_backend != "mp"):
+        return False
+    parallel.distributed_executor_backend = "uni"
+    return True
+
+
+@contextmanager
+def _engine_core_threads(vllm_config, in_core: bool):
+    """While the engine core process is spawned: the OpenMP environment vLLM gives a CPU worker of rank 0 (thread
+    count and binding, from ``VLLM_CPU_OMP_THREADS_BIND``), where the engine core runs the worker itself."""
+    if not in_core:
+        yield
+        return
+    from vllm.utils.ompmultiprocessing import OMPProcessManager
+
+    with OMPProcessManager(vllm_config).configure_omp_envs(0, 0):
+        yield
+
+
 def engine_arg_defaults() -> dict[str, Any]:
     return field_defaults(AsyncEngineArgs)
 
@@ -161,7 +201,13 @@ def start_engine(kwargs: dict[str, Any], on_state: Callable[[EngineState], None]
 
             kwargs = {**kwargs, "kv_events_config": KVEventsConfig(**kwargs["kv_events_config"])}
         args = AsyncEngineArgs(**kwargs)
-        return AsyncLLM.from_engine_args(args, stat_loggers=loggers)
+        vllm_config = args.create_engine_config()
+        from vllm.v1.executor import Executor
+
+        with _engine_core_threads(vllm_config, _worker_in_core(vllm_config, kwargs)):
+            return AsyncLLM(vllm_config=vllm_config, executor_class=Executor.get_class(vllm_config),
+                            log_requests=args.enable_log_requests, log_stats=not args.disable_log_stats,
+                            stat_loggers=loggers)
     except ServerError:
         raise
     except TypeError as exc:
@@ -214,8 +260,9 @@ def start_engine_with_clients(kwargs: dict[str, Any], on_state: Callable[[Engine
         theirs = get_engine_zmq_bind_addresses(vllm_config, workers)  # the workers' clients bind these themselves
         addresses = EngineZmqAddresses(inputs=[own.inputs[0].address, *theirs.inputs],
                                        outputs=[own.outputs[0].address, *theirs.outputs])
-        with launch_core_engines(vllm_config, Executor.get_class(vllm_config), not args.disable_log_stats,
-                                 addresses) as launch:
+        with _engine_core_threads(vllm_config, _worker_in_core(vllm_config, kwargs)), \
+                launch_core_engines(vllm_config, Executor.get_class(vllm_config), not args.disable_log_stats,
+                                    addresses) as launch:
             pass
         engine = AsyncLLM.from_vllm_config(
             vllm_config, stat_loggers=loggers, enable_log_requests=args.enable_log_requests,

@@ -187,15 +187,15 @@ def test_with_the_check_off_a_failing_check_changes_nothing(server, grpc_client)
 def test_ctrl_c_to_every_process_leaves_none_once_the_server_exits(server, grpc_client):
     """SIGINT to the server, its frontend workers and its engine's processes at once (a terminal's Ctrl-C reaches
     the whole foreground group; this server shares the test runner's, so each gets it by pid): when the server has
-    exited none of them runs. The engine core ends at once on its own signal and vLLM's worker would run on for
-    seconds (torch's teardown at its exit) but for the server killing it."""
+    exited none of them runs. The engine core ends at once on its own signal (a worker process of its own, where the
+    engine runs one, would run on for seconds, torch's teardown at its exit, but for the server killing it)."""
     import psutil
     from tideserve.llm_backends.vllm.engine import process_running
 
     assert _state(grpc_client, CHECK_OFF)[:2] == (True, "READY")  # (the test before loaded it: an engine runs)
     processes = psutil.Process(server.process.pid).children(recursive=True)
     names = {p.pid: p.name() for p in processes}
-    assert any("Worker" in name for name in names.values()), names
+    assert any("EngineCor" in name for name in names.values()), names  # (the model's worker runs inside it)
     for proc in [psutil.Process(server.process.pid), *processes]:
         try:
             os.kill(proc.pid, signal.SIGINT)

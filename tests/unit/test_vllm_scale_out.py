@@ -7,6 +7,7 @@ engine configuration it resolves (a CPU machine resolves a 2 x 2 layout without 
 from __future__ import annotations
 
 import json
+import os
 
 from support import REPO
 
@@ -62,3 +63,64 @@ def test_vllm_engine_args_and_config_carry_the_layout(tmp_path):
     parallel = args.create_engine_config().parallel_config
     assert (parallel.tensor_parallel_size, parallel.pipeline_parallel_size, parallel.data_parallel_size,
             parallel.distributed_executor_backend, parallel.world_size) == (2, 2, 1, "mp", 4)
+
+
+def _resolved(tmp_path, monkeypatch, extra: dict, env: str | None = None):
+    """The engine configuration one worker's engine resolves to on this CPU machine, and whether the engine core
+    then runs the worker itself (no engine started)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from tideserve.llm_backends.vllm import engine as vllm_engine
+
+    if env is None:
+        monkeypatch.delenv(vllm_engine.WORKER_IN_CORE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(vllm_engine.WORKER_IN_CORE_ENV, env)
+    model = TINY_LLAMA
+    if not (model / "config.json").is_file():
+        from tideserve.bench.examples.tiny_llama import make_model
+
+        model = make_model(tmp_path / "tiny_llama")
+    kwargs = {"model": str(model), "dtype": "float32", "max_model_len": 256, "enforce_eager": True, **extra}
+    config = AsyncEngineArgs(**kwargs).create_engine_config()
+    assert config.parallel_config.distributed_executor_backend == "mp"  # what vLLM's CPU platform sets
+    in_core = vllm_engine._worker_in_core(config, kwargs)
+    return in_core, config.parallel_config.distributed_executor_backend
+
+
+def test_one_worker_runs_in_the_engine_core_process_on_a_cpu(tmp_path, monkeypatch):
+    assert _resolved(tmp_path, monkeypatch, {}) == (True, "uni")
+
+
+def test_the_worker_keeps_its_own_process_where_asked_or_parallel(tmp_path, monkeypatch):
+    assert _resolved(tmp_path, monkeypatch, {}, env="0") == (False, "mp")
+    assert _resolved(tmp_path, monkeypatch, {"distributed_executor_backend": "mp"}) == (False, "mp")
+    assert _resolved(tmp_path, monkeypatch, {"tensor_parallel_size": 2}) == (False, "mp")
+
+
+def test_the_engine_core_starts_with_the_workers_openmp_environment(tmp_path, monkeypatch):
+    """While the engine core process is spawned it gets the OpenMP thread count vLLM would give the worker's
+    process; after, this process's environment is as it was."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.ompmultiprocessing import OMPProcessManager
+
+    from tideserve.llm_backends.vllm import engine as vllm_engine
+
+    model = TINY_LLAMA
+    if not (model / "config.json").is_file():
+        from tideserve.bench.examples.tiny_llama import make_model
+
+        model = make_model(tmp_path / "tiny_llama")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    config = AsyncEngineArgs(model=str(model), dtype="float32", max_model_len=256,
+                             enforce_eager=True).create_engine_config()
+    manager = OMPProcessManager(config)
+    with vllm_engine._engine_core_threads(config, True):
+        threads = os.environ.get("OMP_NUM_THREADS")
+    if manager.skip_setup:  # VLLM_CPU_OMP_THREADS_BIND=nobind: vLLM sets nothing for its worker either
+        assert threads is None
+    else:
+        assert threads == str(len(manager.cpu_lists[0]))
+    assert "OMP_NUM_THREADS" not in os.environ
+    with vllm_engine._engine_core_threads(config, False):
+        assert "OMP_NUM_THREADS" not in os.environ
