@@ -200,7 +200,8 @@ class DeltaStream:
 
     __slots__ = ("model_name", "model_version", "id", "generation", "priority", "timeout_us", "arrival_ns",
                  "queue_start_ns", "internal_id", "trace_context", "trace", "_cancelled", "_on_cancel",
-                 "_items", "_waiter", "_loop", "_loop_thread", "_closed", "_done", "_first_ns", "_error", "_on_error")
+                 "_items", "_waiter", "_loop", "_loop_thread", "_closed", "_done", "_first_ns", "_error", "_on_error",
+                 "_direct")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, model_name: str, generation: GenerationRequest, *,
                  model_version: str = "", id: str = "", priority: int = 0, timeout_us: int = 0, arrival_ns: int = 0,
@@ -228,6 +229,7 @@ class DeltaStream:
         self._first_ns = 0  # when the reader took the first delta (recorded at the end, with the rest)
         self._error: ServerError | None = None
         self._on_error = None
+        self._direct = None  # the reader's own taker of a delta while it waits (write_through)
 
     # -- the request's cancellation (on the loop's thread) -----------------------------------------------------
     def is_cancelled(self) -> bool:
@@ -270,6 +272,10 @@ class DeltaStream:
                 if not final:
                     return
             else:
+                waiter = self._waiter
+                if (not final and waiter is not None and self._direct is not None and not waiter.done()
+                        and self._direct(delta)):
+                    return  # taken where it came: the reader waits on
                 items.append(delta)
         waiter = self._waiter  # _wake, inline: once per engine step
         if waiter is not None:
@@ -308,6 +314,15 @@ class DeltaStream:
                 waiter.set_result(None)
 
     # -- the reader's side --------------------------------------------------------------------------------------
+    def write_through(self, take) -> None:
+        """``take(delta)`` for each delta that is not the last and comes while the reader waits for the next with
+        nothing left to take (so it has read everything before): True when it took it (an OpenAI stream's chunk
+        written to its connection where the delta came, ``openai/chat_completion/serving.py``), with no wake-up
+        of the reader's task per engine step; False leaves the delta to the reader, as it is when none is set (the
+        connection paused for flow control: the reader writes and waits for it to drain, deltas join meanwhile).
+        ``take`` runs in the sender's turn (the engine's output handler): it must not raise. None removes it."""
+        self._direct = take
+
     def __aiter__(self) -> "DeltaStream":
         return self
 

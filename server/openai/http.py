@@ -59,13 +59,18 @@ _TEXT_HEADER = (b"content-type", b"text/plain; charset=utf-8")
 
 
 class EventStream:
-    """A streamed answer: its events, and what to close when it ends (or the client leaves)."""
+    """A streamed answer: its events, and what to close when it ends (or the client leaves). ``write``, set by the
+    route once the answer's head is sent (None until then, and for a server other than uvicorn's httptools): one
+    event written to the connection at once, False having written nothing where the route's own ``send`` must
+    serve (:func:`_event_writer`); a handler's events may write some of their events through it themselves, while
+    the route waits for the next (``DeltaStream.write_through``)."""
 
-    __slots__ = ("close", "events")
+    __slots__ = ("close", "events", "write")
 
-    def __init__(self, events: AsyncGenerator[bytes, None], close: Callable[[], Awaitable[None]]) -> None:
+    def __init__(self, events: AsyncGenerator[bytes, None] | None, close: Callable[[], Awaitable[None]]) -> None:
         self.events = events
         self.close = close
+        self.write: Callable[[bytes], bool] | None = None
 
 
 class OpenAIServer:
@@ -163,10 +168,10 @@ class OpenAIRoute:
                     await send_response(send, 200, reply, [header, *await _load_header(server, scope, doc)])
                     return
                 await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
-                cycle = uvicorn_cycle(send)
+                write = reply.write = _event_writer(uvicorn_cycle(send))
                 try:  # from here on an error is an event of the stream
                     async for chunk in reply.events:
-                        if cycle is None or not _write_event(cycle, chunk):
+                        if write is None or not write(chunk):
                             await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 except (OpenAIError, ServerError) as exc:
                     await send({"type": "http.response.body", "body": _error_event(exc), "more_body": True})
@@ -190,22 +195,32 @@ class OpenAIRoute:
                 await reply.close()
 
 
-def _write_event(cycle, chunk: bytes) -> bool:
-    """One event of a streamed answer written as uvicorn's httptools ``cycle`` writes an ``http.response.body``
+def _event_writer(cycle) -> Callable[[bytes], bool] | None:
+    """A streamed answer's writer of one event, as uvicorn's httptools ``cycle`` writes an ``http.response.body``
     message with ``more_body`` of a chunked answer, without the message (per event one coroutine, one dict and
-    uvicorn's checks of the message fewer; the same bytes). False, having written nothing, where its ``send`` must
-    serve: the connection paused for flow control (its drain), closed or answered, the answer not chunked, an
-    empty event, a cycle unlike the one this was written for."""
+    uvicorn's checks of the message fewer; the same bytes), through the transport's ``write_event`` (written at
+    once, server/http/limits.py) looked up once. The writer returns False, having written nothing, where ``send``
+    must serve: the connection paused for flow control (its drain), closed or answered, the answer not chunked, an
+    empty event, a cycle unlike the one this was written for. None for no cycle (another server)."""
+    if cycle is None:
+        return None
     try:
-        if (not chunk or cycle.disconnected or cycle.response_complete or cycle.chunked_encoding is not True
-                or cycle.flow.write_paused):
-            return False
         transport = cycle.transport
-        write = getattr(transport, "write_event", None) or transport.write  # (http/limits.py: the event at once)
-        write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        send = getattr(transport, "write_event", None) or transport.write
     except AttributeError:
-        return False
-    return True
+        return None
+
+    def write(chunk: bytes) -> bool:
+        try:
+            if (not chunk or cycle.disconnected or cycle.response_complete or cycle.chunked_encoding is not True
+                    or cycle.flow.write_paused):
+                return False
+            send(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        except AttributeError:
+            return False
+        return True
+
+    return write
 
 
 TIMEOUT_HEADER = b"x-request-timeout-ms"

@@ -71,3 +71,36 @@ def test_a_tensor_answer_to_a_typed_request_is_an_internal_error_in_a_worker_too
 
     got = asyncio.run(run())
     assert [d.texts for d in got] == [["x"]]
+
+
+def test_a_waiting_reader_s_taker_takes_deltas_where_they_come():
+    """write_through: a delta that comes while the reader waits with nothing left goes to the taker (True: taken,
+    the reader stays asleep); one it declines, one that comes while the reader is awake (joined to the one not
+    taken yet) and the last go to the reader as before."""
+
+    async def run():
+        stream = WorkerGenerationStream(_Client(), "llm", GenerationRequest("", {}))
+        taken: list[str] = []
+        decline = {"no"}
+        stream.write_through(lambda delta: delta.texts[0] not in decline and not taken.append(delta.texts[0]))
+        read: list[list[str]] = []
+
+        async def reader():
+            async for delta in stream:
+                read.append(delta.texts)
+
+        task = asyncio.ensure_future(reader())
+        await asyncio.sleep(0)  # the reader waits
+        stream.send_delta(GenerationDelta(["a"], [None]))
+        stream.send_delta(GenerationDelta(["b"], [None]))
+        stream.send_delta(GenerationDelta(["no"], [None]))  # declined: the reader is woken
+        stream.send_delta(GenerationDelta(["c"], [None]))  # the reader has not run: joins the one not taken yet
+        await asyncio.sleep(0)
+        stream.send_delta(GenerationDelta(["d"], [None]))  # waiting again: taken
+        stream.send_delta(GenerationDelta(["e"], ["stop"]), final=True)  # the last: the reader's
+        await task
+        return taken, read
+
+    taken, read = asyncio.run(run())
+    assert taken == ["a", "b", "d"]
+    assert read == [["noc"], ["e"]]

@@ -86,7 +86,9 @@ async def create_chat_completion(server, body: bytes, scope) -> bytes | EventStr
     header = {"id": request_id, "object": CHUNK if stream else OBJECT, "created": int(time.time()),
               "model": llm.name}
     if stream:
-        return EventStream(_events(request, header, llm, run, prompt, fields), lambda: close_all([run]))
+        reply = EventStream(None, lambda: close_all([run]))
+        reply.events = _events(request, header, llm, run, prompt, fields, reply)
+        return reply
     usage = Usage(llm)
     usage.add_prompt(run, prompt)
     echoed = request.echo_prefix(ROLE)
@@ -134,7 +136,7 @@ def _render(request: ChatCompletionRequest, llm: LLMModel, limits: OpenAILimits)
 
 
 async def _events(request: ChatCompletionRequest, header: dict, llm: LLMModel, run: Run, prompt: str,
-                  fields: dict):
+                  fields: dict, reply: EventStream | None = None):
     n = request.n
     options = request.stream_options
     include_usage = bool(options and options.include_usage)
@@ -158,6 +160,10 @@ async def _events(request: ChatCompletionRequest, header: dict, llm: LLMModel, r
     for i in range(n if echoed else 0):  # echo: the final message the answer continues, before the answer
         yield chunks.choice({"index": i, "delta": {"content": echoed}, "logprobs": None, "finish_reason": None},
                             live_usage)
+    through = (plain_text and n == 1 and reply is not None and reply.write is not None
+               and hasattr(run.stream, "write_through"))
+    if through:  # a text delta's chunk written where the delta comes while this waits for the next
+        run.stream.write_through(_text_writer(reply.write, chunks, usage, run))
     try:
         while (step := await run.step()) is not None:
             usage.add_step(step)
@@ -191,6 +197,9 @@ async def _events(request: ChatCompletionRequest, header: dict, llm: LLMModel, r
                     finished[i] = True
     except ServerError as exc:
         raise from_server_error(exc, fields, "messages") from None
+    finally:
+        if through:
+            run.stream.write_through(None)
     for i in range(n):  # a model that reports no finish reason ends its choices here
         if not finished[i]:
             delta, reason = ({}, "stop") if plain else outputs[i].finish(None)
@@ -199,3 +208,26 @@ async def _events(request: ChatCompletionRequest, header: dict, llm: LLMModel, r
     if include_usage:
         yield event({**header, "choices": [], "usage": usage.doc()})
     yield DONE
+
+
+def _text_writer(write, chunks: Chunks, usage: Usage, run: Run):
+    """The stream's taker of a delta of plain text of one choice (``DeltaStream.write_through``): its chunk written
+    to the connection at once (the bytes :func:`_events` yields for it), its tokens counted, its prompt tokens kept
+    on the run, as :func:`_events` and :meth:`Run.step` read it; False for the last delta, one with the prompt's log
+    probabilities or cached tokens, and where the connection cannot take it now."""
+
+    def take(delta) -> bool:
+        if delta.finish[0] is not None or delta.cached_tokens is not None or delta.prompt_logprobs is not None:
+            return False
+        text = delta.texts[0]
+        try:
+            if text and not write(chunks.text(0, text)):
+                return False
+        except Exception:  # noqa: BLE001 - the engine's output handler calls this: the reader meets it again
+            return False
+        usage.add_step(delta)
+        if delta.prompt_tokens is not None:  # (what Run._keep reads of such a delta)
+            run.prompt_tokens = delta.prompt_tokens
+        return True
+
+    return take
