@@ -100,7 +100,19 @@ async def trace(tokens: int = 32, model_dir: Path | None = None) -> dict:
     port = free_port()
     server = Server(ServerOptions(model_repositories=[work / "models"], http_port=port, allow_grpc=False,
                                   allow_metrics=False, allowed_model_roots=[model]))
-    await server.start()
+    # The profiled reader runs several times slower than it does unprofiled; an engine whose worker runs in the engine
+    # core process (the default on a CPU) steps faster than it reads, so most traces would join deltas (a branch, not
+    # the steady path). The engine's layout is no part of the path traced here (this process's files): its worker
+    # runs in a process of its own for the trace.
+    layout = os.environ.get("TIDESERVE_VLLM_WORKER_IN_CORE")
+    os.environ["TIDESERVE_VLLM_WORKER_IN_CORE"] = "0"
+    try:
+        await server.start()
+    finally:
+        if layout is None:
+            os.environ.pop("TIDESERVE_VLLM_WORKER_IN_CORE", None)
+        else:
+            os.environ["TIDESERVE_VLLM_WORKER_IN_CORE"] = layout
     roots = package_roots()
     own = os.path.realpath(__file__)
     # the files seen before the request is sent ("": not recorded), before its third chunk ("request"), then

@@ -261,9 +261,11 @@ def test_prompt_logprobs_field(client, tokenizer, hf_prompt_logprobs):
     chat at the top; absent it is ``null``; a negative or too large k is a 400 naming it."""
     ids = tokenizer(PROMPT).input_ids
     expected, _ = hf_prompt_logprobs(ids)
-    choices = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=2,
+    choices = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, seed=11,
                                          extra_body={"prompt_logprobs": 1}).model_dump()["choices"][0]
                for prompt in (PROMPT, ids)]
+    # the same seeded sampling without it (a seed: the random model's text depends on the sampler's state otherwise)
+    seeded = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, seed=11).model_dump()["choices"][0]
     for choice in choices:
         entries = choice["prompt_logprobs"]
         assert len(entries) == len(ids) and entries[0] is None
@@ -271,7 +273,7 @@ def test_prompt_logprobs_field(client, tokenizer, hf_prompt_logprobs):
             assert 1 <= len(entry) <= 2 and entry[str(token_id)]["logprob"] == pytest.approx(expected_logprob, abs=2e-3)
             assert entry[str(token_id)]["decoded_token"] == tokenizer.decode([token_id])
             assert min(e["rank"] for e in entry.values()) == 1
-        assert choice["logprobs"] is None and choice["text"]  # the choice itself as without it
+        assert choice["logprobs"] is None and choice["text"] == seeded["text"]  # the choice itself as without it
     plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).model_dump()
     assert plain["choices"][0]["prompt_logprobs"] is None
     chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2,
