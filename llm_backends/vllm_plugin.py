@@ -37,6 +37,7 @@ ENV = "TIDESERVE_VLLM_SHM_RECHECK_MS"
 SPIN_ENV = "TIDESERVE_VLLM_SHM_SPIN_MS"
 WORKER_SPIN_ENV = "TIDESERVE_VLLM_SHM_WORKER_SPIN_MS"
 QUIET_ENV = "TIDESERVE_VLLM_SHM_QUIET_NOTIFY"
+IO_CPUS_ENV = "TIDESERVE_VLLM_ENGINE_IO_CPUS"  # an engine core running its worker: its socket threads' cores
 QUIET_MARGIN_S = 0.0005  # a reader's spin is trusted up to this much before its end
 _spin_s: float | None = None  # how long this process's readers spin, seconds (set by register)
 _quiet_within_s: float | None = None  # a notification within this long of the previous message's start is left out
@@ -58,6 +59,7 @@ def _in_worker() -> bool:
 
 def register() -> None:
     global _spin_s, _quiet_within_s
+    _engine_io_threads()
     recheck, spin, worker_spin = _milliseconds(ENV), _milliseconds(SPIN_ENV), _milliseconds(WORKER_SPIN_ENV)
     if recheck is None and spin is None and worker_spin is None:
         return
@@ -93,6 +95,39 @@ def register() -> None:
         spin_then_wait.tideserve = True
         spin_then_wait.__wrapped__ = wait  # vLLM's own
         shm_broadcast.SpinCondition.wait = spin_then_wait
+
+
+def _engine_io_threads() -> None:
+    """An engine core process that runs its model's worker (``llm_backends/vllm/engine.py`` ``_worker_in_core``) is
+    bound to the worker's cores by its OpenMP environment, its main thread (the OpenMP master) to the first of them,
+    and every thread it starts inherits that one core. Where the worker has more than one core, the engine core's
+    socket threads (vLLM's ``process_input_sockets`` / ``process_output_sockets``: the outputs' serialization
+    overlaps the next forward pass) would take the master's core from the forward pass while the other OpenMP threads
+    wait at its barriers: they run on ``IO_CPUS_ENV``'s cores instead (the cores vLLM reserves beside its worker)."""
+    value = os.environ.get(IO_CPUS_ENV)
+    if not value or not hasattr(os, "sched_setaffinity"):
+        return
+    try:
+        cpus = {int(cpu) for cpu in value.split(",")}
+        from vllm.v1.engine import core
+    except (ValueError, ImportError):
+        return
+    engine = getattr(core, "EngineCoreProc", None)
+    for name in ("process_input_sockets", "process_output_sockets"):
+        method = getattr(engine, name, None)
+        if method is None or getattr(method, "tideserve", False):
+            continue
+
+        def off_the_worker_cores(self, *args, _method=method, **kwargs):
+            try:
+                os.sched_setaffinity(0, cpus)  # (Linux: 0 is the calling thread)
+            except OSError:
+                pass
+            return _method(self, *args, **kwargs)
+
+        off_the_worker_cores.tideserve = True
+        off_the_worker_cores.__wrapped__ = method
+        setattr(engine, name, off_the_worker_cores)
 
 
 def _quiet_notifications(shm_broadcast) -> None:

@@ -171,14 +171,33 @@ def _worker_in_core(vllm_config, kwargs: dict[str, Any]) -> bool:
 @contextmanager
 def _engine_core_threads(vllm_config, in_core: bool):
     """While the engine core process is spawned: the OpenMP environment vLLM gives a CPU worker of rank 0 (thread
-    count and binding, from ``VLLM_CPU_OMP_THREADS_BIND``), where the engine core runs the worker itself."""
+    count and binding, from ``VLLM_CPU_OMP_THREADS_BIND``), where the engine core runs the worker itself; where that
+    worker has several cores, the cores its socket threads move to (vLLM's reserved ones, else all this process may
+    use: ``vllm_plugin._engine_io_threads``)."""
     if not in_core:
         yield
         return
     from vllm.utils.ompmultiprocessing import OMPProcessManager
 
-    with OMPProcessManager(vllm_config).configure_omp_envs(0, 0):
-        yield
+    from tideserve.llm_backends.vllm_plugin import IO_CPUS_ENV
+
+    manager = OMPProcessManager(vllm_config)
+    io_cpus = None  # the engine core's socket threads off the worker's cores where it has several (the plugin)
+    if not manager.skip_setup and manager.cpu_lists and len(manager.cpu_lists[0]) > 1:
+        io_cpus = manager.reserved_cpu_list or sorted(os.sched_getaffinity(0))
+    saved = os.environ.get(IO_CPUS_ENV)
+    if io_cpus:
+        os.environ[IO_CPUS_ENV] = ",".join(map(str, io_cpus))
+    else:
+        os.environ.pop(IO_CPUS_ENV, None)
+    try:
+        with manager.configure_omp_envs(0, 0):
+            yield
+    finally:
+        if saved is None:
+            os.environ.pop(IO_CPUS_ENV, None)
+        else:
+            os.environ[IO_CPUS_ENV] = saved
 
 
 def engine_arg_defaults() -> dict[str, Any]:

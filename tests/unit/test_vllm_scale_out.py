@@ -124,3 +124,39 @@ def test_the_engine_core_starts_with_the_workers_openmp_environment(tmp_path, mo
     assert "OMP_NUM_THREADS" not in os.environ
     with vllm_engine._engine_core_threads(config, False):
         assert "OMP_NUM_THREADS" not in os.environ
+
+
+def test_a_worker_of_several_cores_leaves_the_engine_core_s_socket_threads_off_its_cores(tmp_path, monkeypatch):
+    """VLLM_CPU_OMP_THREADS_BIND giving the worker two cores: while the engine core is spawned it is told where its
+    socket threads run (every core here: none reserved), and vLLM's plugin hook moves them there."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine import core
+
+    from tideserve.llm_backends import vllm_plugin
+    from tideserve.llm_backends.vllm import engine as vllm_engine
+
+    model = TINY_LLAMA
+    if not (model / "config.json").is_file():
+        from tideserve.bench.examples.tiny_llama import make_model
+
+        model = make_model(tmp_path / "tiny_llama")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    monkeypatch.delenv(vllm_plugin.IO_CPUS_ENV, raising=False)
+    config = AsyncEngineArgs(model=str(model), dtype="float32", max_model_len=256,
+                             enforce_eager=True).create_engine_config()
+    with vllm_engine._engine_core_threads(config, True):
+        assert os.environ.get("OMP_NUM_THREADS") == "2"
+        cpus = os.environ.get(vllm_plugin.IO_CPUS_ENV)
+        assert cpus == ",".join(map(str, sorted(os.sched_getaffinity(0))))
+        # what the engine core process does with it (vLLM runs the plugin there)
+        for name in ("process_input_sockets", "process_output_sockets"):
+            monkeypatch.setattr(core.EngineCoreProc, name, getattr(core.EngineCoreProc, name))
+        vllm_plugin._engine_io_threads()
+        assert all(getattr(getattr(core.EngineCoreProc, name), "tideserve", False)
+                   for name in ("process_input_sockets", "process_output_sockets"))
+    assert vllm_plugin.IO_CPUS_ENV not in os.environ
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")  # one core: the socket threads stay where they start
+    config = AsyncEngineArgs(model=str(model), dtype="float32", max_model_len=256,
+                             enforce_eager=True).create_engine_config()
+    with vllm_engine._engine_core_threads(config, True):
+        assert vllm_plugin.IO_CPUS_ENV not in os.environ
