@@ -140,7 +140,13 @@ def test_a_worker_of_several_cores_leaves_the_engine_core_s_socket_threads_off_i
         from tideserve.bench.examples.tiny_llama import make_model
 
         model = make_model(tmp_path / "tiny_llama")
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    import vllm.envs
+
+    def bind(value: str) -> None:  # (vLLM may have cached its environment by now: its module attribute wins)
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", value)
+        monkeypatch.setattr(vllm.envs, "VLLM_CPU_OMP_THREADS_BIND", value, raising=False)
+
+    bind("0-1")
     monkeypatch.delenv(vllm_plugin.IO_CPUS_ENV, raising=False)
     config = AsyncEngineArgs(model=str(model), dtype="float32", max_model_len=256,
                              enforce_eager=True).create_engine_config()
@@ -155,7 +161,7 @@ def test_a_worker_of_several_cores_leaves_the_engine_core_s_socket_threads_off_i
         assert all(getattr(getattr(core.EngineCoreProc, name), "tideserve", False)
                    for name in ("process_input_sockets", "process_output_sockets"))
     assert vllm_plugin.IO_CPUS_ENV not in os.environ
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")  # one core: the socket threads stay where they start
+    bind("0")  # one core: the socket threads stay where they start
     config = AsyncEngineArgs(model=str(model), dtype="float32", max_model_len=256,
                              enforce_eager=True).create_engine_config()
     with vllm_engine._engine_core_threads(config, True):
