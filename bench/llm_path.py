@@ -96,23 +96,16 @@ async def trace(tokens: int = 32, model_dir: Path | None = None) -> dict:
     (work / "models" / "llm" / "1").mkdir(parents=True)
     (work / "models" / "llm" / "config.pbtxt").write_text('backend: "vllm"\n')
     (work / "models" / "llm" / "1" / "model.json").write_text(json.dumps(
-        {"model": str(model), "dtype": "float32", "max_model_len": 1024, "enforce_eager": True}))
+        # The profiled reader runs several times slower than it does unprofiled; an engine whose worker runs in the
+        # engine core process (the default on a CPU) steps faster than it reads, so most traces would join deltas (a
+        # branch, not the steady path). The engine's layout is no part of the path traced here (this process's
+        # files): the executor named keeps the worker in a process of its own.
+        {"model": str(model), "dtype": "float32", "max_model_len": 1024, "enforce_eager": True,
+         "distributed_executor_backend": "mp"}))
     port = free_port()
     server = Server(ServerOptions(model_repositories=[work / "models"], http_port=port, allow_grpc=False,
                                   allow_metrics=False, allowed_model_roots=[model]))
-    # The profiled reader runs several times slower than it does unprofiled; an engine whose worker runs in the engine
-    # core process (the default on a CPU) steps faster than it reads, so most traces would join deltas (a branch, not
-    # the steady path). The engine's layout is no part of the path traced here (this process's files): its worker
-    # runs in a process of its own for the trace.
-    layout = os.environ.get("TIDESERVE_VLLM_WORKER_IN_CORE")
-    os.environ["TIDESERVE_VLLM_WORKER_IN_CORE"] = "0"
-    try:
-        await server.start()
-    finally:
-        if layout is None:
-            os.environ.pop("TIDESERVE_VLLM_WORKER_IN_CORE", None)
-        else:
-            os.environ["TIDESERVE_VLLM_WORKER_IN_CORE"] = layout
+    await server.start()
     roots = package_roots()
     own = os.path.realpath(__file__)
     # the files seen before the request is sent ("": not recorded), before its third chunk ("request"), then

@@ -23,6 +23,23 @@ DEFAULTS = {"model": None, "tensor_parallel_size": 1, "pipeline_parallel_size": 
             "distributed_executor_backend": None}
 
 
+def _tiny_model(tmp_path):
+    """The example's tiny Llama, or one made here where the example's preparation (make serve) has not run."""
+    if (TINY_LLAMA / "config.json").is_file():
+        return TINY_LLAMA
+    from tideserve.bench.examples.tiny_llama import make_model
+
+    return make_model(tmp_path / "tiny_llama")
+
+
+def _one_worker_config(model):
+    """vLLM's engine configuration of one worker for ``model`` (resolved on this CPU machine, nothing started)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return AsyncEngineArgs(model=str(model), dtype="float32", max_model_len=256,
+                           enforce_eager=True).create_engine_config()
+
+
 def _context(tmp_path, engine_args: dict, parameters: dict | None = None, allowed=()) -> ModelContext:
     (tmp_path / "1").mkdir()
     (tmp_path / "1" / "model.json").write_text(json.dumps(engine_args))
@@ -50,11 +67,7 @@ def test_vllm_engine_args_and_config_carry_the_layout(tmp_path):
 
     from tideserve.llm_backends.vllm.engine import engine_arg_defaults
 
-    model = TINY_LLAMA
-    if not (model / "config.json").is_file():  # the example's preparation (make serve) has not run: make one
-        from tideserve.bench.examples.tiny_llama import make_model
-
-        model = make_model(tmp_path / "tiny_llama")
+    model = _tiny_model(tmp_path)
     engine_args = {"model": str(model), "dtype": "float32", "max_model_len": 256, "enforce_eager": True,
                    **PARALLEL}
     kwargs = vllm_config.engine_kwargs(_context(tmp_path, engine_args, allowed=[model]), engine_arg_defaults())
@@ -76,11 +89,7 @@ def _resolved(tmp_path, monkeypatch, extra: dict, env: str | None = None):
         monkeypatch.delenv(vllm_engine.WORKER_IN_CORE_ENV, raising=False)
     else:
         monkeypatch.setenv(vllm_engine.WORKER_IN_CORE_ENV, env)
-    model = TINY_LLAMA
-    if not (model / "config.json").is_file():
-        from tideserve.bench.examples.tiny_llama import make_model
-
-        model = make_model(tmp_path / "tiny_llama")
+    model = _tiny_model(tmp_path)
     kwargs = {"model": str(model), "dtype": "float32", "max_model_len": 256, "enforce_eager": True, **extra}
     config = AsyncEngineArgs(**kwargs).create_engine_config()
     assert config.parallel_config.distributed_executor_backend == "mp"  # what vLLM's CPU platform sets
@@ -101,19 +110,13 @@ def test_the_worker_keeps_its_own_process_where_asked_or_parallel(tmp_path, monk
 def test_the_engine_core_starts_with_the_workers_openmp_environment(tmp_path, monkeypatch):
     """While the engine core process is spawned it gets the OpenMP thread count vLLM would give the worker's
     process; after, this process's environment is as it was."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.utils.ompmultiprocessing import OMPProcessManager
 
     from tideserve.llm_backends.vllm import engine as vllm_engine
 
-    model = TINY_LLAMA
-    if not (model / "config.json").is_file():
-        from tideserve.bench.examples.tiny_llama import make_model
-
-        model = make_model(tmp_path / "tiny_llama")
+    model = _tiny_model(tmp_path)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    config = AsyncEngineArgs(model=str(model), dtype="float32", max_model_len=256,
-                             enforce_eager=True).create_engine_config()
+    config = _one_worker_config(model)
     manager = OMPProcessManager(config)
     with vllm_engine._engine_core_threads(config, True):
         threads = os.environ.get("OMP_NUM_THREADS")
@@ -129,18 +132,13 @@ def test_the_engine_core_starts_with_the_workers_openmp_environment(tmp_path, mo
 def test_a_worker_of_several_cores_leaves_the_engine_core_s_socket_threads_off_its_cores(tmp_path, monkeypatch):
     """VLLM_CPU_OMP_THREADS_BIND giving the worker two cores: while the engine core is spawned it is told where its
     socket threads run (every core here: none reserved), and vLLM's plugin hook moves them there."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
+    import vllm.envs
     from vllm.v1.engine import core
 
     from tideserve.llm_backends import vllm_plugin
     from tideserve.llm_backends.vllm import engine as vllm_engine
 
-    model = TINY_LLAMA
-    if not (model / "config.json").is_file():
-        from tideserve.bench.examples.tiny_llama import make_model
-
-        model = make_model(tmp_path / "tiny_llama")
-    import vllm.envs
+    model = _tiny_model(tmp_path)
 
     def bind(value: str) -> None:  # (vLLM may have cached its environment by now: its module attribute wins)
         monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", value)
@@ -148,8 +146,7 @@ def test_a_worker_of_several_cores_leaves_the_engine_core_s_socket_threads_off_i
 
     bind("0-1")
     monkeypatch.delenv(vllm_plugin.IO_CPUS_ENV, raising=False)
-    config = AsyncEngineArgs(model=str(model), dtype="float32", max_model_len=256,
-                             enforce_eager=True).create_engine_config()
+    config = _one_worker_config(model)
     with vllm_engine._engine_core_threads(config, True):
         assert os.environ.get("OMP_NUM_THREADS") == "2"
         cpus = os.environ.get(vllm_plugin.IO_CPUS_ENV)
@@ -162,7 +159,6 @@ def test_a_worker_of_several_cores_leaves_the_engine_core_s_socket_threads_off_i
                    for name in ("process_input_sockets", "process_output_sockets"))
     assert vllm_plugin.IO_CPUS_ENV not in os.environ
     bind("0")  # one core: the socket threads stay where they start
-    config = AsyncEngineArgs(model=str(model), dtype="float32", max_model_len=256,
-                             enforce_eager=True).create_engine_config()
+    config = _one_worker_config(model)
     with vllm_engine._engine_core_threads(config, True):
         assert vllm_plugin.IO_CPUS_ENV not in os.environ
