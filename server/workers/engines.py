@@ -86,6 +86,9 @@ class CoreCounts:
             runtime.stats.remote[("worker", index)] = message.counters
         model = runtime.model
         if message.llm and getattr(model, "metrics", None) is not None:
+            if log.isEnabledFor(logging.DEBUG):  # (which worker's message brought which counts: the tests' log)
+                log.debug("model '%s': frontend worker %d's LLM counters moved %s", runtime.name, index,
+                          {name: values[0] for name, values in message.llm.items() if name in _COUNTERS})
             add_llm_increments(model.metrics, (runtime.name, str(runtime.version)), message.llm)
         if message.engine and (registry := getattr(model, "vllm_registry", None)) is not None:
             add_engine_increments(registry, message.engine)

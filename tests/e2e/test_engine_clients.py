@@ -120,7 +120,7 @@ def test_vllm_families_count_the_requests_of_every_client(llm_server):
     urls = [f"http://127.0.0.1:{llm_server.metrics_port}/metrics", f"{llm_server.base_url}/metrics"]
     counted = ("vllm:request_success_total", "vllm:generation_tokens_total", "vllm:e2e_request_latency_seconds_count",
                "vllm:time_to_first_token_seconds_count", "vllm:request_generation_tokens_sum",
-               "tideserve:request_success_total", "tideserve:generation_tokens_total")
+               "tideserve:request_success_total", "tideserve:generation_tokens_total", "tideserve:request_aborted_total")
     before = _metric_sums(urls[0])
     runs_before = re.findall(r"runs on this worker's engine client (\d)", llm_server.log())
     _core_text(llm_server, 7)  # on the core's own client
@@ -144,7 +144,7 @@ def test_vllm_families_count_the_requests_of_every_client(llm_server):
     expected = {"vllm:request_success_total": requests, "vllm:generation_tokens_total": tokens,
                 "vllm:e2e_request_latency_seconds_count": requests, "vllm:time_to_first_token_seconds_count": requests,
                 "vllm:request_generation_tokens_sum": tokens, "tideserve:request_success_total": requests,
-                "tideserve:generation_tokens_total": tokens}
+                "tideserve:generation_tokens_total": tokens, "tideserve:request_aborted_total": 0}
     for url in urls:
         deadline = time.monotonic() + 20  # the workers' increments come with their next message to the core
         while True:
@@ -153,7 +153,10 @@ def test_vllm_families_count_the_requests_of_every_client(llm_server):
             if moved == expected or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
-        assert moved == expected, (url, moved)
+        # (on a mismatch: which worker's messages brought which LLM counts, and the requests' placement)
+        assert moved == expected, (url, moved, re.findall(r"frontend worker \d's LLM counters moved .*|request \S+ "
+                                                          r"runs on this worker's engine client \d",
+                                                          llm_server.log())[-40:])
         # the engine's gauges: one sample each for the model, the idle engine's
         for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
             assert after.get(("count", gauge)) == 1, (gauge, after.get(("count", gauge)))
