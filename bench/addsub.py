@@ -123,9 +123,10 @@ def _role(pid: str) -> str:
     return "model processes"  # tideserve's zygote and model processes, Triton's Python stubs
 
 
-def tree_cpu_seconds(root: int) -> dict[str, float]:
-    """User + system CPU seconds of process ``root`` and every live descendant (Linux /proc), by role.
-    (Descendants, not the session: tideserve's model-process zygote has a session of its own.)"""
+def tree_cpu_seconds(root: int, workers: dict[int, float] | None = None) -> dict[str, float]:
+    """User + system CPU seconds of process ``root`` and every live descendant (Linux /proc), by role; with
+    ``workers``, each frontend worker process's too (by pid). (Descendants, not the session: tideserve's
+    model-process zygote has a session of its own.)"""
     stats: dict[int, list[str]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -143,7 +144,10 @@ def tree_cpu_seconds(root: int) -> dict[str, float]:
         fields = stats.get(pid)
         if fields is not None:
             role = _role(str(pid))
-            totals[role] = totals.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            seconds = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            totals[role] = totals.get(role, 0.0) + seconds
+            if workers is not None and role == "frontend workers":
+                workers[pid] = seconds
     return totals
 
 
@@ -231,13 +235,14 @@ def perf_analyzer(protocol: str, port: int, concurrency: int, http_format: str, 
     counts_before = executions(http) if http else None
     switches_before, loop_before = tree_switches(server_pid), loop_thread(server_pid)
     client_before, idle_before = _children_cpu_s(), _machine_idle()
-    cpu_before, started = tree_cpu_seconds(server_pid), time.monotonic()
+    workers_before, workers_after = {}, {}  # each frontend worker's CPU seconds (by pid: the order they started)
+    cpu_before, started = tree_cpu_seconds(server_pid, workers_before), time.monotonic()
     try:
         out, timed_out = subprocess.run(cmd, capture_output=True, text=True, timeout=300).stdout, False
     except subprocess.TimeoutExpired as exc:  # a point that never settled: its windows so far, marked, the run goes on
         out, timed_out = exc.stdout or "", True
         out = out.decode(errors="replace") if isinstance(out, bytes) else out
-    wall, cpu_after = time.monotonic() - started, tree_cpu_seconds(server_pid)
+    wall, cpu_after = time.monotonic() - started, tree_cpu_seconds(server_pid, workers_after)
     client_cpu, idle_after = _children_cpu_s() - client_before, _machine_idle()
     switches_after, loop_after = tree_switches(server_pid), loop_thread(server_pid)
     roles = {role: cpu_after.get(role, 0.0) - cpu_before.get(role, 0.0) for role in cpu_after}
@@ -269,6 +274,10 @@ def perf_analyzer(protocol: str, port: int, concurrency: int, http_format: str, 
         requests = result["infer_per_s"] * wall
         result["cpu_us_per_request"] = cpu / requests * 1e6
         result["cpu_us_per_request_by_role"] = {role: round(t / requests * 1e6, 1) for role, t in roles.items()}
+        if len(workers_after) > 1:  # each frontend worker's share: whether the second one served at all
+            result["cpu_us_per_request_by_worker"] = [
+                round((workers_after[pid] - workers_before.get(pid, 0.0)) / requests * 1e6, 1)
+                for pid in sorted(workers_after)]
         result["client_cpu_us_per_request"] = round(client_cpu / requests * 1e6, 1)
         result["switches_per_request_by_role"] = {  # processes that ran all along (a process that exited is left out)
             role: round((count - switches_before.get(role, 0)) / requests, 2) for role, count in switches_after.items()
@@ -391,7 +400,9 @@ def main() -> None:
                               f"CPU {r.get('cpu_us_per_request', float('nan')):.0f} us/req "
                               f"{r.get('requests_per_execution', float('nan')):.2f} req/exec "
                               f"{r.get('cpu_us_per_request_by_role', {})} "
-                              f"client {r.get('client_cpu_us_per_request', float('nan')):.0f} us/req "
+                              + (f"by worker {r['cpu_us_per_request_by_worker']} "
+                                 if "cpu_us_per_request_by_worker" in r else "")
+                              + f"client {r.get('client_cpu_us_per_request', float('nan')):.0f} us/req "
                               f"idle {r.get('machine_idle', float('nan')):.2f} "
                               f"switches/req {r.get('switches_per_request_by_role', {})}"
                               + (f" loop busy {r['loop_busy']:.2f} {r.get('loop_cpu_us_per_request', float('nan')):.1f}"
