@@ -68,6 +68,85 @@ def fill_limit(override: str | None = None) -> int:
         return FILL_CONNECTIONS
 
 
+# -- the gRPC port ---------------------------------------------------------------------------------------------
+# Each worker's gRPC server (grpcio) listens on the port itself, with SO_REUSEPORT: the kernel picks the listener of
+# each new connection, by a hash of the connection's addresses unless the port's group of listeners carries a
+# program. grpcio accepts its own connections, so the rule above cannot be applied at accept; where it applies (fewer
+# takers than workers, unbounded fill), the core gives the group a classic BPF program that picks among its first
+# ``takers`` listeners: ``return 0`` for one taker (2 workers on 2 cores), else a random one of them. The listeners
+# are numbered in the order they started to listen (a listener that closes gives its number to the last one), so the
+# takers are the first workers whose gRPC servers started, whichever they are.
+SO_ATTACH_REUSEPORT_CBPF = getattr(socket, "SO_ATTACH_REUSEPORT_CBPF", 51)
+_BPF_INSN = struct.Struct("HBBI")  # struct sock_filter: code, jt, jf, k
+_BPF_RET_K, _BPF_RET_A, _BPF_LD_W_ABS, _BPF_ALU_MOD_K = 0x06, 0x16, 0x20, 0x94
+_SKF_AD_RANDOM = 0xFFFFF000 + 56  # SKF_AD_OFF + SKF_AD_RANDOM: a random 32-bit number
+_WILDCARDS = ("", "0.0.0.0", "::", "[::]")
+
+
+def reuseport_program(first: int) -> list[tuple[int, int, int, int]]:
+    """A classic BPF program for a SO_REUSEPORT group: the number of the listener that takes a new connection, one
+    of the first ``first`` (a number beyond the group's listeners: the kernel's hash picks, as without a program)."""
+    if first <= 1:
+        return [(_BPF_RET_K, 0, 0, 0)]
+    return [(_BPF_LD_W_ABS, 0, 0, _SKF_AD_RANDOM), (_BPF_ALU_MOD_K, 0, 0, first), (_BPF_RET_A, 0, 0, 0)]
+
+
+def _attach(sock: socket.socket, program: list[tuple[int, int, int, int]]) -> None:
+    import ctypes
+
+    filters = ctypes.create_string_buffer(b"".join(_BPF_INSN.pack(*insn) for insn in program))
+    fprog = struct.pack("HxxxxxxP", len(program), ctypes.addressof(filters))  # struct sock_fprog
+    sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_REUSEPORT_CBPF, fprog)
+
+
+def _listener_choices(host: str, port: int) -> list[list[tuple[int, tuple]]]:
+    """Where gRPC listens for ``host:port``: per address, the ways it may have bound it, in the order it tries them
+    (where the machine has IPv6 it listens on a dual-stack IPv6 socket: the wildcard as ``::``, an IPv4 address as
+    its IPv4-mapped form, e.g. ``[::ffff:127.0.0.1]``; else on IPv4's)."""
+    if host in _WILDCARDS:
+        return [[(socket.AF_INET6, ("::", port)), (socket.AF_INET, ("0.0.0.0", port))]]
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    choices = []
+    for family, _, _, _, address in infos:
+        if family == socket.AF_INET:
+            choice = [(socket.AF_INET6, (f"::ffff:{address[0]}", port)), (socket.AF_INET, (address[0], port))]
+        else:
+            choice = [(family, address[:2])]
+        if choice not in choices:
+            choices.append(choice)
+    return choices
+
+
+def steer_reuseport(host: str, port: int, first: int) -> bool:
+    """Give the SO_REUSEPORT group of the listeners on ``host:port`` a program that sends every new connection to
+    one of its first ``first`` listeners. The program is set through a listener of the group: one made here, bound
+    as gRPC binds (:func:`_listener_choices`), which joins the group, sets it, and closes (the group keeps it while
+    any listener stays). False where none could set it (the kernel's hash picks, as before)."""
+    try:
+        choices = _listener_choices(host, port)
+    except OSError as exc:
+        log.warning("gRPC port %s:%d: its connections are spread by the kernel's hash (%s)", host, port, exc)
+        return False
+    program = reuseport_program(first)
+    attached = False
+    for choice in choices:
+        for family, address in choice:
+            try:
+                with socket.socket(family, socket.SOCK_STREAM) as sock:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+                    if family == socket.AF_INET6:
+                        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+                    sock.bind(address)
+                    sock.listen(1)  # (it joins the group, numbered last: the program never picks it)
+                    _attach(sock, program)
+            except OSError as exc:
+                log.debug("gRPC port: no program set through %s: %s", address, exc)
+                continue
+            attached = True
+            break  # (gRPC's first way that works is the one it listens on)
+    return attached
+
+
 def create_table(count: int) -> int:
     """A file descriptor (inheritable) of a table of ``count`` connection counts, every worker :data:`GONE` until
     its acceptor starts."""

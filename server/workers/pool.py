@@ -250,6 +250,8 @@ class FrontendWorkers:
             await asyncio.gather(*list(self._restarts), return_exceptions=True)
         starting = [self._spawn(i) for i in range(len(self.links))]
         links = await asyncio.gather(*starting)
+        for link in links:  # from the first worker up (its listener is the group's first): the later ones join behind
+            link.ready.add_done_callback(self._steer_when_ready)
         try:
             await asyncio.gather(*(link.ready for link in links))
             await self._grpc_listening()
@@ -317,6 +319,27 @@ class FrontendWorkers:
         link = self.links[self.grpc_index]
         await wait_listening(self.options.host, self.options.grpc_port, link.process)
 
+    def _steer_when_ready(self, ready: asyncio.Future) -> None:
+        if not ready.cancelled() and ready.exception() is None:
+            self._steer_grpc()
+
+    def _steer_grpc(self) -> None:
+        """The workers' gRPC servers listen on the port with SO_REUSEPORT: where the HTTP connections go to the first
+        takers only (workers/balance.py: as many workers as cores or more, unbounded fill), the gRPC port's new
+        connections go to the first takers' listeners too (a program on the group). Else the kernel's hash
+        spreads them."""
+        from .balance import FILL_CONNECTIONS, cores, fill_limit, steer_reuseport, takers
+
+        if self._grpc is None or self.count < 2 or not self.options.grpc_port:
+            return
+        first = takers(self.count, cores())
+        if first >= self.count or fill_limit(os.environ.get("TIDESERVE_HTTP_FILL_CONNECTIONS")) != FILL_CONNECTIONS:
+            return
+        opts = self.options
+        if steer_reuseport(opts.host, opts.grpc_port, first):
+            log.debug("gRPC port %d: new connections go to the first %d of %d workers' listeners", opts.grpc_port,
+                      first, self.count)
+
     def lost(self, link: _Link) -> None:
         """A worker's connection closed: expected while stopping, else the worker died: start another."""
         if self._stopping or self.links[link.index] is not link or not link.served:
@@ -343,6 +366,8 @@ class FrontendWorkers:
             await link.ready
             if index == self.grpc_index:
                 await self._grpc_listening()
+            else:  # (the group keeps its program while any listener stays; set again in case none did)
+                self._steer_grpc()
         except Exception:
             log.exception("frontend worker %d failed to restart", index)
 

@@ -7,6 +7,7 @@ import asyncio
 import os
 import socket
 
+import pytest
 from tideserve.workers import balance
 
 
@@ -185,3 +186,86 @@ def test_nobody_steps_aside_for_a_worker_not_started_stopped_or_dead(monkeypatch
         _close(listener, fd, [first, second], clients)
 
     asyncio.run(main())
+
+
+# -- the gRPC port: a program on the SO_REUSEPORT group of its listeners ----------------------------------------------
+def _reuseport_listeners(count: int, host: str = "::ffff:127.0.0.1", port: int = 0) -> list[socket.socket]:
+    """Listeners as gRPC makes them for 127.0.0.1 (the default: a dual-stack IPv6 socket on the IPv4-mapped
+    address) or for 0.0.0.0 (``::``)."""
+    listeners = []
+    for _ in range(count):
+        sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind((host, port))
+        port = sock.getsockname()[1]
+        sock.listen(64)
+        sock.setblocking(False)
+        listeners.append(sock)
+    return listeners
+
+
+def _accepted(listeners: list[socket.socket], port: int, connections: int) -> list[int]:
+    clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(connections)]
+    counts = []
+    for listener in listeners:
+        count = 0
+        while True:
+            try:
+                accepted, _ = listener.accept()
+            except BlockingIOError:
+                break
+            accepted.close()
+            count += 1
+        counts.append(count)
+    for client in clients:
+        client.close()
+    return counts
+
+
+def test_one_taker_gets_every_grpc_connection_and_keeps_them_when_a_listener_joins_or_leaves():
+    listeners = _reuseport_listeners(2)
+    port = listeners[0].getsockname()[1]
+    try:
+        assert balance.steer_reuseport("127.0.0.1", port, 1)
+        assert _accepted(listeners, port, 32) == [32, 0]  # the first listener: the kernel's hash spreads them
+        # a listener that joins later (a restarted worker) is numbered last: still none for it
+        listeners += _reuseport_listeners(1, port=port)
+        assert _accepted(listeners, port, 16) == [16, 0, 0]
+        listeners.pop(0).close()  # the taker's worker died: the last listener takes its number, and the connections
+        assert _accepted(listeners, port, 8) == [0, 8]
+    finally:
+        for listener in listeners:
+            listener.close()
+
+
+def test_several_takers_share_the_grpc_connections_and_the_others_get_none():
+    listeners = _reuseport_listeners(4)
+    port = listeners[0].getsockname()[1]
+    try:
+        assert balance.steer_reuseport("127.0.0.1", port, 2)
+        counts = _accepted(listeners, port, 64)
+        assert counts[2:] == [0, 0] and sum(counts) == 64 and min(counts[:2]) > 0, counts
+    finally:
+        for listener in listeners:
+            listener.close()
+
+
+def test_a_wildcard_grpc_port_is_steered_through_its_dual_stack_listener():
+    try:
+        listeners = _reuseport_listeners(2, "::")  # what gRPC makes of 0.0.0.0 where the machine has IPv6
+    except OSError as exc:  # no IPv6 here: gRPC would listen on IPv4's wildcard (the tests above)
+        pytest.skip(f"no IPv6 on this machine: {exc}")
+    port = listeners[0].getsockname()[1]
+    try:
+        assert balance.steer_reuseport("0.0.0.0", port, 1)
+        assert _accepted(listeners, port, 16) == [16, 0]
+    finally:
+        for listener in listeners:
+            listener.close()
+
+
+def test_the_program_picks_among_the_first_takers():
+    assert balance.reuseport_program(1) == [(0x06, 0, 0, 0)]  # return 0
+    load, mod, ret = balance.reuseport_program(3)
+    assert mod == (0x94, 0, 0, 3) and ret == (0x16, 0, 0, 0) and load[0] == 0x20
