@@ -18,6 +18,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from support import TEST_MODELS, start_server
+from tideserve.workers import balance
 
 WORKER_MODULE = "tideserve.workers.main"
 
@@ -97,21 +98,46 @@ def server(tmp_path_factory):
     running.stop()
 
 
-def test_two_worker_processes_share_both_ports(server):
+def _grpc_connections_by_worker(server, count: int = 16) -> dict[int, int]:
+    """``count`` gRPC connections (one client each), each answering an inference: how many each worker holds."""
     pids = workers(server.process.pid)
     assert len(pids) == 2, pids
     clients = [grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}",
                                                 channel_args=[("grpc.use_local_subchannel_pool", 1)])
-               for _ in range(16)]
+               for _ in range(count)]
     try:
-        for client in clients:  # 16 connections: SO_REUSEPORT spreads them over both workers
+        for client in clients:
             result = client.infer("add_sub", add_sub_inputs(grpcclient))
             assert result.as_numpy("OUTPUT0").tolist() == [[1, 2, 3, 4]]
         held = {pid: established(pid, server.grpc_port) for pid in pids}
-        assert sum(held.values()) == 16 and all(held.values()), held
+        assert sum(held.values()) == count, held
+        return held
     finally:
         for client in clients:
             client.close()
+
+
+def test_two_worker_processes_share_both_ports(server):
+    """Both workers listen on the gRPC port (SO_REUSEPORT). Where every worker takes connections (fewer workers than
+    cores) the kernel's hash spreads 16 connections over both; with as many workers as cores or more (2 on 2 cores)
+    every one goes to the first taker's listener, as the HTTP port's do (workers/balance.py)."""
+    held = _grpc_connections_by_worker(server)
+    if balance.takers(2, balance.cores()) == 2:
+        assert all(held.values()), held
+    else:
+        assert sorted(held.values()) == [0, 16], held
+
+
+def test_with_the_even_spread_the_grpc_connections_go_to_both_workers(tmp_path):
+    """TIDESERVE_HTTP_FILL_CONNECTIONS=0 (every worker takes its share from the first connection): the gRPC port's
+    connections are the kernel's hash's on any machine, over both workers."""
+    running = start_server([TEST_MODELS], "--frontend-workers", "2", tmp_dir=tmp_path,
+                           env={"TIDESERVE_HTTP_FILL_CONNECTIONS": "0"})
+    try:
+        held = _grpc_connections_by_worker(running)
+        assert all(held.values()), held
+    finally:
+        running.stop()
 
 
 def test_statistics_and_metrics_count_every_worker(server):
