@@ -99,17 +99,28 @@ def _attach(sock: socket.socket, program: list[tuple[int, int, int, int]]) -> No
     sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_REUSEPORT_CBPF, fprog)
 
 
+def _ipv6_loopback() -> bool:
+    """Whether an IPv6 socket can bind ``[::1]``: gRPC's test before it makes a dual-stack listener."""
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as sock:
+            sock.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
 def _listener_choices(host: str, port: int) -> list[list[tuple[int, tuple]]]:
     """Where gRPC listens for ``host:port``: per address, the ways it may have bound it, in the order it tries them
-    (where the machine has IPv6 it listens on a dual-stack IPv6 socket: the wildcard as ``::``, an IPv4 address as
-    its IPv4-mapped form, e.g. ``[::ffff:127.0.0.1]``; else on IPv4's)."""
+    (where the machine has IPv6's loopback it listens on a dual-stack IPv6 socket: the wildcard as ``::``, an IPv4
+    address as its IPv4-mapped form, e.g. ``[::ffff:127.0.0.1]``; else on IPv4's)."""
+    v6 = _ipv6_loopback()
     if host in _WILDCARDS:
-        return [[(socket.AF_INET6, ("::", port)), (socket.AF_INET, ("0.0.0.0", port))]]
+        return [[(socket.AF_INET6, ("::", port))] * v6 + [(socket.AF_INET, ("0.0.0.0", port))]]
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     choices = []
     for family, _, _, _, address in infos:
         if family == socket.AF_INET:
-            choice = [(socket.AF_INET6, (f"::ffff:{address[0]}", port)), (socket.AF_INET, (address[0], port))]
+            choice = [(socket.AF_INET6, (f"::ffff:{address[0]}", port))] * v6 + [(socket.AF_INET, (address[0], port))]
         else:
             choice = [(family, address[:2])]
         if choice not in choices:

@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-
 from support import TEST_MODELS, start_server
 from tideserve.workers import balance
 
