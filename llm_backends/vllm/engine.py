@@ -178,26 +178,18 @@ def _engine_core_threads(vllm_config, in_core: bool):
         yield
         return
     from vllm.utils.ompmultiprocessing import OMPProcessManager
+    from vllm.utils.system_utils import set_env_var
 
     from tideserve.llm_backends.vllm_plugin import IO_CPUS_ENV
 
     manager = OMPProcessManager(vllm_config)
-    io_cpus = None  # the engine core's socket threads off the worker's cores where it has several (the plugin)
+    io_cpus = ()  # the engine core's socket threads off the worker's cores where it has several (the plugin)
     if not manager.skip_setup and manager.cpu_lists and len(manager.cpu_lists[0]) > 1:
         io_cpus = manager.reserved_cpu_list or sorted(os.sched_getaffinity(0))
-    saved = os.environ.get(IO_CPUS_ENV)
-    if io_cpus:
-        os.environ[IO_CPUS_ENV] = ",".join(map(str, io_cpus))
-    else:
-        os.environ.pop(IO_CPUS_ENV, None)
-    try:
-        with manager.configure_omp_envs(0, 0):
-            yield
-    finally:
-        if saved is None:
-            os.environ.pop(IO_CPUS_ENV, None)
-        else:
-            os.environ[IO_CPUS_ENV] = saved
+    with set_env_var(IO_CPUS_ENV, ",".join(map(str, io_cpus))), manager.configure_omp_envs(0, 0):
+        if not io_cpus:  # (none for the spawn; set_env_var puts back what was there)
+            os.environ.pop(IO_CPUS_ENV)
+        yield
 
 
 def engine_arg_defaults() -> dict[str, Any]:

@@ -128,6 +128,16 @@ def _listener_choices(host: str, port: int) -> list[list[tuple[int, tuple]]]:
     return choices
 
 
+def grpc_takers(workers: int) -> int:
+    """How many of ``workers`` the gRPC port's new connections go to (:func:`steer_reuseport`), where the HTTP port's
+    first-takers rule applies (fewer :func:`takers` than workers, no fill limit set); 0: the kernel's hash spreads
+    them over every worker."""
+    first = takers(workers, cores())
+    if first >= workers or fill_limit(os.environ.get("TIDESERVE_HTTP_FILL_CONNECTIONS")) != FILL_CONNECTIONS:
+        return 0
+    return first
+
+
 def steer_reuseport(host: str, port: int, first: int) -> bool:
     """Give the SO_REUSEPORT group of the listeners on ``host:port`` a program that sends every new connection to
     one of its first ``first`` listeners. The program is set through a listener of the group: one made here, bound

@@ -250,8 +250,6 @@ class FrontendWorkers:
             await asyncio.gather(*list(self._restarts), return_exceptions=True)
         starting = [self._spawn(i) for i in range(len(self.links))]
         links = await asyncio.gather(*starting)
-        for link in links:  # from the first worker up (its listener is the group's first): the later ones join behind
-            link.ready.add_done_callback(self._steer_when_ready)
         try:
             await asyncio.gather(*(link.ready for link in links))
             await self._grpc_listening()
@@ -306,6 +304,8 @@ class FrontendWorkers:
                     os.close(fd)
         link.process = process
         self.links[index] = link
+        if index != self.grpc_index:  # from the first worker up (its listener is the group's first; later ones join
+            link.ready.add_done_callback(self._steer_when_ready)  # behind it), again on a restart
         link.send(p.Start(pickle.dumps(options), index))
         self.push_to(link)
         return link
@@ -328,12 +328,9 @@ class FrontendWorkers:
         takers only (workers/balance.py: as many workers as cores or more, unbounded fill), the gRPC port's new
         connections go to the first takers' listeners too (a program on the group). Else the kernel's hash
         spreads them."""
-        from .balance import FILL_CONNECTIONS, cores, fill_limit, steer_reuseport, takers
+        from .balance import grpc_takers, steer_reuseport
 
-        if self._grpc is None or self.count < 2 or not self.options.grpc_port:
-            return
-        first = takers(self.count, cores())
-        if first >= self.count or fill_limit(os.environ.get("TIDESERVE_HTTP_FILL_CONNECTIONS")) != FILL_CONNECTIONS:
+        if self._grpc is None or not self.options.grpc_port or not (first := grpc_takers(self.count)):
             return
         opts = self.options
         if steer_reuseport(opts.host, opts.grpc_port, first):
@@ -366,8 +363,6 @@ class FrontendWorkers:
             await link.ready
             if index == self.grpc_index:
                 await self._grpc_listening()
-            else:  # (the group keeps its program while any listener stays; set again in case none did)
-                self._steer_grpc()
         except Exception:
             log.exception("frontend worker %d failed to restart", index)
 
