@@ -419,7 +419,7 @@ class _Client:
         elif (exc := task.exception()) is not None:
             log.error("model '%s': request generation failed", self.name, exc_info=exc)
             stream.send_error(InternalError(f"model '{self.name}' failed to run the request"))
-        self.clients.note(self.uid)
+        self.clients.note(self.uid, settled=True)
 
     def _state(self, state) -> None:
         """The engine's state after a step whose stats came to this client (on the worker's loop)."""
@@ -502,7 +502,7 @@ class EngineClients:
         self.index = index  # this worker's client index (its worker index + 1)
         self.clients: dict[int, _Client] = {}
         self.stats: dict[int, ModelStats] = {}  # by uid: this worker's statistics of each version (kept once closed)
-        self._notes: dict[int, list[int]] = {}  # uid -> [started, finished] not yet told to the core
+        self._notes: dict[int, list] = {}  # uid -> [started, finished, settled] not yet told to the core
         self._counters_sent: dict[int, dict] = {}  # uid -> the statistics counters last sent
         self._deferred: set[int] = set()  # uids whose engine state waits for STATE_EVERY_S
         self._flush_scheduled = False
@@ -576,12 +576,17 @@ class EngineClients:
             del self.stats[uid]  # (its last counters were sent)
             self._counters_sent.pop(uid, None)
 
-    def note(self, uid: int, started: int = 0, finished: int = 0) -> None:
+    def note(self, uid: int, started: int = 0, finished: int = 0, settled: bool = False) -> None:
+        """Tell the core (with the loop's next turn) of generations ``started`` and ``finished`` (their streams
+        ended), or that one has ``settled``: its Generator returned, so its LLM metrics are all recorded (a stream's
+        reader may see its last delta, and the stream end, before the Generator counts the request's success and
+        tokens: those must not wait for the worker's next generation)."""
         entry = self._notes.get(uid)
         if entry is None:
-            entry = self._notes[uid] = [0, 0]
+            entry = self._notes[uid] = [0, 0, False]
         entry[0] += started
         entry[1] += finished
+        entry[2] = entry[2] or settled
         if not self._flush_scheduled:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
@@ -592,8 +597,9 @@ class EngineClients:
         self._flush_scheduled = False
         notes, self._notes = self._notes, {}
         now = time.monotonic()
-        for uid, (started, finished) in notes.items():
+        for uid, (started, finished, settled) in notes.items():
             changed = started > 0 or finished > 0
+            ended = finished > 0 or settled
             stats = self.stats.get(uid)
             counters = stats.export() if stats is not None else None
             if counters is not None and counters == self._counters_sent.get(uid):
@@ -601,7 +607,7 @@ class EngineClients:
             client = self.clients.get(uid)
             llm = state = engine = None
             if client is not None:
-                llm = client.llm_increments(changed)
+                llm = client.llm_increments(changed or settled)
                 if client.state is not None:
                     if changed or now - client.state_sent >= STATE_EVERY_S:
                         found, client.state = client.state, None
@@ -609,7 +615,7 @@ class EngineClients:
                         state = [found.running, found.waiting, found.kv_cache_usage]
                     else:  # the latest state goes with the next message, at the latest STATE_EVERY_S after the last
                         self._later(uid, client.state_sent + STATE_EVERY_S - now)
-                engine = client.engine_increments(finished > 0, state is not None)
+                engine = client.engine_increments(ended, state is not None)
             if not changed and counters is None and llm is None and state is None and engine is None:
                 continue
             try:
