@@ -154,12 +154,15 @@ def tree_cpu_seconds(root: int, workers: dict[int, float] | None = None) -> dict
 def start_server(kind: str, repo: Path, log: Path, model: str = "add_sub",
                  args: tuple[str, ...] = ()) -> tuple[subprocess.Popen, int, int]:
     """(process, http port, grpc port) of a server over ``repo`` once ``model`` is ready: ``kind`` is
-    ``triton``, ``tideserve`` or ``tideserve:wN`` (``--frontend-workers N``); ``args``: more flags."""
+    ``triton``, ``tideserve`` or ``tideserve:wN`` (``--frontend-workers N``), ``tideserve:auto`` (the default
+    layout: neither flag named); ``args``: more flags."""
     http, grpc, metrics = free_ports(3)
     ports = ["--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
     kind, _, tree = kind.partition("@")
     env = dict(os.environ, **tree_env(tree))
-    if kind.startswith("tideserve"):
+    if kind == "tideserve:auto":  # the default layout: --frontend-workers auto, --frontend-direct not named
+        cmd = [sys.executable, "-m", "tideserve.cli", "--model-repository", str(repo), *ports, *args]
+    elif kind.startswith("tideserve"):
         _, _, workers = kind.partition(":w")
         workers, *modes = workers.split(":")
         args = (*args, "--frontend-direct", "on" if "direct" in modes else "off")

@@ -99,6 +99,10 @@ class ServerOptions:
     # --frontend-direct: with frontend workers, eligible requests to Python models go from the worker straight to
     # the model's instance processes (server/workers/direct.py), not through the core
     frontend_direct: bool = False
+    # --frontend-workers auto where it means one (--frontend-direct not given): once the models loaded at start are
+    # up, one worker with the direct path when every one of them is a Python model it can reach directly (measured
+    # faster: docs/performance.md), else the core process itself
+    frontend_auto: bool = False
     # --grpc-frontend: what serves the gRPC port: "grpcio" (grpc.aio, in the frontend process) or "pyvoy" (Envoy's
     # HTTP/2 with an ASGI app of ours in its embedded Python: a frontend process of its own; server/grpc/asgi_transport.py)
     grpc_frontend: str = "grpcio"
@@ -208,12 +212,7 @@ class Frontends:
 class Server:
     def __init__(self, options: ServerOptions, backends: BackendRegistry | None = None) -> None:
         self._store_dir: str | None = None
-        if options.serves_in_workers and options.response_store.path == MEMORY:
-            # ':memory:' lives in one process; the frontend workers share a file instead, gone when the server stops
-            # (the same lifetime: a stored response is found by whichever worker a GET reaches)
-            self._store_dir = tempfile.mkdtemp(prefix="tideserve-responses-")
-            options = replace(options, response_store=replace(
-                options.response_store, path=str(Path(self._store_dir) / "responses.sqlite3")))
+        options = self._shared_store(options)
         self.options = options
         cpu = options.allow_metrics and options.allow_cpu_metrics and CpuMetrics.available()
         self.metrics = Metrics(CpuMetrics(options.metrics_interval_ms / 1000) if cpu else None)
@@ -237,6 +236,34 @@ class Server:
         self._background: list[asyncio.Task] = []  # repository polling
         self._stop = asyncio.Event()
 
+    def _shared_store(self, options: ServerOptions) -> ServerOptions:
+        if options.serves_in_workers and options.response_store.path == MEMORY:
+            # ':memory:' lives in one process; the frontend workers share a file instead, gone when the server stops
+            # (the same lifetime: a stored response is found by whichever worker a GET reaches)
+            self._store_dir = tempfile.mkdtemp(prefix="tideserve-responses-")
+            options = replace(options, response_store=replace(
+                options.response_store, path=str(Path(self._store_dir) / "responses.sqlite3")))
+        return options
+
+    def _choose_layout(self) -> None:
+        """``--frontend-workers auto`` where it means one: one worker with direct instances when the models loaded
+        at start (at least one) are all Python models whose requests the worker can send straight to their instance
+        processes (on 2 cores add_sub ran 1.2-1.3x the one process's throughput at concurrency 1 and ~1.1x at 8
+        through it, docs/performance.md); else (an LLM, whose engine client the one process runs faster; an
+        ensemble, ONNX Runtime or a tree model, one hop more from a worker; nothing loaded) the core serves the
+        ports itself. A model loaded later does not change it."""
+        from .workers.pool import FrontendWorkers
+
+        runtimes = [r for r in self.repository.runtimes() if r.state.value == "READY"]
+        direct = bool(runtimes) and all(FrontendWorkers.direct_eligible(r) for r in runtimes)
+        if direct:
+            self.options = self._shared_store(replace(self.options, frontend_direct=True))
+            self.frontends.options = self.options
+        log.info("--frontend-workers auto: %s", "one frontend worker process sending the requests straight to the "
+                 "models' instance processes (every model loaded is a Python model it reaches directly)" if direct
+                 else "the ports served in the core process (a model loaded is not one a frontend worker reaches "
+                 "directly, or none is loaded)")
+
     async def start(self) -> None:
         opts = self.options
         if opts.allow_http or opts.allow_grpc:  # before the models load: their engines take the workers' clients
@@ -248,6 +275,9 @@ class Server:
         except ServerError:  # a model --load-model names did not load: unload the others, then say why
             await self.repository.shutdown(drain_timeout=0)
             raise
+        if opts.frontend_auto and (opts.allow_http or opts.allow_grpc):
+            self._choose_layout()
+            opts = self.options
         if opts.freeze_heap:
             heap.freeze()
             self.repository.after_change = heap.freeze

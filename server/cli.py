@@ -54,11 +54,10 @@ def _on_off_auto(text: str) -> bool | None:
     return _bool(text, "on, off or auto")
 
 
-def _workers(text: str) -> int:
-    from .workers.pool import worker_count
-
+def _workers(text: str) -> int | str:
+    """A count, or ``auto`` (kept as the string: the count and the layout are decided from it)."""
     if text.strip().lower() == "auto":
-        return worker_count(None)
+        return "auto"
     return _count(text)
 
 
@@ -293,7 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--frontend-workers", type=_workers, default="auto",
                    help="processes that serve the HTTP and gRPC ports (same ports, shared), each talking to the core "
                         "process that runs the models; 1 serves them in the core process itself. 'auto' "
-                        "(default): one per two cores, at most 8")
+                        "(default): one per two cores, at most 8; where that is one (under 4 cores), one worker "
+                        "with --frontend-direct on when every model loaded at start is a Python model it can reach "
+                        "directly, else the core process itself")
     p.add_argument("--frontend-direct", type=_on_off_auto, default=None, metavar="on|off|auto",
                    help="with frontend workers (more than one, or one with 'on'): plain inference requests to Python models (process "
                         "mode; no sequence batching, response cache, ensemble or --rate-limit) go from the worker "
@@ -336,6 +337,9 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
         if not available():
             raise ValueError("--grpc-frontend pyvoy needs pyvoy, which is not installed: "
                              "pip install 'tideserve[pyvoy]'")
+    from .workers.pool import worker_count
+
+    workers = worker_count(None) if args.frontend_workers == "auto" else args.frontend_workers
     return ServerOptions(
         model_repositories=args.model_repository, host=args.host, http_port=args.http_port,
         grpc_port=args.grpc_port, metrics_port=args.metrics_port, allow_http=args.allow_http,
@@ -354,8 +358,10 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
                                      args.response_store_max_bytes),
         mcp=_mcp_settings(args),
         log_verbose=args.log_verbose, api_key=args.api_key, freeze_heap=True,
-        frontend_workers=args.frontend_workers, grpc_frontend=args.grpc_frontend,
-        frontend_direct=args.frontend_workers > 1 if args.frontend_direct is None else args.frontend_direct,
+        frontend_workers=workers, grpc_frontend=args.grpc_frontend,
+        frontend_direct=workers > 1 if args.frontend_direct is None else args.frontend_direct,
+        # auto on a host it gives one worker (under 4 cores): the layout is chosen once the models are loaded
+        frontend_auto=args.frontend_workers == "auto" and workers == 1 and args.frontend_direct is None,
         openapi=args.openapi if args.openapi is not None else not args.http_restricted_api,
         metrics_address=args.metrics_address, api_key_scope=scope,
         http_restricted_apis=parse_restrictions(args.http_restricted_api, "--http-restricted-api"),

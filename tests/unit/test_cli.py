@@ -93,3 +93,21 @@ def test_frontend_direct_follows_the_worker_count_unless_named():
     assert options("--frontend-workers", "1", "--frontend-direct", "on").frontend_direct is True
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--model-repository", "x", "--frontend-direct", "sometimes"])
+
+
+def test_frontend_workers_auto_leaves_the_layout_to_the_models_only_where_it_means_one():
+    """``auto`` (the default) counts one worker per two cores; where that is one and ``--frontend-direct`` is not
+    named, the server chooses the layout once its models are loaded (``frontend_auto``); a named count or a named
+    ``--frontend-direct`` is kept as given."""
+    from tideserve.workers.pool import worker_count
+
+    def options(*flags):
+        return options_from_args(build_parser().parse_args(["--model-repository", "x", *flags]))
+
+    one = worker_count(None) == 1
+    assert options().frontend_workers == worker_count(None)
+    assert options().frontend_auto is one and options("--frontend-direct", "auto").frontend_auto is one
+    assert options().frontend_direct is (not one)  # more than one worker: direct, as with a named count
+    assert options("--frontend-workers", "1").frontend_auto is False
+    assert options("--frontend-direct", "off").frontend_auto is False
+    assert options("--frontend-direct", "on").frontend_auto is False
