@@ -250,12 +250,14 @@ class Server:
         at start (at least one) are all Python models whose requests the worker can send straight to their instance
         processes (on 2 cores add_sub ran 1.2-1.3x the one process's throughput at concurrency 1 and ~1.1x at 8
         through it, docs/performance.md); else (an LLM, whose engine client the one process runs faster; an
-        ensemble, ONNX Runtime or a tree model, one hop more from a worker; nothing loaded) the core serves the
-        ports itself. A model loaded later does not change it."""
+        ensemble, ONNX Runtime or a tree model, one hop more from a worker; nothing loaded; tracing on, whose
+        requests go through the core) the core serves the ports itself. A model loaded later does not change it."""
         from .workers.pool import FrontendWorkers
 
         runtimes = [r for r in self.repository.runtimes() if r.state.value == "READY"]
-        direct = bool(runtimes) and all(FrontendWorkers.direct_eligible(r) for r in runtimes)
+        # (traced requests go through the core: with tracing on from the start, the worker would relay them all)
+        direct = (bool(runtimes) and all(FrontendWorkers.direct_eligible(r) for r in runtimes)
+                  and not self.dataplane.tracer.active)
         if direct:
             self.options = self._shared_store(replace(self.options, frontend_direct=True))
             self.frontends.options = self.options

@@ -112,3 +112,18 @@ def test_a_named_layout_is_kept(tmp_path, flags):
         _served(server)
     finally:
         server.stop()
+
+
+def test_tracing_on_from_the_start_keeps_the_ports_in_the_core(tmp_path):
+    """Traced requests go through the core: with tracing on from the start a worker would relay every one."""
+    with _two_cores():
+        server = start_server([_repository(tmp_path, "add_sub")], "--frontend-workers", "auto",
+                              "--trace-config", "level=TIMESTAMPS", "--trace-config",
+                              f"triton,file={tmp_path / 'trace.json'}", tmp_dir=tmp_path)
+    try:
+        log = server.log()
+        assert IN_CORE in log and DIRECT not in log, log[-3000:]
+        assert workers(server.process.pid) == [], log[-3000:]
+        _served(server)
+    finally:
+        server.stop()
