@@ -251,7 +251,9 @@ class Server:
         processes (on 2 cores add_sub ran 1.2-1.3x the one process's throughput at concurrency 1 and ~1.1x at 8
         through it, docs/performance.md); else (an LLM, whose engine client the one process runs faster; an
         ensemble, ONNX Runtime or a tree model, one hop more from a worker; nothing loaded; tracing on, whose
-        requests go through the core) the core serves the ports itself. A model loaded later does not change it."""
+        requests go through the core) the core serves the ports itself. A model loaded later does not change it (in
+        the worker layout an LLM loaded later has no engine client in the worker: its generations go through the
+        core)."""
         from .workers.pool import FrontendWorkers
 
         runtimes = [r for r in self.repository.runtimes() if r.state.value == "READY"]
