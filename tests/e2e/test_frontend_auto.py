@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import time
 from pathlib import Path
 
 import httpx
@@ -66,8 +67,13 @@ def _served(server) -> None:
         assert client.infer("add_sub", add_sub_inputs(grpcclient)).as_numpy("OUTPUT1").tolist() == [[-1, 0, 1, 2]]
     finally:
         client.close()
-    stats = httpx.get(f"{server.base_url}/v2/models/add_sub/stats", timeout=30).json()["model_stats"][0]
-    assert stats["inference_stats"]["success"]["count"] == 2, stats  # counted in the core's one view either way
+    deadline = time.monotonic() + 10  # counted in the core's one view either way (the instances' counts: at once)
+    while True:
+        stats = httpx.get(f"{server.base_url}/v2/models/add_sub/stats", timeout=30).json()["model_stats"][0]
+        if stats["inference_stats"]["success"]["count"] >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert stats["inference_stats"]["success"]["count"] == 2, stats
 
 
 def test_python_models_only_get_one_worker_with_direct_instances(tmp_path):
