@@ -16,41 +16,13 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from frontend_processes import add_sub_inputs, children, cmdline, proc_stat, workers
 from support import TEST_MODELS, start_server
 from tideserve.workers import balance
 
-WORKER_MODULE = "tideserve.workers.main"
-
-
-def _stat(pid: int) -> list[str] | None:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").glob("[0-9]*"):
-        fields = _stat(int(entry.name))
-        if fields is not None and int(fields[1]) == pid and fields[0] != "Z":
-            found.append(int(entry.name))
-    return found
-
-
-def workers(pid: int) -> list[int]:
-    return sorted(c for c in children(pid) if WORKER_MODULE in _cmdline(c))
-
 
 def alive(pid: int) -> bool:
-    fields = _stat(pid)
+    fields = proc_stat(pid)
     return fields is not None and fields[0] != "Z"
 
 
@@ -72,13 +44,6 @@ def established(pid: int, port: int) -> int:
                 count += 1
     return count
 
-
-def add_sub_inputs(module):
-    a = np.arange(4, dtype=np.float32).reshape(1, 4)
-    inputs = [module.InferInput("INPUT0", [1, 4], "FP32"), module.InferInput("INPUT1", [1, 4], "FP32")]
-    inputs[0].set_data_from_numpy(a)
-    inputs[1].set_data_from_numpy(np.ones_like(a))
-    return inputs
 
 
 def success_count(server, model: str) -> float:
@@ -222,4 +187,4 @@ def test_sigterm_finishes_in_flight_requests_and_leaves_no_process(tmp_path):
     deadline = time.monotonic() + 10
     while any(alive(pid) for pid in family) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [pid for pid in family if alive(pid)], [_cmdline(pid) for pid in family if alive(pid)]
+    assert not [pid for pid in family if alive(pid)], [cmdline(pid) for pid in family if alive(pid)]
