@@ -328,10 +328,13 @@ def decode_request(model_name: str, model_version: str, body: bytes, header_leng
     The document has a fixed structure, so its nesting is checked where it is free: an input's
     ``data`` arrays and the values of input and output ``parameters``.
     """
-    if header_length is None:
+    if header_length is None or header_length == len(body):
+        # (a JSON-only body that names its JSON part's length anyway, as perf_analyzer's JSON tensors do, is the
+        # same document: binary data it cannot have, an input that says it has some goes the general way)
         typed = _decode_typed(model_name, model_version, body, limits, max_json_depth)
         if typed is not None:
             return typed
+    if header_length is None:
         header = body
         binary_len = 0
     else:

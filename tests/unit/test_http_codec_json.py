@@ -66,10 +66,10 @@ def test_output_options_are_not_shared_state_between_requests():
     assert not unclassified.classify and unclassified.outputs["A"].class_count == 0
 
 
-def _general(monkeypatch, body: bytes, **kwargs):
+def _general(monkeypatch, body: bytes, header_length=None, **kwargs):
     with monkeypatch.context() as patched:
         patched.setattr(codec, "_decode_typed", lambda *args: None)
-        return codec.decode_request("m", "2", body, None, **kwargs)
+        return codec.decode_request("m", "2", body, header_length, **kwargs)
 
 
 def _outcome(call):
@@ -124,10 +124,14 @@ _X = {"name": "X", "datatype": "FP32", "shape": [1, 2], "data": [1.5, 2]}
     {"inputs": {"name": "X"}},
     [_X],
 ])
-def test_the_typed_path_decodes_as_the_general_one(monkeypatch, doc):
+@pytest.mark.parametrize("whole", [False, True], ids=["no-header-length", "header-length-of-the-body"])
+def test_the_typed_path_decodes_as_the_general_one(monkeypatch, doc, whole):
+    """With no Inference-Header-Content-Length, and with one that names the whole body (perf_analyzer sends it with
+    JSON tensors too): the same request or the same error either way."""
     body = json.dumps(doc).encode()
-    typed = _outcome(lambda: codec.decode_request("m", "2", body, None))
-    assert typed == _outcome(lambda: _general(monkeypatch, body))
+    header_length = len(body) if whole else None
+    typed = _outcome(lambda: codec.decode_request("m", "2", body, header_length))
+    assert typed == _outcome(lambda: _general(monkeypatch, body, header_length))
 
 
 @pytest.mark.parametrize("body", [
@@ -147,6 +151,21 @@ def test_the_typed_path_keeps_a_small_nesting_limit(monkeypatch):
     for depth in (3, 4):
         typed = _outcome(lambda depth=depth: codec.decode_request("m", "2", body, None, max_json_depth=depth))
         assert typed == _outcome(lambda depth=depth: _general(monkeypatch, body, max_json_depth=depth))
+
+
+def test_a_json_body_with_its_own_length_as_header_length_takes_the_typed_path(monkeypatch):
+    body = json.dumps({"inputs": [_X], "outputs": [{"name": "A", "parameters": {"binary_data": False}}]}).encode()
+    taken = []
+    typed = codec._decode_typed
+    monkeypatch.setattr(codec, "_decode_typed", lambda *args: taken.append(typed(*args)) or taken[-1])
+    decoded = codec.decode_request("m", "", body, len(body))
+    assert taken and taken[0] is decoded
+    # binary data after the JSON part: the general path, which reads it
+    data = np.array([1.5, 2], np.float32).tobytes()
+    doc = json.dumps({"inputs": [{**{k: v for k, v in _X.items() if k != "data"},
+                                  "parameters": {"binary_data_size": len(data)}}]}).encode()
+    decoded = codec.decode_request("m", "", doc + data, len(doc))
+    assert decoded.request.inputs["X"].data.tolist() == [[1.5, 2.0]]
 
 
 def test_the_usual_request_takes_the_typed_path():
