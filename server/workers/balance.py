@@ -71,12 +71,16 @@ def fill_limit(override: str | None = None) -> int:
 # -- the gRPC port ---------------------------------------------------------------------------------------------
 # Each worker's gRPC server (grpcio) listens on the port itself, with SO_REUSEPORT: the kernel picks the listener of
 # each new connection, by a hash of the connection's addresses unless the port's group of listeners carries a
-# program. grpcio accepts its own connections, so the rule above cannot be applied at accept; where it applies (fewer
-# takers than workers, unbounded fill), the core gives the group a classic BPF program that picks among its first
-# ``takers`` listeners: ``return 0`` for one taker (2 workers on 2 cores), else a random one of them. The listeners
-# are numbered in the order they started to listen (a listener that closes gives its number to the last one), so the
-# takers are the first workers whose gRPC servers started, whichever they are.
+# program. grpcio accepts its own connections, so the rule above cannot be applied at accept; the core gives the group
+# a program that picks among its first ``takers`` listeners (the HTTP port's takers where its first-takers rule applies:
+# fewer takers than workers, unbounded fill; else every worker): ``return 0`` for one taker (2 workers on 2 cores);
+# for more, each new connection to the next of them in turn, an eBPF program with a counter in a one-entry map
+# (:func:`deal_program`), so that a client's two connections reach two workers, where the hash puts both on one
+# worker one time in two; where the kernel refuses to load it (unprivileged), a classic BPF program that picks one of
+# them at random. The listeners are numbered in the order they started to listen (a listener that closes gives its
+# number to the last one), so the takers are the first workers whose gRPC servers started, whichever they are.
 SO_ATTACH_REUSEPORT_CBPF = getattr(socket, "SO_ATTACH_REUSEPORT_CBPF", 51)
+SO_ATTACH_REUSEPORT_EBPF = getattr(socket, "SO_ATTACH_REUSEPORT_EBPF", 52)
 _BPF_INSN = struct.Struct("HBBI")  # struct sock_filter: code, jt, jf, k
 _BPF_RET_K, _BPF_RET_A, _BPF_LD_W_ABS, _BPF_ALU_MOD_K = 0x06, 0x16, 0x20, 0x94
 _SKF_AD_RANDOM = 0xFFFFF000 + 56  # SKF_AD_OFF + SKF_AD_RANDOM: a random 32-bit number
@@ -89,6 +93,84 @@ def reuseport_program(first: int) -> list[tuple[int, int, int, int]]:
     if first <= 1:
         return [(_BPF_RET_K, 0, 0, 0)]
     return [(_BPF_LD_W_ABS, 0, 0, _SKF_AD_RANDOM), (_BPF_ALU_MOD_K, 0, 0, first), (_BPF_RET_A, 0, 0, 0)]
+
+
+# -- an eBPF program that deals the connections in turn (bpf(2) through ctypes: no library needed) --------------------
+_SYS_BPF = {"x86_64": 321, "aarch64": 280, "ppc64le": 361, "s390x": 351}
+_BPF_MAP_CREATE, _BPF_PROG_LOAD = 0, 5
+_BPF_MAP_TYPE_ARRAY, _BPF_PROG_TYPE_SOCKET_FILTER = 2, 1
+_BPF_ATTR_SIZE = 128  # the kernel reads the fields it knows and checks that the rest of what it is given is zero
+_EBPF_INSN = struct.Struct("<BBhi")  # struct bpf_insn: code, dst_reg | src_reg << 4, off, imm
+_BPF_PSEUDO_MAP_FD = 1
+_BPF_FUNC_MAP_LOOKUP_ELEM = 1
+_BPF_ADD, _BPF_FETCH = 0x00, 0x01
+
+
+def _ebpf(code: int, dst: int = 0, src: int = 0, off: int = 0, imm: int = 0) -> bytes:
+    return _EBPF_INSN.pack(code, dst | src << 4, off, imm)
+
+
+def _deal_instructions(map_fd: int, first: int, fetch: bool) -> bytes:
+    """``index = counter++ % first`` over the map's one 8-byte counter (an atomic fetch-and-add; without ``fetch``,
+    for kernels before 5.12, an atomic add then a read: two connections that arrive at once may then go to one
+    listener); 0 if the map cannot be read."""
+    lookup = [
+        _ebpf(0x18, dst=1, src=_BPF_PSEUDO_MAP_FD, imm=map_fd), _ebpf(0),  # r1 = the map (a 16-byte load)
+        _ebpf(0x62, dst=10, off=-4, imm=0),                                 # *(u32 *)(r10 - 4) = 0: the key
+        _ebpf(0xBF, dst=2, src=10), _ebpf(0x07, dst=2, imm=-4),            # r2 = &key
+        _ebpf(0x85, imm=_BPF_FUNC_MAP_LOOKUP_ELEM),                         # r0 = &counter or NULL
+    ]
+    if fetch:
+        count = [_ebpf(0xB7, dst=1, imm=1),                                  # r1 = 1
+                 _ebpf(0xDB, dst=0, src=1, imm=_BPF_ADD | _BPF_FETCH)]       # r1 = atomic fetch_add(*r0, r1)
+    else:
+        count = [_ebpf(0xB7, dst=1, imm=1), _ebpf(0xDB, dst=0, src=1, imm=_BPF_ADD),  # atomic *r0 += 1
+                 _ebpf(0x79, dst=1, src=0)]                                  # r1 = *r0
+    pick = [_ebpf(0xBF, dst=0, src=1), _ebpf(0x97, dst=0, imm=first), _ebpf(0x95)]  # return r1 % first
+    found = [_ebpf(0x15, dst=0, off=len(count) + len(pick), imm=0)]          # r0 == NULL: to the end below
+    return b"".join(lookup + found + count + pick + [_ebpf(0xB7, dst=0, imm=0), _ebpf(0x95)])  # return 0
+
+
+def _bpf(command: int, attr: bytes) -> int:
+    import ctypes
+    import platform
+
+    number = _SYS_BPF.get(platform.machine())
+    if number is None:
+        raise OSError(f"no bpf system call known on {platform.machine()}")
+    libc = ctypes.CDLL(None, use_errno=True)
+    buffer = ctypes.create_string_buffer(attr.ljust(_BPF_ATTR_SIZE, b"\0"), _BPF_ATTR_SIZE)
+    fd = libc.syscall(ctypes.c_long(number), ctypes.c_int(command), buffer, ctypes.c_uint(_BPF_ATTR_SIZE))
+    if fd < 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, os.strerror(errno))
+    return fd
+
+
+def deal_program(first: int) -> int | None:
+    """The file descriptor of an eBPF program for a SO_REUSEPORT group that sends each new connection to the next of
+    its first ``first`` listeners, in turn; None where the kernel does not load it (bpf(2) needs privileges where
+    ``kernel.unprivileged_bpf_disabled`` is set, as most distributions set it; another platform)."""
+    import ctypes
+
+    try:
+        map_fd = _bpf(_BPF_MAP_CREATE, struct.pack("IIIII", _BPF_MAP_TYPE_ARRAY, 4, 8, 1, 0))
+    except OSError as exc:
+        log.debug("no eBPF map for the gRPC port's program: %s", exc)
+        return None
+    try:
+        license = ctypes.create_string_buffer(b"GPL")
+        for fetch in (True, False):
+            code = ctypes.create_string_buffer(_deal_instructions(map_fd, first, fetch))
+            attr = struct.pack("IIQQIIQ", _BPF_PROG_TYPE_SOCKET_FILTER, (len(code) - 1) // _EBPF_INSN.size,
+                               ctypes.addressof(code), ctypes.addressof(license), 0, 0, 0)
+            try:
+                return _bpf(_BPF_PROG_LOAD, attr)  # (the program holds the map)
+            except OSError as exc:
+                log.debug("the gRPC port's eBPF program (fetch %s) not loaded: %s", fetch, exc)
+        return None
+    finally:
+        os.close(map_fd)
 
 
 def _attach(sock: socket.socket, program: list[tuple[int, int, int, int]]) -> None:
@@ -129,43 +211,64 @@ def _listener_choices(host: str, port: int) -> list[list[tuple[int, tuple]]]:
 
 
 def grpc_takers(workers: int) -> int:
-    """How many of ``workers`` the gRPC port's new connections go to (:func:`steer_reuseport`), where the HTTP port's
-    first-takers rule applies (fewer :func:`takers` than workers, no fill limit set); 0: the kernel's hash spreads
-    them over every worker."""
+    """How many of ``workers`` the gRPC port's new connections go to (:func:`steer_reuseport`): the HTTP port's first
+    takers where its first-takers rule applies (fewer :func:`takers` than workers, no fill limit set), else every
+    worker; 0 for one worker (nothing to steer)."""
+    if workers <= 1:
+        return 0
     first = takers(workers, cores())
     if first >= workers or fill_limit(os.environ.get("TIDESERVE_HTTP_FILL_CONNECTIONS")) != FILL_CONNECTIONS:
-        return 0
+        return workers
     return first
 
 
-def steer_reuseport(host: str, port: int, first: int) -> bool:
+def steer_reuseport(host: str, port: int, first: int) -> str:
     """Give the SO_REUSEPORT group of the listeners on ``host:port`` a program that sends every new connection to
-    one of its first ``first`` listeners. The program is set through a listener of the group: one made here, bound
-    as gRPC binds (:func:`_listener_choices`), which joins the group, sets it, and closes (the group keeps it while
-    any listener stays). False where none could set it (the kernel's hash picks, as before)."""
+    one of its first ``first`` listeners: in turn where the kernel loads :func:`deal_program`, else at random (one
+    listener: always it). The program is set through a listener of the group: one made here, bound as gRPC binds
+    (:func:`_listener_choices`), which joins the group, sets it, and closes (the group keeps it while any listener
+    stays). How it picks ("to the first", "in turn", "at random"), or "" where none could be set (the kernel's hash
+    picks, as before)."""
     try:
         choices = _listener_choices(host, port)
     except OSError as exc:
         log.warning("gRPC port %s:%d: its connections are spread by the kernel's hash (%s)", host, port, exc)
-        return False
+        return ""
     program = reuseport_program(first)
-    attached = False
-    for choice in choices:
-        for family, address in choice:
-            try:
-                with socket.socket(family, socket.SOCK_STREAM) as sock:
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-                    if family == socket.AF_INET6:
-                        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-                    sock.bind(address)
-                    sock.listen(1)  # (it joins the group, numbered last: the program never picks it)
-                    _attach(sock, program)
-            except OSError as exc:
-                log.debug("gRPC port: no program set through %s: %s", address, exc)
-                continue
-            attached = True
-            break  # (gRPC's first way that works is the one it listens on)
-    return attached
+    deal = deal_program(first) if first > 1 else None
+    how = ""
+    try:
+        for choice in choices:
+            for family, address in choice:
+                try:
+                    with socket.socket(family, socket.SOCK_STREAM) as sock:
+                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+                        if family == socket.AF_INET6:
+                            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+                        sock.bind(address)
+                        sock.listen(1)  # (it joins the group, numbered last: the program never picks it)
+                        how = _attach_deal(sock, deal) or _attach(sock, program) or \
+                            ("to the first" if first <= 1 else "at random")
+                except OSError as exc:
+                    log.debug("gRPC port: no program set through %s: %s", address, exc)
+                    continue
+                break  # (gRPC's first way that works is the one it listens on)
+    finally:
+        if deal is not None:
+            os.close(deal)  # (the group holds the program it was given)
+    return how
+
+
+def _attach_deal(sock: socket.socket, deal: int | None) -> str:
+    """"in turn" once ``deal`` is the group's program; "" where there is none or the kernel refuses it."""
+    if deal is None:
+        return ""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_REUSEPORT_EBPF, deal)
+    except OSError as exc:
+        log.debug("gRPC port: the eBPF program not attached: %s", exc)
+        return ""
+    return "in turn"
 
 
 def create_table(count: int) -> int:

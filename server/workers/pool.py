@@ -326,16 +326,17 @@ class FrontendWorkers:
     def _steer_grpc(self) -> None:
         """The workers' gRPC servers listen on the port with SO_REUSEPORT: where the HTTP connections go to the first
         takers only (workers/balance.py: as many workers as cores or more, unbounded fill), the gRPC port's new
-        connections go to the first takers' listeners too (a program on the group). Else the kernel's hash
-        spreads them."""
+        connections go to the first takers' listeners too, else to every worker's (a program on the group: in turn
+        where the kernel loads an eBPF program, else at random, as the kernel's hash would)."""
         from .balance import grpc_takers, steer_reuseport
 
         if self._grpc is None or not self.options.grpc_port or not (first := grpc_takers(self.count)):
             return
         opts = self.options
-        if steer_reuseport(opts.host, opts.grpc_port, first):
-            log.debug("gRPC port %d: new connections go to the first %d of %d workers' listeners", opts.grpc_port,
-                      first, self.count)
+        how = steer_reuseport(opts.host, opts.grpc_port, first)
+        if how:
+            log.debug("gRPC port %d: new connections go to the first %d of %d workers' listeners, %s",
+                      opts.grpc_port, first, self.count, how)
 
     def lost(self, link: _Link) -> None:
         """A worker's connection closed: expected while stopping, else the worker died: start another."""

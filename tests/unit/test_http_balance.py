@@ -265,6 +265,91 @@ def test_a_wildcard_grpc_port_is_steered_through_its_dual_stack_listener():
             listener.close()
 
 
+def _dealing_or_skip() -> None:
+    fd = balance.deal_program(2)
+    if fd is None:  # the machine's policy, not the server's: where bpf(2) is refused the classic program picks
+        pytest.skip("this kernel loads no eBPF program for this user (kernel.unprivileged_bpf_disabled)")
+    os.close(fd)
+
+
+@pytest.mark.parametrize(("count", "connections"), [(2, 2), (2, 7), (4, 64)])
+def test_the_grpc_connections_are_dealt_to_the_takers_in_turn(count, connections):
+    """A client's two connections reach two workers (the kernel's hash puts both on one worker one time in two)."""
+    _dealing_or_skip()
+    listeners = _reuseport_listeners(count)
+    port = listeners[0].getsockname()[1]
+    try:
+        assert balance.steer_reuseport("127.0.0.1", port, count) == "in turn"
+        counts = _accepted(listeners, port, connections)
+        assert max(counts) - min(counts) <= 1 and sum(counts) == connections, counts
+    finally:
+        for listener in listeners:
+            listener.close()
+
+
+def test_only_the_first_takers_are_dealt_connections():
+    _dealing_or_skip()
+    listeners = _reuseport_listeners(4)
+    port = listeners[0].getsockname()[1]
+    try:
+        assert balance.steer_reuseport("127.0.0.1", port, 2) == "in turn"
+        assert _accepted(listeners, port, 10) == [5, 5, 0, 0]
+    finally:
+        for listener in listeners:
+            listener.close()
+
+
+def test_a_kernel_without_an_atomic_fetch_gets_the_add_then_read_program(monkeypatch):
+    """Before Linux 5.12 an atomic add returns nothing: the program adds, then reads the counter."""
+    _dealing_or_skip()
+    made = balance._deal_instructions
+    fetches = []
+
+    def instructions(map_fd, first, fetch):
+        fetches.append(fetch)
+        return made(map_fd, first, fetch) if not fetch else b"\xff" * 8  # a program the kernel refuses
+
+    monkeypatch.setattr(balance, "_deal_instructions", instructions)
+    listeners = _reuseport_listeners(2)
+    port = listeners[0].getsockname()[1]
+    try:
+        assert balance.steer_reuseport("127.0.0.1", port, 2) == "in turn"
+        assert _accepted(listeners, port, 8) == [4, 4]
+        assert fetches == [True, False]
+    finally:
+        for listener in listeners:
+            listener.close()
+
+
+def test_where_bpf_is_refused_the_takers_are_picked_at_random(monkeypatch):
+    def refused(command, attr):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(balance, "_bpf", refused)
+    assert balance.deal_program(2) is None
+    listeners = _reuseport_listeners(3)
+    port = listeners[0].getsockname()[1]
+    try:
+        assert balance.steer_reuseport("127.0.0.1", port, 2) == "at random"
+        counts = _accepted(listeners, port, 64)
+        assert counts[2] == 0 and min(counts[:2]) > 0 and sum(counts) == 64, counts
+    finally:
+        for listener in listeners:
+            listener.close()
+
+
+def test_the_grpc_port_is_steered_to_the_http_takers_or_to_every_worker(monkeypatch):
+    monkeypatch.delenv("TIDESERVE_HTTP_FILL_CONNECTIONS", raising=False)
+    monkeypatch.setattr(balance, "cores", lambda: 2)
+    assert balance.grpc_takers(1) == 0  # nothing to steer
+    assert balance.grpc_takers(2) == 1  # the HTTP port's one taker
+    monkeypatch.setattr(balance, "cores", lambda: 16)
+    assert balance.grpc_takers(8) == 8  # every worker takes: dealt over all of them
+    monkeypatch.setattr(balance, "cores", lambda: 2)
+    monkeypatch.setenv("TIDESERVE_HTTP_FILL_CONNECTIONS", "0")  # every worker takes its share from the first
+    assert balance.grpc_takers(2) == 2
+
+
 def test_the_program_picks_among_the_first_takers():
     assert balance.reuseport_program(1) == [(0x06, 0, 0, 0)]  # return 0
     load, mod, ret = balance.reuseport_program(3)
