@@ -21,10 +21,12 @@ then ``--servers tideserve:w1@/tmp/prev tideserve:w1``). Besides throughput and 
 the server's CPU time per request: the server process and all its descendants (core, frontend workers,
 model processes; Triton and its Python stubs), measured over each perf_analyzer run, perf_analyzer's own CPU time
 per request (on 2 cores the client shares the CPUs: where none is idle, the throughput follows the server's and the
-client's CPU per request together) and the machine's idle share over the run; for tideserve also its core's
-event-loop thread (the core process's main thread): its busy share of the run's wall time (``loop busy``: the loop is
-one thread, so this share, not the process's CPU, bounds the requests it serves), its CPU per request and how often
-another thread took its CPU, per request (``preempted/req``).
+client's CPU per request together) and the machine's idle share over the run; for tideserve also the event-loop
+thread that serves the requests (the core process's main thread, or with one frontend worker that worker's; ``loop
+(core)`` / ``loop (worker)``): its busy share of the run's wall time (``busy``: the loop is one thread, so this share,
+not the process's CPU, bounds the requests it serves), its share spent ready to run but waiting for a CPU (``waiting``:
+preempted, or woken and not yet running; /proc's schedstat), its CPU per request and how often another thread took
+its CPU, per request (``preempted/req``).
 
 Peers come from ``../shared/peers`` (setup scripts install them under $PEERS_HOME, /tmp/peers).
 ``--instances N`` sets add_sub's instance count on every server; ``--grpc-channel-share 1`` gives each of perf_analyzer's
@@ -236,7 +238,8 @@ def perf_analyzer(protocol: str, port: int, concurrency: int, http_format: str, 
     if protocol == "http" and http_format == "json":
         cmd += ["--input-tensor-format", "json", "--output-tensor-format", "json"]
     counts_before = executions(http) if http else None
-    switches_before, loop_before = tree_switches(server_pid), loop_thread(server_pid)
+    loop = serving_thread(server_pid)
+    switches_before, loop_before = tree_switches(server_pid), loop_thread(loop)
     client_before, idle_before = _children_cpu_s(), _machine_idle()
     workers_before, workers_after = {}, {}  # each frontend worker's CPU seconds (by pid: the order they started)
     cpu_before, started = tree_cpu_seconds(server_pid, workers_before), time.monotonic()
@@ -247,7 +250,7 @@ def perf_analyzer(protocol: str, port: int, concurrency: int, http_format: str, 
         out = out.decode(errors="replace") if isinstance(out, bytes) else out
     wall, cpu_after = time.monotonic() - started, tree_cpu_seconds(server_pid, workers_after)
     client_cpu, idle_after = _children_cpu_s() - client_before, _machine_idle()
-    switches_after, loop_after = tree_switches(server_pid), loop_thread(server_pid)
+    switches_after, loop_after = tree_switches(server_pid), loop_thread(loop)
     roles = {role: cpu_after.get(role, 0.0) - cpu_before.get(role, 0.0) for role in cpu_after}
     cpu = sum(roles.values())
     log.write_text(out)
@@ -255,8 +258,10 @@ def perf_analyzer(protocol: str, port: int, concurrency: int, http_format: str, 
               "client_cpu_s": client_cpu}
     if idle_after[1] > idle_before[1]:  # the machine's idle share over the run (all CPUs, every process on it)
         result["machine_idle"] = round((idle_after[0] - idle_before[0]) / (idle_after[1] - idle_before[1]), 3)
-    if loop_before is not None and loop_after is not None:  # the core's event-loop thread: its busy share
+    if loop_before is not None and loop_after is not None:  # the serving event-loop thread: its busy share
+        result["loop"] = "core" if loop == server_pid else "worker"
         result["loop_busy"] = round((loop_after[0] - loop_before[0]) / wall, 3)
+        result["loop_waiting"] = round((loop_after[2] - loop_before[2]) / wall, 3)
     counts_after = executions(http) if counts_before else None
     if counts_before and counts_after and counts_after[1] > counts_before[1]:
         result["requests_per_execution"] = round((counts_after[0] - counts_before[0])
@@ -307,21 +312,41 @@ def _machine_idle() -> tuple[int, int]:
     return ticks[3] + ticks[4], sum(ticks[:8])
 
 
-def loop_thread(root: int) -> tuple[float, int] | None:
-    """(CPU seconds, involuntary context switches) of process ``root``'s main thread where ``root`` is tideserve's
-    core (its event loop runs there), else None: the loop is one thread, so its busy share of the wall time, not the
-    process's CPU, is what bounds the requests it can serve; its involuntary switches are the times another thread
-    took its CPU while it had work."""
+def serving_thread(root: int) -> int | None:
+    """The thread whose event loop serves the requests where ``root`` is tideserve's core: the core's main thread
+    where no frontend worker runs, the one worker's main thread where one does; None for another server or for
+    several workers (several loops)."""
     if _role(str(root)) != "core":
         return None
+    workers = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == root and _role(stat.parent.name) == "frontend workers":
+            workers.append(int(stat.parent.name))
+    if not workers:
+        return root
+    return workers[0] if len(workers) == 1 else None
+
+
+def loop_thread(tid: int | None) -> tuple[float, int, float] | None:
+    """(CPU seconds, involuntary context switches, seconds ready to run but waiting for a CPU) of the main thread of
+    process ``tid`` (:func:`serving_thread`), or None: the loop is one thread, so its busy share of the wall time, not
+    the process's CPU, is what bounds the requests it can serve; its involuntary switches are the times another
+    thread took its CPU while it had work, and its wait the time that cost it."""
+    if tid is None:
+        return None
     try:
-        fields = Path(f"/proc/{root}/task/{root}/stat").read_text().rsplit(")", 1)[1].split()
-        status = Path(f"/proc/{root}/task/{root}/status").read_text()
+        fields = Path(f"/proc/{tid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        status = Path(f"/proc/{tid}/task/{tid}/status").read_text()
+        schedstat = Path(f"/proc/{tid}/task/{tid}/schedstat").read_text().split()
     except OSError:
         return None
     preempted = next((int(line.split()[1]) for line in status.splitlines()
                       if line.startswith("nonvoluntary_ctxt_switches:")), 0)
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), preempted
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), preempted, int(schedstat[1]) / 1e9
 
 
 def tree_switches(root: int) -> dict[str, int]:
@@ -408,7 +433,9 @@ def main() -> None:
                               + f"client {r.get('client_cpu_us_per_request', float('nan')):.0f} us/req "
                               f"idle {r.get('machine_idle', float('nan')):.2f} "
                               f"switches/req {r.get('switches_per_request_by_role', {})}"
-                              + (f" loop busy {r['loop_busy']:.2f} {r.get('loop_cpu_us_per_request', float('nan')):.1f}"
+                              + (f" loop ({r.get('loop', 'core')}) busy {r['loop_busy']:.2f}"
+                                 f" waiting {r.get('loop_waiting', float('nan')):.2f}"
+                                 f" {r.get('loop_cpu_us_per_request', float('nan')):.1f}"
                                  f" us/req preempted/req {r.get('loop_preempted_per_request', float('nan')):.2f}"
                                  if "loop_busy" in r else "")
                               + ("" if r["stable"] else "  (unstable)") + ("  (timed out)" if r.get("timed_out") else ""),
@@ -447,7 +474,7 @@ def main() -> None:
     tideserves = [k for k in args.servers if k.startswith("tideserve")]
     if tideserves:
         base = next((k for k in tideserves if k.split("@")[0] == "tideserve:w1"), tideserves[0])
-        print(f"\ncore CPU us/request (all processes us/request), throughput vs {base}, the core's event-loop thread's "
+        print(f"\ncore CPU us/request (all processes us/request), throughput vs {base}, the serving event-loop thread's "
               f"busy share\n\n| protocol | concurrency | "
               + " | ".join(tideserves) + " |\n|---|---|" + "---|" * len(tideserves))
         for protocol in args.protocols:
@@ -461,7 +488,8 @@ def main() -> None:
                     ratio = r["infer_per_s"] / b["infer_per_s"] if b and b.get("infer_per_s") else float("nan")
                     cells.append(f"{r['cpu_us_per_request_by_role'].get('core', 0):.0f} "
                                  f"({r['cpu_us_per_request']:.0f}), {r['infer_per_s']:.0f}/s {ratio:.2f}x"
-                                 + (f", loop busy {r['loop_busy']:.2f}" if "loop_busy" in r else ""))
+                                 + (f", loop ({r.get('loop', 'core')}) busy {r['loop_busy']:.2f} waiting "
+                                    f"{r.get('loop_waiting', float('nan')):.2f}" if "loop_busy" in r else ""))
                 print(f"| {protocol} | {c} | " + " | ".join(cells) + " |")
     print(f"\nload {results['load_before']} -> {results['load_after']}; results: {out}; logs: {work}")
 
