@@ -159,11 +159,11 @@ def deal_program(first: int) -> int | None:
         log.debug("no eBPF map for the gRPC port's program: %s", exc)
         return None
     try:
-        license = ctypes.create_string_buffer(b"GPL")
+        gpl = ctypes.create_string_buffer(b"GPL")  # (the program's license, as the kernel asks every program's)
         for fetch in (True, False):
             code = ctypes.create_string_buffer(_deal_instructions(map_fd, first, fetch))
             attr = struct.pack("IIQQIIQ", _BPF_PROG_TYPE_SOCKET_FILTER, (len(code) - 1) // _EBPF_INSN.size,
-                               ctypes.addressof(code), ctypes.addressof(license), 0, 0, 0)
+                               ctypes.addressof(code), ctypes.addressof(gpl), 0, 0, 0)
             try:
                 return _bpf(_BPF_PROG_LOAD, attr)  # (the program holds the map)
             except OSError as exc:
@@ -247,8 +247,10 @@ def steer_reuseport(host: str, port: int, first: int) -> str:
                             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
                         sock.bind(address)
                         sock.listen(1)  # (it joins the group, numbered last: the program never picks it)
-                        how = _attach_deal(sock, deal) or _attach(sock, program) or \
-                            ("to the first" if first <= 1 else "at random")
+                        how = _attach_deal(sock, deal)
+                        if not how:
+                            _attach(sock, program)
+                            how = "to the first" if first <= 1 else "at random"
                 except OSError as exc:
                     log.debug("gRPC port: no program set through %s: %s", address, exc)
                     continue
