@@ -112,8 +112,8 @@ if TYPE_CHECKING:
     from .schedulers.base import drop_cancelled
     from .stats import ModelStats
     from .workers.direct import (DIRECT_EXECUTING, DIRECT_QUEUE_SUFFIX, DIRECT_QUEUE_WORD, DIRECT_RUN_SHIFT,
-                                  DIRECT_SHORT_RUN_US, DIRECT_SHORT_RUNS, DirectAnswer, DirectAnswers, DirectSubmit,
-                                  DirectToProcess)
+                                  DIRECT_SHORT_RUN_US, DIRECT_SHORT_RUNS, BodyDecoder, DirectAnswer,
+                                  DirectAnswers, DirectJson, DirectSubmit, DirectToProcess)
     from .workers.direct import direct_run_stamp
     from .schedulers.passthrough import queue_bound
     from .workers.engines import engine_client_workers
@@ -125,7 +125,8 @@ _SCHEDULING = {"ModelRuntime": "runtime", "InstanceSlot": "runtime", "Scheduler"
                "drop_cancelled": "schedulers.base",
                # --frontend-direct: a model process's side of the frontend workers' direct links
                "ModelStats": "stats", "DirectSubmit": "workers.direct", "DirectAnswer": "workers.direct",
-               "DirectAnswers": "workers.direct", "DirectToProcess": "workers.direct",
+               "DirectAnswers": "workers.direct", "DirectToProcess": "workers.direct", "DirectJson": "workers.direct",
+               "BodyDecoder": "workers.direct",
                "DIRECT_QUEUE_SUFFIX": "workers.direct", "DIRECT_QUEUE_WORD": "workers.direct",
                "DIRECT_EXECUTING": "workers.direct", "DIRECT_SHORT_RUNS": "workers.direct",
                "DIRECT_SHORT_RUN_US": "workers.direct", "DIRECT_RUN_SHIFT": "workers.direct",
@@ -159,7 +160,8 @@ __all__ = [
     "Scheduler", "DirectScheduler", "DynamicBatcher", "PassThroughScheduler", "ModelRuntime", "InstanceSlot",
     "drop_cancelled",
     # --frontend-direct (general_backends/python/direct.py)
-    "ModelStats", "DirectSubmit", "DirectAnswer", "DirectAnswers", "DirectToProcess", "DIRECT_QUEUE_SUFFIX",
+    "ModelStats", "DirectSubmit", "DirectAnswer", "DirectAnswers", "DirectToProcess", "DirectJson", "BodyDecoder",
+    "DIRECT_QUEUE_SUFFIX",
     "DIRECT_QUEUE_WORD", "DIRECT_EXECUTING", "DIRECT_SHORT_RUNS", "DIRECT_SHORT_RUN_US",
     "DIRECT_RUN_SHIFT", "direct_run_stamp",
     # LLM engines: how many frontend workers take an engine client of their own, a model's max_queue_size

@@ -699,6 +699,12 @@ class DataPlane(ServingInterface):
         return found
 
     # -- inference -----------------------------------------------------------------------
+    def infer_json(self, model_name: str, model_version: str, body: bytes, header_length: int | None,
+                   limits, max_json_depth: int) -> None:
+        """None: in the core process the HTTP frontend decodes the body itself (its models' processes take
+        requests only through the core's schedulers)."""
+        return None
+
     def infer(self, request: InferenceRequest) -> InferenceStream:
         """Validate and schedule ``request``; raise a ServerError if it cannot be accepted.
 

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
     from .backend import ModelContext
     from .generation import EngineInfo, GenerationDelta, GenerationRequest
+    from .limits import TensorLimits
     from .types import InferenceRequest, InferenceResponse
 
 
@@ -65,6 +66,16 @@ class GenerationStream(Protocol):
     def cancel(self) -> None: ...
 
     async def aclose(self) -> None: ...
+
+
+class JsonInferStream(Protocol):
+    """The answer to a body handed over by :meth:`ServingInterface.infer_json`."""
+
+    async def result(self) -> tuple[bytes, int | None] | None:
+        """The HTTP body and, where binary outputs follow its JSON, the JSON's length; None: not taken, decode it
+        here. A refusal or the model's error is raised as the ServerError :meth:`ServingInterface.infer` gives."""
+
+    def cancel(self) -> None: ...
 
 
 class ServingInterface(abc.ABC):
@@ -154,6 +165,15 @@ class ServingInterface(abc.ABC):
         The stream carries the request (the backend takes it as such) and its cancellation (closing it early).
         Statistics, metrics, tracing, deadlines and cancellation are those of :meth:`infer`. A request refused
         before it is scheduled raises here (in the core) or from the stream's first step (in a worker)."""
+
+    @abc.abstractmethod
+    def infer_json(self, model_name: str, model_version: str, body: bytes, header_length: int | None,
+                   limits: TensorLimits, max_json_depth: int) -> JsonInferStream | None:
+        """A KServe v2 HTTP infer body (JSON, binary tensors after it where ``header_length`` says) handed as it came
+        to where its model runs, which decodes it within ``limits`` and ``max_json_depth``, schedules it and answers
+        with the HTTP body; None where no such place takes it (the caller decodes it and calls :meth:`infer`). Its
+        stream's :meth:`JsonInferStream.result` may still say "decode it here" (None) for a body the model's process
+        does not take whole (anything but a plain, valid request); that happens before the request is scheduled."""
 
     @abc.abstractmethod
     async def infer_unary(self, request: InferenceRequest) -> InferenceResponse:

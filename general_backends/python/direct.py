@@ -39,8 +39,10 @@ from tideserve.backend_api import (
     DIRECT_RUN_SHIFT,
     DIRECT_SHORT_RUN_US,
     DIRECT_SHORT_RUNS,
+    BodyDecoder,
     DirectAnswer,
     DirectAnswers,
+    DirectJson,
     DirectScheduler,
     DirectSubmit,
     DirectToProcess,
@@ -366,13 +368,14 @@ class _Entry:
     cancellation token, not the request: the request holds its response sender, whose sink holds this entry, and a
     reference back would make every request a cycle that only the garbage collector frees (17 objects a request)."""
 
-    __slots__ = ("arrival_ns", "cancellation", "counted", "first")
+    __slots__ = ("arrival_ns", "cancellation", "counted", "encoding", "first")
 
-    def __init__(self, request) -> None:
+    def __init__(self, request, encoding=None) -> None:
         self.arrival_ns = request.arrival_ns
         self.cancellation = request.cancellation
         self.first = True
         self.counted = False  # its success or failure is recorded (a cancellation records it at once)
+        self.encoding = encoding  # an HTTP body's: how its answer is written (a DecodedRequest without the request)
 
 
 class _Connection(asyncio.Protocol):
@@ -403,6 +406,8 @@ class _Connection(asyncio.Protocol):
             if type(message) is DirectSubmit:
                 for request in message.requests:
                     server.submit(self, request)
+                for body in message.bodies:
+                    server.submit_body(self, body)
             else:
                 server.cancel(self, message.rid)
 
@@ -447,6 +452,8 @@ class DirectServer:
         model = stub.model
         config = model.config
         self.stats = ModelStats(model.ctx.name, str(model.ctx.version), metrics=True)  # with its histograms
+        self.version = str(model.ctx.version)
+        self._bodies: BodyDecoder | None = None  # made at the first HTTP body
         self.runtime = _Runtime(model.ctx.name, config, stub.instance, self.stats, self)
         self.queue_word: _QueueWord | None = None
         if config.HasField("dynamic_batching"):
@@ -572,7 +579,26 @@ class DirectServer:
                 if tensor.shape:
                     request.batch_size = tensor.shape[0]
                 break
-        entry = _Entry(request)
+        self._schedule(connection, rid, request, _Entry(request))
+
+    def submit_body(self, connection: _Connection, message: DirectJson) -> None:
+        """An HTTP infer body: decoded and validated here as the worker's frontend would, then scheduled as
+        :meth:`submit` schedules a request, its answer written as the HTTP body. One this does not take whole (an
+        error the frontend words and the core counts, a parameter the direct path leaves to the core,
+        classification) goes back to the worker (``retry``), which decodes it and goes its usual way."""
+        rid = message.rid
+        bodies = self._bodies
+        if bodies is None:
+            bodies = self._bodies = BodyDecoder(self.runtime.config)
+            log.debug("instance '%s': HTTP infer bodies are decoded here", self.stub.spec.label)
+        taken = None if self.draining else bodies.request(message)
+        if taken is None:
+            connection.send(DirectAnswer(rid, wire.Response(), retry=True))
+            return
+        request, encoding = taken
+        self._schedule(connection, rid, request, _Entry(request, encoding))
+
+    def _schedule(self, connection: _Connection, rid: int, request, entry: _Entry) -> None:
         request.response_sender = ResponseSender(request, lambda response: self._respond(connection, rid, entry,
                                                                                           response))
         # queued since the worker took it (its arrival_ns: CLOCK_MONOTONIC, the same in every process), as the core's
@@ -629,6 +655,11 @@ class DirectServer:
                     stats.record_success(elapsed)
                 else:
                     stats.record_failure(elapsed, _FAILURE_REASON.get(response.error.status, "BACKEND"))
+        encoding = entry.encoding
+        if encoding is not None and final:  # an HTTP body's: its answer as the frontend writes it
+            response.model_version = self.version
+            connection.send(BodyDecoder.answer(rid, response, encoding, self.runtime.name))
+            return
         try:
             message = DirectAnswer(rid, wire.response_message(response))
         except Exception as exc:  # an output the link cannot carry

@@ -127,46 +127,59 @@ class HttpFrontend:
                 body = await self.body.read(receive, content_length, encoding)
             if header_length is not None:
                 header_length = parse_length(header_length, "Inference-Header-Content-Length")
-            if header_length == 0:
-                decoded = codec.decode_raw_request(model_name, model_version, body,
-                                                   self.dataplane.model_config(model_name, model_version))
+            there = None
+            if header_length != 0 and traceparent is None:  # decoded and answered where the model runs, if it can
+                handed = self.dataplane.infer_json(model_name, model_version, body, header_length, self.tensor_limits,
+                                                   self.body.max_json_depth)
+                if handed is not None:
+                    try:  # (the HTTP protocol cancels this handler when its connection is lost: so is the request)
+                        there = await handed.result()
+                    except BaseException:
+                        handed.cancel()
+                        raise
+            if there is not None:
+                payload, json_length = there
             else:
-                decoded = codec.decode_request(model_name, model_version, body, header_length, self.tensor_limits,
-                                               self.body.max_json_depth)
-            request = decoded.request
-            if traceparent is not None:
-                request.trace_context = traceparent.decode("latin-1")
-            # Schedule the request and wait for its single response (HTTP infer is unary; here, not in a
-            # coroutine of its own: one frame fewer on every resume). A request still running after
-            # DISCONNECT_WATCH_S starts watching its connection: if the client goes away, the request is
-            # cancelled (the model sees ``request.is_cancelled()``).
-            request.streaming = False  # one response: LLM backends send the whole result at once
-            stream = self.dataplane.infer(request)
-            response = None
-            # the HTTP protocol cancels a request it handed straight to this handler when its connection is lost
-            # (server/http/limits.py): no watch of its own
-            watch = _NO_WATCH if type(getattr(receive, "__self__", None)) is FastCycle else \
-                cancel_on_disconnect(receive, DISCONNECT_WATCH_S)
-            with watch:
-                try:
-                    async for answer in stream:
-                        if answer.error is not None:
-                            raise as_server_error(answer.error)
-                        if not answer.empty:
-                            if response is not None:
-                                raise Unsupported(f"model '{request.model_name}' is decoupled and sent more than "
-                                                  "one response; the HTTP infer endpoint returns exactly one (use "
-                                                  "the gRPC streaming API)")
-                            response = answer
-                        if answer.final:  # the last: no need to ask the stream for its end
-                            break
-                except BaseException:
-                    await stream.aclose()
-                    raise
-            if response is None:
-                raise Unsupported(f"model '{request.model_name}' sent no response to the request")
-            classifier = self._classifier(stream.runtime) if decoded.classify else None
-            payload, json_length = codec.encode_response(response, decoded, classifier)
+                if header_length == 0:
+                    decoded = codec.decode_raw_request(model_name, model_version, body,
+                                                       self.dataplane.model_config(model_name, model_version))
+                else:
+                    decoded = codec.decode_request(model_name, model_version, body, header_length, self.tensor_limits,
+                                                   self.body.max_json_depth)
+                request = decoded.request
+                if traceparent is not None:
+                    request.trace_context = traceparent.decode("latin-1")
+                # Schedule the request and wait for its single response (HTTP infer is unary; here, not in a
+                # coroutine of its own: one frame fewer on every resume). A request still running after
+                # DISCONNECT_WATCH_S starts watching its connection: if the client goes away, the request is
+                # cancelled (the model sees ``request.is_cancelled()``).
+                request.streaming = False  # one response: LLM backends send the whole result at once
+                stream = self.dataplane.infer(request)
+                response = None
+                # the HTTP protocol cancels a request it handed straight to this handler when its connection is lost
+                # (server/http/limits.py): no watch of its own
+                watch = _NO_WATCH if type(getattr(receive, "__self__", None)) is FastCycle else \
+                    cancel_on_disconnect(receive, DISCONNECT_WATCH_S)
+                with watch:
+                    try:
+                        async for answer in stream:
+                            if answer.error is not None:
+                                raise as_server_error(answer.error)
+                            if not answer.empty:
+                                if response is not None:
+                                    raise Unsupported(f"model '{request.model_name}' is decoupled and sent more than "
+                                                      "one response; the HTTP infer endpoint returns exactly one (use "
+                                                      "the gRPC streaming API)")
+                                response = answer
+                            if answer.final:  # the last: no need to ask the stream for its end
+                                break
+                    except BaseException:
+                        await stream.aclose()
+                        raise
+                if response is None:
+                    raise Unsupported(f"model '{request.model_name}' sent no response to the request")
+                classifier = self._classifier(stream.runtime) if decoded.classify else None
+                payload, json_length = codec.encode_response(response, decoded, classifier)
         except ServerError as exc:
             await send_error(send, exc.http_code, exc.message, exc.retry_after_s)
             return

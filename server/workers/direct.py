@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from .. import wire
-from ..errors import InternalError, ServerError
+from ..errors import InternalError, ServerError, Unsupported
 from ..loops import running_loop
 from ..shared_memory import REGION
 from ..types import InferenceRequest, InferenceResponse
@@ -75,11 +75,27 @@ _SHORT_RUN_UNITS = int(DIRECT_SHORT_RUN_US * 1000) >> DIRECT_RUN_UNIT_SHIFT
 
 
 # -- the link's messages (worker <-> instance process) -----------------------------------------------------
+class DirectJson(msgspec.Struct, tag=True, array_like=True):
+    """A KServe v2 HTTP infer body as it came (``header_length`` -1: no Inference-Header-Content-Length), for the
+    instance process to decode within the worker's limits, and answer with the HTTP body."""
+
+    rid: int
+    model_name: str
+    model_version: str
+    body: bytes
+    header_length: int
+    arrival_ns: int
+    max_json_depth: int
+    max_rank: int
+    max_elements: int
+
+
 class DirectSubmit(msgspec.Struct, tag=True, array_like=True):
-    """Requests to run (tensors inline): those a worker's loop turn sends to one instance process, in one
-    message."""
+    """Requests to run (tensors inline) and HTTP bodies to decode and run: those a worker's loop turn sends to one
+    instance process, in one message."""
 
     requests: list[wire.Request]
+    bodies: list[DirectJson] = []
 
 
 class DirectAnswer(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
@@ -90,6 +106,8 @@ class DirectAnswer(msgspec.Struct, tag=True, array_like=True, omit_defaults=True
     response: wire.Response
     rejected: bool = False
     retry: bool = False
+    body: bytes | None = None  # a DirectJson's answer: the HTTP body (``response`` then carries nothing)
+    json_length: int = -1  # the body's JSON length where binary outputs follow it
 
 
 class DirectAnswers(msgspec.Struct, tag=True, array_like=True):
@@ -99,6 +117,77 @@ class DirectAnswers(msgspec.Struct, tag=True, array_like=True):
 
 
 DirectToProcess = DirectSubmit | wire.Cancel
+
+
+class BodyDecoder:
+    """An instance process's side of :class:`DirectJson`: an HTTP infer body decoded and validated as the worker's
+    HTTP frontend would (its codec, the model's validation), and the answer's HTTP body written as it would write it.
+    A body it does not take whole (an error the frontend words and the core counts, a parameter the direct path
+    leaves to the core, shared memory, classification, a model whose inputs reshape) is left to the worker."""
+
+    def __init__(self, config) -> None:
+        reshapes = any(t.HasField("reshape") for t in config.input)
+        self.validator = None if reshapes else RequestValidator(config)
+        self._limits: dict[tuple[int, int], object] = {}
+
+    def request(self, message: DirectJson):
+        """(the request, how its answer is written), or None: left to the worker."""
+        from ..http import codec
+        from ..limits import TensorLimits
+
+        if self.validator is None:
+            return None
+        key = (message.max_rank, message.max_elements)
+        limits = self._limits.get(key)
+        if limits is None:
+            limits = self._limits[key] = TensorLimits(*key)
+        try:
+            decoded = codec.decode_request(message.model_name, message.model_version, message.body,
+                                           None if message.header_length < 0 else message.header_length, limits,
+                                           message.max_json_depth)
+        except Exception:  # noqa: BLE001 - the worker decodes it again and answers in its words
+            return None
+        request = decoded.request
+        if decoded.classify or request.priority or request.timeout_us:
+            return None
+        parameters = request.parameters
+        if parameters and any(name in parameters for name in SEQUENCE_PARAMETERS):
+            return None
+        for tensor in request.inputs.values():
+            if tensor.parameters and REGION in tensor.parameters:
+                return None
+        for output in request.outputs:
+            if output.parameters and REGION in output.parameters:
+                return None
+        try:
+            self.validator.validate(request)
+        except ServerError:
+            return None
+        request.arrival_ns = message.arrival_ns
+        request.streaming = False
+        return request, codec.DecodedRequest(None, decoded.binary_output, decoded.outputs, False)
+
+    @staticmethod
+    def answer(rid: int, response: InferenceResponse, encoding, model_name: str) -> DirectAnswer:
+        """The answer to a body: the HTTP body the frontend would write for ``response`` (its model's version set),
+        or the error it would answer (the model sent no response; an output it cannot write)."""
+        from ..http import codec
+
+        if response.error is not None:
+            return DirectAnswer(rid, wire.response_message(response))
+        if response.empty:
+            error = Unsupported(f"model '{model_name}' sent no response to the request")
+            return DirectAnswer(rid, wire.Response(error=wire.error_data(error)))
+        try:
+            body, json_length = codec.encode_response(response, encoding, None)
+        except ServerError as exc:
+            return DirectAnswer(rid, wire.Response(error=wire.error_data(exc)))
+        except Exception as exc:  # noqa: BLE001 - as the frontend answers a bug: an internal error
+            log.exception("model '%s': an HTTP answer could not be written", model_name)
+            error = InternalError(f"internal error: {type(exc).__name__}: {exc}")
+            return DirectAnswer(rid, wire.Response(error=wire.error_data(error)))
+        return DirectAnswer(rid, wire.Response(final=True), body=body,
+                            json_length=-1 if json_length is None else json_length)
 DirectToWorker = DirectAnswer | DirectAnswers
 
 _RETRY = object()
@@ -164,6 +253,43 @@ class DirectStream(PendingResponses):
         self.cancel()
 
 
+class DirectJsonStream(PendingResponses):
+    """The answer to one HTTP body sent straight to an instance process (:class:`DirectJson`)."""
+
+    def __init__(self, link: DirectLink, rid: int) -> None:
+        self._link = link
+        self.rid = rid
+        self._pending: collections.deque = collections.deque()
+        self._waiter: asyncio.Future | None = None
+        self._done = False
+
+    async def result(self) -> tuple[bytes, int | None] | None:
+        if not self._pending:
+            await self._wait()
+        item = self._pending.popleft()
+        self._finish()
+        if type(item) is tuple:
+            return item
+        if item is _RETRY:  # not taken there: decoded here
+            return None
+        if isinstance(item, BaseException):  # refused before it was scheduled
+            raise item
+        if item.error is not None:  # the model's error, or the process's end
+            raise item.error
+        raise InternalError(f"the model's process answered request {self.rid} without a body")
+
+    def _finish(self) -> None:
+        if not self._done:
+            self._done = True
+            self._link.forget(self.rid)
+
+    def cancel(self) -> None:
+        if self._done:
+            return
+        self._finish()
+        self._link.send(wire.Cancel(self.rid))
+
+
 class DirectLink(asyncio.Protocol):
     """The worker's link to one instance process."""
 
@@ -174,6 +300,7 @@ class DirectLink(asyncio.Protocol):
         self.reader = wire.FrameReader(DirectToWorker)
         self.streams: dict[int, DirectStream] = {}
         self.submits: list[wire.Request] = []  # requests to send (at the end of this loop turn, or once connected)
+        self.bodies: list[DirectJson] = []  # HTTP bodies to send with them
         self.waiting: list[bytes] = []  # other frames to write after them (cancellations)
         self.state = "new"  # new -> connecting -> up -> down
         self._flush_scheduled = False
@@ -202,6 +329,7 @@ class DirectLink(asyncio.Protocol):
                 stream._put(_RETRY)
             self.streams.clear()
             self.submits.clear()
+            self.bodies.clear()
             self.waiting.clear()
 
     def connection_made(self, transport) -> None:
@@ -226,7 +354,9 @@ class DirectLink(asyncio.Protocol):
                 stream = streams.get(answer.rid)
                 if stream is None:
                     continue
-                if answer.retry:
+                if answer.body is not None:
+                    stream._put((answer.body, None if answer.json_length < 0 else answer.json_length))
+                elif answer.retry:
                     stream._put(_RETRY)
                 elif answer.rejected:
                     stream._put(wire.server_error(answer.response.error))
@@ -236,6 +366,11 @@ class DirectLink(asyncio.Protocol):
     def submit(self, request: wire.Request) -> None:
         """Queue ``request``: the requests of one turn of the event loop leave in one message."""
         self.submits.append(request)
+        self._schedule()
+
+    def submit_body(self, body: DirectJson) -> None:
+        """Queue an HTTP body: it leaves with the turn's requests."""
+        self.bodies.append(body)
         self._schedule()
 
     def send(self, message) -> None:
@@ -254,10 +389,12 @@ class DirectLink(asyncio.Protocol):
         self._flush_scheduled = False
         if self.state != "up":
             return
-        submits, waiting = self.submits, self.waiting
-        if submits:  # before the cancellations: a request cancelled in the turn it was sent arrives first
-            waiting.insert(0, wire.frame(DirectSubmit(submits)))
+        submits, bodies, waiting = self.submits, self.bodies, self.waiting
+        if submits or bodies:  # before the cancellations: a request cancelled in the turn it was sent arrives first
+            waiting.insert(0, wire.frame(DirectSubmit(submits, bodies) if bodies else DirectSubmit(submits)))
             self.submits = []
+            if bodies:
+                self.bodies = []
         if waiting:
             self.transport.write(waiting[0] if len(waiting) == 1 else b"".join(waiting))
             waiting.clear()
@@ -340,6 +477,30 @@ class DirectRouter:
         link.submit(wire.request_message(rid, request))
         return stream
 
+    def route_json(self, model_name: str, model_version: str, body: bytes, header_length: int | None, limits,
+                   max_json_depth: int) -> DirectJsonStream | None:
+        """An HTTP infer body straight to an instance process of its model, to decode and run there, or None (the
+        frontend decodes it): a model the core publishes no addresses for, a decoupled one, one whose inputs
+        reshape, or one that needs the frontend's own steps (classification labels are the frontend's; the
+        process hands such a body back)."""
+        snapshot = self.plane.link.snapshot
+        if not snapshot.direct:
+            return None
+        try:
+            runtime = self.plane.model(model_name, model_version)
+        except ServerError:
+            return None
+        addresses = snapshot.direct.get(runtime.uid)
+        if not addresses or runtime.config.model_transaction_policy.decoupled or self._validator(runtime) is None:
+            return None
+        link = self._pick(addresses, runtime)
+        rid = next(self._ids)
+        stream = DirectJsonStream(link, rid)
+        link.streams[rid] = stream
+        link.submit_body(DirectJson(rid, model_name, model_version, body, -1 if header_length is None else header_length,
+                                    time.monotonic_ns(), max_json_depth, limits.max_rank, limits.max_elements))
+        return stream
+
     def _pick(self, addresses: list[str], runtime: RemoteRuntime) -> DirectLink:
         """The link for one request. The requests of one loop turn for a model go to one instance process, up to
         its ``max_batch_size`` (what a turn sends leaves in one write and can run as one batch there, as the
@@ -419,7 +580,9 @@ class DirectRouter:
         timeout ran out); the processes hear that they are cancelled."""
         for link in list(self.links.values()):
             for stream in list(link.streams.values()):
-                stream.request.cancellation.cancel()
+                request = getattr(stream, "request", None)  # (an HTTP body's stream has none here)
+                if request is not None:
+                    request.cancellation.cancel()
                 link.send(wire.Cancel(stream.rid))
                 stream._put(InferenceResponse(error=error, final=True))
 

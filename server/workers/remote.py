@@ -312,6 +312,13 @@ class RemoteDataPlane(ServingInterface):
                 return stream
         return self._submit(request, False)
 
+    def infer_json(self, model_name: str, model_version: str, body: bytes, header_length: int | None,
+                   limits, max_json_depth: int):
+        """Straight to an instance process of the model where the direct path takes it (workers/direct.py)."""
+        if not self.accepting or self.direct is None:
+            return None
+        return self.direct.route_json(model_name, model_version, body, header_length, limits, max_json_depth)
+
     def _submit(self, request: InferenceRequest, unary: bool) -> RemoteInferenceStream:
         link = self.link
         rid = link.next_id()

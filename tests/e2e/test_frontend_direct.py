@@ -522,5 +522,38 @@ def test_one_worker_with_direct_instances_serves_both_protocols_without_the_core
         assert _stats(running, "add_sub")["inference_count"] == 3
         log = running.log()
         assert "1 frontend worker processes" in log and "a frontend worker linked directly" in log
+        _http_bodies_are_decoded_in_the_instance_process(running)
     finally:
         running.stop()
+
+
+def _http_bodies_are_decoded_in_the_instance_process(running) -> None:
+    """An HTTP infer body goes to the instance process as it came, which decodes it and answers with the HTTP body
+    (JSON or binary tensors, the request's id); one it does not take whole goes the frontend's way, with its words:
+    a bad shape (the core's error, counted once), classification (the frontend's labels)."""
+    before = _stats(running, "add_sub")
+    with httpclient.InferenceServerClient(running.http_url) as client:
+        for binary in (False, True):
+            a = np.arange(8, dtype=np.float32).reshape(2, 4)
+            inputs = [httpclient.InferInput(name, [2, 4], "FP32") for name in ("INPUT0", "INPUT1")]
+            inputs[0].set_data_from_numpy(a, binary_data=binary)
+            inputs[1].set_data_from_numpy(np.ones_like(a), binary_data=binary)
+            outputs = [httpclient.InferRequestedOutput(name, binary_data=binary) for name in ("OUTPUT0", "OUTPUT1")]
+            result = client.infer("add_sub", inputs, outputs=outputs, request_id=f"body-{binary}")
+            np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + 1)
+            np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - 1)
+            assert result.get_response()["id"] == f"body-{binary}"
+            assert result.get_response()["model_version"] == "1"
+        inputs, a = _add_sub_inputs(httpclient)
+        labelled = client.infer("add_sub", inputs, outputs=[httpclient.InferRequestedOutput("OUTPUT0", class_count=2)])
+        assert labelled.as_numpy("OUTPUT0").tolist() == [[b"4.000000:3", b"3.000000:2"]]
+        inputs, _ = _add_sub_inputs(httpclient, width=3)
+        with pytest.raises(InferenceServerException) as caught:
+            client.infer("add_sub", inputs)
+    assert caught.value.status() == "400"
+    assert "unexpected shape for input 'INPUT0' for model 'add_sub'. Expected [-1, 4], got [1, 3]" in \
+        caught.value.message()
+    after = _stats(running, "add_sub")
+    assert after["inference_stats"]["success"]["count"] == before["inference_stats"]["success"]["count"] + 3
+    assert after["inference_stats"]["fail"]["count"] == before["inference_stats"]["fail"]["count"] + 1
+    assert "HTTP infer bodies are decoded here" in running.log()
