@@ -119,6 +119,21 @@ class DirectAnswers(msgspec.Struct, tag=True, array_like=True):
 DirectToProcess = DirectSubmit | wire.Cancel
 
 
+def plain_inference(request: InferenceRequest) -> bool:
+    """No sequence parameters and no shared-memory input or output: what the direct path takes (with the caller's
+    other conditions)."""
+    parameters = request.parameters
+    if parameters and any(name in parameters for name in SEQUENCE_PARAMETERS):
+        return False
+    for tensor in request.inputs.values():
+        if tensor.parameters and REGION in tensor.parameters:
+            return False
+    for output in request.outputs:
+        if output.parameters and REGION in output.parameters:
+            return False
+    return True
+
+
 class BodyDecoder:
     """An instance process's side of :class:`DirectJson`: an HTTP infer body decoded and validated as the worker's
     HTTP frontend would (its codec, the model's validation), and the answer's HTTP body written as it would write it.
@@ -148,17 +163,8 @@ class BodyDecoder:
         except Exception:  # noqa: BLE001 - the worker decodes it again and answers in its words
             return None
         request = decoded.request
-        if decoded.classify or request.priority or request.timeout_us:
+        if decoded.classify or request.priority or request.timeout_us or not plain_inference(request):
             return None
-        parameters = request.parameters
-        if parameters and any(name in parameters for name in SEQUENCE_PARAMETERS):
-            return None
-        for tensor in request.inputs.values():
-            if tensor.parameters and REGION in tensor.parameters:
-                return None
-        for output in request.outputs:
-            if output.parameters and REGION in output.parameters:
-                return None
         try:
             self.validator.validate(request)
         except ServerError:
@@ -454,15 +460,8 @@ class DirectRouter:
         addresses = snapshot.direct.get(runtime.uid)
         if not addresses:
             return None
-        parameters = request.parameters
-        if parameters and any(name in parameters for name in SEQUENCE_PARAMETERS):
+        if not plain_inference(request):
             return None
-        for tensor in request.inputs.values():
-            if tensor.parameters and REGION in tensor.parameters:
-                return None
-        for output in request.outputs:
-            if output.parameters and REGION in output.parameters:
-                return None
         validator = self._validator(runtime)
         if validator is None:
             return None
