@@ -125,7 +125,9 @@ class InstanceThread:
         set_scope(scope)
         while True:
             idle = self.idle
-            if idle is not None and self._queue.empty() and idle():
+            # (called with work queued too: a thread that reads the process's socket hands the reading back before
+            # it runs posted work, which may run long or never return, as the direct links' loop does)
+            if idle is not None and idle():
                 continue
             item = self._queue.get()
             if item is None:

@@ -84,6 +84,13 @@ instance_group [ { kind: KIND_CPU count: 4 } ]
 """
 
 
+WARMUP = """
+model_warmup [ { name: "zeros" batch_size: 2 count: 2
+  inputs { key: "INPUT0" value { data_type: TYPE_FP32 dims: [ 4 ] zero_data: true } }
+  inputs { key: "INPUT1" value { data_type: TYPE_FP32 dims: [ 4 ] zero_data: true } } } ]
+"""
+
+
 def _parameters(**values: str) -> str:
     return "".join(f'parameters {{ key: "{k}" value {{ string_value: "{v}" }} }}\n' for k, v in values.items())
 
@@ -303,6 +310,26 @@ def test_a_bad_input_gets_the_core_paths_error_and_is_counted(server):
         grpc_client.infer("checked", inputs)
     assert caught.value.status() == "StatusCode.INVALID_ARGUMENT" and expected in caught.value.message()
     assert _stats(server, "checked")["inference_stats"]["fail"]["count"] == before + 2
+
+
+def test_a_model_warmed_up_through_the_core_keeps_answering_the_core_once_its_links_open(tmp_path):
+    """Warmup runs batches through the core (the instance's thread reading the process's socket between them)
+    before the model is READY; the workers' links open after it, and the instance's thread then runs their loop.
+    The process still reads the core's messages: statistics (its counters of direct requests), unload, load."""
+    _add_sub_copy(tmp_path / "models", "warmed", "instance_group [ { kind: KIND_CPU count: 1 } ]\n" + WARMUP)
+    running = start_server([tmp_path / "models"], "--frontend-workers", "2", "--frontend-direct", "on",
+                           "--model-control-mode", "explicit", "--load-model", "warmed", tmp_dir=tmp_path)
+    try:
+        inputs, a = _add_sub_inputs(httpclient)
+        with httpclient.InferenceServerClient(running.http_url, network_timeout=60) as client:
+            for count in (1, 2, 3):
+                assert np.array_equal(client.infer("warmed", inputs).as_numpy("OUTPUT0"), a + 1)
+                assert _stats(running, "warmed")["inference_count"] == count  # the warmup's batches are not counted
+                client.unload_model("warmed")
+                assert not client.is_model_ready("warmed")
+                client.load_model("warmed")
+    finally:
+        running.stop()
 
 
 def _repeat_inputs(values, delay_ms: int = 0):
