@@ -35,7 +35,7 @@ serve: $(VENV)/.installed
 # and with those workers sending Python-model requests straight to the model's processes (--frontend-direct on).
 PROTOCOL_TESTS := tests/e2e/test_http.py tests/e2e/test_grpc.py tests/e2e/test_generate.py \
 	tests/e2e/test_openai_frontend.py tests/e2e/test_access_control.py tests/e2e/test_limits.py \
-	tests/e2e/test_openai_tools.py tests/e2e/test_shared_memory.py \
+	tests/e2e/test_openai_tools.py tests/e2e/test_shared_memory.py tests/e2e/test_openai_embeddings.py \
 	tests/e2e/test_robustness.py::test_disconnect_storm_leaves_nothing_in_flight
 
 # ... and the gRPC suites once more with the gRPC port on pyvoy (--grpc-frontend pyvoy; ~40 s)

@@ -176,6 +176,13 @@ class ServingInterface(abc.ABC):
         does not take whole (anything but a plain, valid request); that happens before the request is scheduled."""
 
     @abc.abstractmethod
+    def record_frontend_runs(self, model: ServedModel, count: int, elapsed_ns: int) -> None:
+        """Count ``count`` requests of ``model`` that a frontend served itself by a shorter way than the model's
+        own run (an ensemble whose first step it took: ``openai_tokenize_in_frontend``): a success and an
+        execution of one inference each, ``elapsed_ns`` long, in the model's statistics (from a worker: its
+        counters of the version, which the core adds)."""
+
+    @abc.abstractmethod
     async def infer_unary(self, request: InferenceRequest) -> InferenceResponse:
         """One request, one response (its model's error raised): for protocols without streaming. Unsupported
         when a decoupled model sends none or several."""

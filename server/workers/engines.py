@@ -495,7 +495,8 @@ async def _shutdown(engine, name: str) -> None:
 
 
 class EngineClients:
-    """A frontend worker's engine clients, one per model version whose engine takes them (by runtime uid)."""
+    """A frontend worker's engine clients, one per model version whose engine takes them (by runtime uid), and its
+    statistics of the versions whose requests it served itself (theirs, and those of ``record_runs``)."""
 
     def __init__(self, plane: RemoteDataPlane, index: int) -> None:
         self.plane = plane
@@ -525,6 +526,18 @@ class EngineClients:
         if client.generator is None or client.retiring:
             return None
         return client.run(model_name, generation, dict(identity, model_version=model_version))
+
+    def record_runs(self, runtime: RemoteRuntime, count: int, elapsed_ns: int) -> None:
+        """``count`` requests of ``runtime`` this worker's frontend served itself (``record_frontend_runs``), counted
+        in this worker's statistics of the version and sent to the core now, before their answers go out."""
+        stats = self.stats.get(runtime.uid)
+        if stats is None:
+            stats = self.stats[runtime.uid] = ModelStats(runtime.name, str(runtime.version))
+        for _ in range(count):
+            stats.record_success(elapsed_ns)
+            stats.record_execution(1, 1, 0, elapsed_ns, 0)
+        self.note(runtime.uid)
+        self._flush()
 
     def start_building(self) -> None:
         """Build now the clients the core's current snapshot calls for (the versions loaded before this worker

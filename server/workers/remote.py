@@ -218,7 +218,7 @@ class RemoteDataPlane(ServingInterface):
     def __init__(self, link: CoreLink) -> None:
         self.link = link
         self.direct = None  # a DirectRouter (workers/direct.py) with --frontend-direct on
-        self.engines = None  # an EngineClients (workers/engines.py) with --frontend-direct on
+        self.engines = None  # an EngineClients (workers/engines.py): its engine clients (--frontend-direct on), its counters
 
     # -- health and metadata (from the pushed snapshot) ----------------------------------------------------
     @property
@@ -350,6 +350,10 @@ class RemoteDataPlane(ServingInterface):
         request.trace_context = trace_context
         return RemoteGenerationStream(self._submit(request, False))
 
+    def record_frontend_runs(self, model, count: int, elapsed_ns: int) -> None:
+        if self.engines is not None and isinstance(model, RemoteRuntime):
+            self.engines.record_runs(model, count, elapsed_ns)
+
     async def infer_unary(self, request: InferenceRequest) -> InferenceResponse:
         if not self.accepting:
             raise Unavailable("the server is shutting down and accepts no new requests")
@@ -433,7 +437,8 @@ async def open_frontend(link: CoreLink):
         from .direct import DirectRouter
 
         dataplane.direct = DirectRouter(dataplane, options.frontend_workers)
-        from .engines import EngineClients
+    from .engines import EngineClients
 
-        dataplane.engines = link.engines = EngineClients(dataplane, start.index + 1)
+    # (engine clients only where the core gave the engines clients for the workers: --frontend-direct on)
+    dataplane.engines = link.engines = EngineClients(dataplane, start.index + 1)
     return start, options, dataplane, access

@@ -171,23 +171,10 @@ async def _embed(dataplane, model: EmbeddingModel, prompts: list[str | list[int]
         if tensor is None:
             raise OpenAIError(f"model '{model.name}' answered without its embedding output '{name}'", 500)
         vectors.append(np.asarray(tensor.data, dtype=np.float32).reshape(-1))
-    if direct is not None and any(direct):
-        _count(model, started, sum(direct))
+    if direct is not None and any(direct) and model.runtime is not None:
+        # served by the short path: counted on the model (an ensemble) as its own runs would be
+        dataplane.record_frontend_runs(model.runtime(), sum(direct), time.monotonic_ns() - started)
     return vectors
-
-
-def _count(model: EmbeddingModel, started: int, requests: int) -> None:
-    """Count ``requests`` served by the short path on the model (an ensemble) as its own runs would be: a
-    success and an execution of one inference each. Only where the model's runtime is in this process (a
-    frontend worker's view has no statistics: the token model counts them there)."""
-    runtime = model.runtime() if model.runtime is not None else None
-    stats = getattr(runtime, "stats", None)
-    if stats is None:
-        return
-    elapsed = time.monotonic_ns() - started
-    for _ in range(requests):
-        stats.record_success(elapsed)
-        stats.record_execution(1, 1, 0, elapsed, 0)
 
 
 def _dimensions(vector: np.ndarray, dimensions: int | None) -> np.ndarray:
