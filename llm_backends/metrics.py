@@ -146,19 +146,27 @@ class EngineStateGauges:
     ``state`` (the model's pending count, GET /load, deadlines) and set on the LLM metrics' gauges, whose children
     for the model's labels are looked up once (a step costs this one call and the three sets, no ``labels()``)."""
 
-    __slots__ = ("_kv_cache_usage", "_running", "_waiting", "state")
+    __slots__ = ("_at", "_kv_cache_usage", "_running", "_waiting", "state")
 
     def __init__(self, metrics: LLMMetrics, model: str, version: str) -> None:
         self._running = metrics.running.labels(model, version)
         self._waiting = metrics.waiting.labels(model, version)
         self._kv_cache_usage = metrics.kv_cache_usage.labels(model, version)
         self.state = None  # the engine's last EngineState (running, waiting, kv_cache_usage); None before a step
+        self._at = 0.0  # the ``at`` of the last state set
 
-    def __call__(self, state) -> None:
+    def __call__(self, state) -> bool:
+        """Set ``state``, unless it is older than the last one set (its ``at``, where it has one): False then."""
+        at = getattr(state, "at", 0.0)
+        if at:
+            if at < self._at:
+                return False
+            self._at = at
         self.state = state
         self._running.set(state.running)
         self._waiting.set(state.waiting)
         self._kv_cache_usage.set(state.kv_cache_usage)
+        return True
 
 
 class GenerationTracker:

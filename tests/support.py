@@ -144,11 +144,12 @@ def _start_server(repositories: list[Path], extra_args: tuple[str, ...], tmp_dir
         args += ["--model-repository", str(repo)]
     args += list(extra_args)
     # the protocol tests run a second time with frontend worker processes (.ci/run; see docs/architecture.md)
-    if "--frontend-workers" not in extra_args:  # not the core count's default: the same on every machine
+    named = "--frontend-workers" in extra_args  # a test of a layout of its own: the passes leave it as it is
+    if not named:  # not the core count's default: the same on every machine
         args += ["--frontend-workers", os.environ.get("TIDESERVE_TEST_FRONTEND_WORKERS") or "1"]
     # ... through the core (the second pass: --frontend-direct off), and once more with --frontend-direct on
     # (TIDESERVE_TEST_FRONTEND_DIRECT=1: `make test`'s third pass); a test that names neither gets the default
-    if "--frontend-direct" not in extra_args and os.environ.get("TIDESERVE_TEST_FRONTEND_WORKERS"):
+    if not named and "--frontend-direct" not in extra_args and os.environ.get("TIDESERVE_TEST_FRONTEND_WORKERS"):
         args += ["--frontend-direct", "on" if os.environ.get("TIDESERVE_TEST_FRONTEND_DIRECT") == "1" else "off"]
     # the gRPC protocol tests again with the gRPC port on pyvoy (TIDESERVE_TEST_GRPC_FRONTEND=pyvoy)
     if "--grpc-frontend" not in extra_args and os.environ.get("TIDESERVE_TEST_GRPC_FRONTEND"):

@@ -39,6 +39,10 @@ class EngineState:
     running: int = 0
     waiting: int = 0
     kv_cache_usage: float = 0.0  # fraction of KV-cache blocks in use, 0 to 1
+    # when (time.monotonic(), one clock for every process of the host) the step's stats reached the client that
+    # saw them; 0: unknown. The engine sends each step's stats to one of its clients (the core's, a worker's):
+    # a state that reaches the core later than a newer one (a worker's, sent at most every STATE_EVERY_S) is old
+    at: float = 0.0
 
 
 class DeadlineProbe:
@@ -103,7 +107,7 @@ class _StateLogger(StatLoggerBase):
         self._on_state(EngineState(
             running=scheduler_stats.num_running_reqs,
             waiting=scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs,
-            kv_cache_usage=scheduler_stats.kv_cache_usage))
+            kv_cache_usage=scheduler_stats.kv_cache_usage, at=time.monotonic()))
         if DeadlineProbe.path:
             DeadlineProbe.count("steps")
             if (cache := scheduler_stats.prefix_cache_stats) is not None:

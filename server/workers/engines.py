@@ -90,13 +90,14 @@ class CoreCounts:
                 log.debug("model '%s': frontend worker %d's LLM counters moved %s", runtime.name, index,
                           {name: values[0] for name, values in message.llm.items() if name in _COUNTERS})
             add_llm_increments(model.metrics, (runtime.name, str(runtime.version)), message.llm)
-        if message.engine and (registry := getattr(model, "vllm_registry", None)) is not None:
-            add_engine_increments(registry, message.engine)
+        current = True  # the message's gauges are the engine's latest (not older than those already set)
         if message.state is not None and callable(getattr(model, "engine_state", None)):
             from tideserve.llm_backends.vllm.engine import EngineState
 
-            running, waiting, kv = message.state
-            model.engine_state(EngineState(int(running), int(waiting), kv))
+            running, waiting, kv, *at = message.state
+            current = model.engine_state(EngineState(int(running), int(waiting), kv, at[0] if at else 0.0)) is not False
+        if message.engine and (registry := getattr(model, "vllm_registry", None)) is not None:
+            add_engine_increments(registry, message.engine, gauges=current)
 
     def lost(self, index: int) -> None:
         """Worker ``index`` went away: its generations no longer count as in flight; its counters stay counted."""
@@ -203,8 +204,8 @@ def engine_increments(now: dict[tuple, list[float]], sent: dict[tuple, list[floa
     return out
 
 
-def add_engine_increments(registry, entries) -> None:
-    """Add a worker's :func:`engine_increments` to the core's vllm:* registry (gauges: set)."""
+def add_engine_increments(registry, entries, gauges: bool = True) -> None:
+    """Add a worker's :func:`engine_increments` to the core's vllm:* registry (gauges: set, where ``gauges``)."""
     metrics = getattr(registry, "_tideserve_by_name", None)
     if metrics is None or len(metrics) != len(registry._collector_to_names):  # (built once; again if one came)
         metrics = {getattr(metric, "_name", None): metric for metric in list(registry._collector_to_names)}
@@ -219,7 +220,8 @@ def add_engine_increments(registry, entries) -> None:
             continue
         kind = metric._type
         if kind == "gauge":
-            child.set(values[0])
+            if gauges:
+                child.set(values[0])
         elif kind == "counter":
             if values[0] > 0:
                 child.inc(values[0])
@@ -625,7 +627,7 @@ class EngineClients:
                     if changed or now - client.state_sent >= STATE_EVERY_S:
                         found, client.state = client.state, None
                         client.state_sent = now
-                        state = [found.running, found.waiting, found.kv_cache_usage]
+                        state = [found.running, found.waiting, found.kv_cache_usage, found.at]
                     else:  # the latest state goes with the next message, at the latest STATE_EVERY_S after the last
                         self._later(uid, client.state_sent + STATE_EVERY_S - now)
                 engine = client.engine_increments(ended, state is not None)

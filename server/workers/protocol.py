@@ -276,7 +276,7 @@ class WorkerGenerations(msgspec.Struct, tag=True, array_like=True, omit_defaults
     finished: int = 0
     counters: dict[str, Any] | None = None
     llm: dict[str, list[float]] | None = None  # the LLM metrics' increments since the last message (engines.py)
-    state: list[float] | None = None  # the engine's last scheduler state this worker's client saw: running, waiting, kv
+    state: list[float] | None = None  # the engine's last scheduler state this worker's client saw: running, waiting, kv, at
     # the engine's vllm:* families (workers/engines.py engine_values): counter and histogram increments since the
     # last message, gauges as set by the last scheduler stats this worker's client saw; [family, label values, values]
     engine: list[tuple[str, list[str], list[float]]] | None = None

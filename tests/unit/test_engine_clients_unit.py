@@ -263,3 +263,41 @@ def test_a_worker_client_reads_its_vllm_families_at_a_generations_end():
     # (vllm:engine_sleep_state is the core client's own: not sent)
     assert [entry[0] for entry in client.engine_increments(False, True)] == ["vllm:num_requests_running"]
     assert client.engine_increments(True, False) == [("vllm:generation_tokens", ["llm", "0"], [2.0])]
+
+
+def test_a_workers_scheduler_state_older_than_the_cores_is_not_set():
+    """The engine sends each step's stats to one client: after an abort its last step (no outputs) goes to the
+    core's, while a worker may still send the state its client saw before (at most STATE_EVERY_S late). The core
+    sets the newest by when each client received it; an older one leaves the gauges (tideserve's and vllm:*) as
+    they are, and its counters still count."""
+    from tideserve.llm_backends.metrics import EngineStateGauges
+    from tideserve.llm_backends.vllm.engine import EngineState
+    from tideserve.workers.engines import engine_increments, engine_values
+
+    registry = CollectorRegistry()
+    metrics = LLMMetrics(registry)
+    core_vllm, core_families = _engine_registry()
+    worker_vllm, worker_families = _engine_registry()
+    runtime = _Runtime()
+    runtime.model = type("Model", (), {})()
+    runtime.model.metrics = metrics
+    runtime.model.vllm_registry = core_vllm
+    runtime.model.engine_state = gauges = EngineStateGauges(metrics, "llm", "1")
+    counts = CoreCounts(_Repository(runtime))
+
+    def running() -> tuple[float, float]:
+        return (registry.get_sample_value("tideserve:num_requests_running", {"model_name": "llm", "version": "1"}),
+                _samples(core_vllm)[("vllm:num_requests_running", (("engine", "0"), ("model_name", "llm")))])
+
+    seen_by_worker = 100.0
+    worker_families["running"].labels("llm", "0").set(1)
+    worker_families["tokens"].labels("llm", "0").inc(6)
+    assert gauges(EngineState(0, 0, 0.0, at=seen_by_worker + 0.01))  # the core's own client: the engine is idle
+    core_families["running"].labels("llm", "0").set(0)
+    stale = engine_increments(engine_values(worker_vllm), {})
+    counts.received(0, WorkerGenerations(7, 0, 1, None, None, [1, 0, 0.002, seen_by_worker], stale))
+    assert running() == (0, 0)
+    assert _samples(core_vllm)[("vllm:generation_tokens_total", (("engine", "0"), ("model_name", "llm")))] == 6
+    counts.received(0, WorkerGenerations(7, 1, 0, None, None, [1, 0, 0.002, seen_by_worker + 0.02], stale))
+    assert running() == (1, 1)
+    assert gauges(EngineState(2, 0, 0.004)) and running()[0] == 2  # a state without a time is always set
