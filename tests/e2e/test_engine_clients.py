@@ -75,10 +75,12 @@ def test_streams_through_both_workers_match_the_core(llm_server):
     expected = _core_text(llm_server, 12)
     texts, chats = [], []
     runs_before = len(re.findall(r"runs on this worker's engine client (\d)", llm_server.log()))
-    for i in range(24):  # a new connection each time: either worker may take it
-        if i >= 8 and _worker_runs(llm_server, runs_before) == {"1", "2"}:
-            break
-        with openai.OpenAI(base_url=f"{llm_server.base_url}/v1", api_key="unused", max_retries=0, timeout=120) as c:
+    # two clients open at once: their connections go to different workers (TIDESERVE_HTTP_FILL_CONNECTIONS 0: a
+    # worker accepts only while it holds no more connections than the other)
+    with openai.OpenAI(base_url=f"{llm_server.base_url}/v1", api_key="unused", max_retries=0, timeout=120) as one, \
+            openai.OpenAI(base_url=f"{llm_server.base_url}/v1", api_key="unused", max_retries=0, timeout=120) as two:
+        for i in range(8):
+            c = (one, two)[i % 2]
             chunks = list(c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
                                                extra_body={"ignore_eos": True}))
             texts.append("".join(chunk.choices[0].text for chunk in chunks if chunk.choices))
@@ -142,12 +144,13 @@ def test_vllm_families_count_the_requests_of_every_client(llm_server):
     runs_before = re.findall(r"runs on this worker's engine client (\d)", llm_server.log())
     _core_text(llm_server, 7)  # on the core's own client
     requests, tokens = 1, 7
-    runs: list[str] = []
-    for i in range(24):  # a new connection each time: either worker may take it
-        if i >= 6 and set(runs) == {"1", "2"}:
-            break
-        with openai.OpenAI(base_url=f"{llm_server.base_url}/v1", api_key="unused", max_retries=0, timeout=120) as c:
-            if i % 2:
+    # two clients open at once: the second's connection goes to the worker that holds none (workers/balance.py:
+    # with TIDESERVE_HTTP_FILL_CONNECTIONS 0 each worker accepts only while it holds no more than the others)
+    with openai.OpenAI(base_url=f"{llm_server.base_url}/v1", api_key="unused", max_retries=0, timeout=120) as one, \
+            openai.OpenAI(base_url=f"{llm_server.base_url}/v1", api_key="unused", max_retries=0, timeout=120) as two:
+        for i in range(6):
+            c = (one, two)[i % 2]
+            if i in (1, 4):
                 chunks = list(c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0,
                                                    stream=True, extra_body={"ignore_eos": True}))
                 assert chunks
@@ -155,8 +158,8 @@ def test_vllm_families_count_the_requests_of_every_client(llm_server):
                 reply = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0,
                                              extra_body={"ignore_eos": True})
                 assert reply.usage.completion_tokens == 5
-        requests, tokens = requests + 1, tokens + 5
-        runs = re.findall(r"runs on this worker's engine client (\d)", llm_server.log())[len(runs_before):]
+            requests, tokens = requests + 1, tokens + 5
+    runs = re.findall(r"runs on this worker's engine client (\d)", llm_server.log())[len(runs_before):]
     assert set(runs) == {"1", "2"}, runs  # both workers ran some on their own clients
     expected = {"vllm:request_success_total": requests, "vllm:generation_tokens_total": tokens,
                 "vllm:e2e_request_latency_seconds_count": requests, "vllm:time_to_first_token_seconds_count": requests,
