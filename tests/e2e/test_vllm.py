@@ -402,7 +402,9 @@ def test_generate_stream_sends_sse_deltas(llm_server, grpc_client):
         for line in r:
             if line.startswith(b"data:"):
                 events.append(json.loads(line[5:]))
-    assert len(events) > 2
+    # streamed (deltas that come while the frontend writes the last one are joined, as vLLM's output collector
+    # joins them for a reader that lags: on a busy machine 24 tokens came as 1 + 23 once)
+    assert len(events) >= 2
     assert "".join(e["text_output"] for e in events) == whole
     assert sum(e["num_output_tokens"] for e in events) == 24
 
