@@ -117,6 +117,7 @@ class DirectAnswers(msgspec.Struct, tag=True, array_like=True):
 
 
 DirectToProcess = DirectSubmit | wire.Cancel
+DirectToWorker = DirectAnswer | DirectAnswers
 
 
 def plain_inference(request: InferenceRequest) -> bool:
@@ -194,7 +195,7 @@ class BodyDecoder:
             return DirectAnswer(rid, wire.Response(error=wire.error_data(error)))
         return DirectAnswer(rid, wire.Response(final=True), body=body,
                             json_length=-1 if json_length is None else json_length)
-DirectToWorker = DirectAnswer | DirectAnswers
+
 
 _RETRY = object()
 
@@ -304,7 +305,7 @@ class DirectLink(asyncio.Protocol):
         self.address = address
         self.transport: asyncio.Transport | None = None
         self.reader = wire.FrameReader(DirectToWorker)
-        self.streams: dict[int, DirectStream] = {}
+        self.streams: dict[int, DirectStream | DirectJsonStream] = {}
         self.submits: list[wire.Request] = []  # requests to send (at the end of this loop turn, or once connected)
         self.bodies: list[DirectJson] = []  # HTTP bodies to send with them
         self.waiting: list[bytes] = []  # other frames to write after them (cancellations)
