@@ -854,11 +854,8 @@ class DataPlane(ServingInterface):
 
     def record_frontend_runs(self, model, count: int, elapsed_ns: int) -> None:
         stats = getattr(model, "stats", None)
-        if stats is None:
-            return
-        for _ in range(count):
-            stats.record_success(elapsed_ns)
-            stats.record_execution(1, 1, 0, elapsed_ns, 0)
+        if stats is not None:
+            stats.record_runs(count, elapsed_ns)
 
     async def infer_unary(self, request: InferenceRequest) -> InferenceResponse:
         """One request, one response: for protocols without streaming."""

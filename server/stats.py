@@ -170,6 +170,13 @@ class ModelStats:
         """``count`` requests waited ``ns`` in all in the queue."""
         self.queue.add(ns, count)
 
+    def record_runs(self, count: int, elapsed_ns: int) -> None:
+        """``count`` requests a frontend served by a shorter way than the model's own run, each as a success and an
+        execution of one inference, ``elapsed_ns`` long (``ServingInterface.record_frontend_runs``)."""
+        for _ in range(count):
+            self.record_success(elapsed_ns)
+            self.record_execution(1, 1, 0, elapsed_ns, 0)
+
     def record_execution(self, batch_size: int, requests: int, input_ns: int, infer_ns: int,
                          output_ns: int, inferences: int | None = None) -> None:
         """One model execution of ``batch_size`` rows; ``inferences``: the rows that are not padding

@@ -535,9 +535,7 @@ class EngineClients:
         stats = self.stats.get(runtime.uid)
         if stats is None:
             stats = self.stats[runtime.uid] = ModelStats(runtime.name, str(runtime.version))
-        for _ in range(count):
-            stats.record_success(elapsed_ns)
-            stats.record_execution(1, 1, 0, elapsed_ns, 0)
+        stats.record_runs(count, elapsed_ns)
         self.note(runtime.uid)
         self._flush()
 

@@ -218,7 +218,7 @@ class RemoteDataPlane(ServingInterface):
     def __init__(self, link: CoreLink) -> None:
         self.link = link
         self.direct = None  # a DirectRouter (workers/direct.py) with --frontend-direct on
-        self.engines = None  # an EngineClients (workers/engines.py): its engine clients (--frontend-direct on), its counters
+        self.engines = None  # an EngineClients (workers/engines.py): engine clients (--frontend-direct on), counters
 
     # -- health and metadata (from the pushed snapshot) ----------------------------------------------------
     @property
