@@ -337,7 +337,7 @@ class RemoteDataPlane(ServingInterface):
         through the core (whose DataPlane runs it; a refusal is raised by the stream's first step)."""
         if not self.accepting:
             raise Unavailable("the server is shutting down and accepts no new requests")
-        if self.engines is not None:
+        if self.direct is not None and self.engines is not None:  # (engines take workers' clients only then)
             stream = self.engines.generate(model_name, generation, model_version=model_version, id=id,
                                            priority=priority, timeout_us=timeout_us, arrival_ns=arrival_ns,
                                            trace_context=trace_context)
