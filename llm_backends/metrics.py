@@ -172,7 +172,7 @@ class EngineStateGauges:
 class GenerationTracker:
     """Timings of one generation; call :meth:`tokens` as increments arrive, :meth:`finish` at the end."""
 
-    __slots__ = ("_gaps", "_gaps_sum", "_itl", "_labels", "_last", "_metrics", "arrival", "generated",
+    __slots__ = ("_gaps", "_gaps_sum", "_itl", "_labels", "_last", "_metrics", "arrival", "finished", "generated",
                  "prompt_tokens")
 
     def __init__(self, metrics: LLMMetrics, model: str, version: str, arrival: float | None = None) -> None:
@@ -188,6 +188,7 @@ class GenerationTracker:
         self._gaps_sum = 0.0
         self.generated = 0
         self.prompt_tokens = 0
+        self.finished = False  # counted (finish runs once)
 
     def tokens(self, count: int) -> None:
         """``count`` new tokens arrived now (an increment may carry several)."""
@@ -231,6 +232,10 @@ class GenerationTracker:
                 buckets[i].inc(gaps[i])
 
     def finish(self, prompt_tokens: int, queue_time: float | None = None, aborted: bool = False) -> None:
+        """Count the generation: once (a later call does nothing)."""
+        if self.finished:
+            return
+        self.finished = True
         if self._gaps is not None:
             self._flush_gaps()
         m, labels = self._metrics, self._labels

@@ -447,7 +447,11 @@ class _Steps:
             return
         if not self.streaming:
             self.builder.add(output)
-        elif self.typed:
+            return
+        if output.finished:  # counted before the last piece goes out (as a whole answer is): a client that reads the
+            # metrics once it has the answer finds it there, also when a frontend worker's client ran it
+            Generator._finish(self.tracker, output, any(c.finish_reason == "abort" for c in outs))
+        if self.typed:
             delta = self.builder.step(output)
             if self.cached and output.finished and output.num_cached_tokens is not None:
                 delta.cached_tokens = int(output.num_cached_tokens)

@@ -265,6 +265,7 @@ class WorkerGenerationStream(DeltaStream):
         now = time.monotonic_ns()
         elapsed = now - self.arrival_ns
         stats = self._client.stats
+        self._executed(stats, now)
         error = self._error
         if error is None:
             if self._first_ns:
@@ -285,10 +286,16 @@ class WorkerGenerationStream(DeltaStream):
         self._cancel_request()
         now = time.monotonic_ns()
         stats = self._client.stats
+        self._executed(stats, now)
         if self._first_ns:
             stats.record_first_response(self._first_ns - self.arrival_ns)
         stats.record_failure(now - self.arrival_ns, "CANCELED")
         self._client.finished()
+
+    def _executed(self, stats, now: int) -> None:
+        """The request's execution, recorded with its end (the engine runs one request per execution)."""
+        stats.record_queue(0, 1)
+        stats.record_execution(1, 1, 0, now - self.queue_start_ns, 0, 1)
 
 
 class _NoClient(Exception):
@@ -413,9 +420,6 @@ class _Client:
 
     def _generated(self, task: asyncio.Task, stream: WorkerGenerationStream) -> None:
         self.running.discard(stream)
-        stats = self.stats
-        stats.record_queue(0, 1)
-        stats.record_execution(1, 1, 0, time.monotonic_ns() - stream.queue_start_ns, 0, 1)
         if task.cancelled():
             stream.send_error(Unavailable(f"model '{self.name}' was unloaded before the request finished"))
         elif (exc := task.exception()) is not None:
@@ -469,9 +473,11 @@ class _Client:
         return out or None
 
     def finished(self) -> None:
-        """A generation's stream ended (the reader saw its end or closed it)."""
+        """A generation's stream ended (the reader saw its end or closed it): told to the core now, with the
+        statistics and LLM metrics it counted, before the frontend writes the answer's end, so that a client that
+        reads them once it has the answer finds the request there (as in the one process)."""
         self.inflight -= 1
-        self.clients.note(self.uid, finished=1)
+        self.clients.note(self.uid, finished=1, now=True)
         if self.retiring and self.inflight <= 0:
             self.close()
 
@@ -589,18 +595,20 @@ class EngineClients:
             del self.stats[uid]  # (its last counters were sent)
             self._counters_sent.pop(uid, None)
 
-    def note(self, uid: int, started: int = 0, finished: int = 0, settled: bool = False) -> None:
-        """Tell the core (with the loop's next turn) of generations ``started`` and ``finished`` (their streams
-        ended), or that one has ``settled``: its Generator returned, so its LLM metrics are all recorded (a stream's
-        reader may see its last delta, and the stream end, before the Generator counts the request's success and
-        tokens: those must not wait for the worker's next generation)."""
+    def note(self, uid: int, started: int = 0, finished: int = 0, settled: bool = False, now: bool = False) -> None:
+        """Tell the core (with the loop's next turn, or at once with ``now``) of generations ``started`` and
+        ``finished`` (their streams ended), or that one has ``settled``: its Generator returned, so its LLM metrics
+        are all recorded (what it counts after the stream's end, an aborted request's say, must not wait for the
+        worker's next generation)."""
         entry = self._notes.get(uid)
         if entry is None:
             entry = self._notes[uid] = [0, 0, False]
         entry[0] += started
         entry[1] += finished
         entry[2] = entry[2] or settled
-        if not self._flush_scheduled:
+        if now:
+            self._flush()
+        elif not self._flush_scheduled:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
 

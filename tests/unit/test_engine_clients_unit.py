@@ -301,3 +301,45 @@ def test_a_workers_scheduler_state_older_than_the_cores_is_not_set():
     counts.received(0, WorkerGenerations(7, 1, 0, None, None, [1, 0, 0.002, seen_by_worker + 0.02], stale))
     assert running() == (1, 1)
     assert gauges(EngineState(2, 0, 0.004)) and running()[0] == 2  # a state without a time is always set
+
+
+
+def test_a_generations_end_reaches_the_core_before_the_reader_sees_it():
+    """A client that reads the statistics or /metrics once it has the answer finds the request counted, with engine
+    clients in the workers too: the stream's end sends the worker's counters (success, execution) and its LLM
+    metrics to the core at once, not with the loop's next turn, so before the frontend writes the answer's end."""
+    from types import SimpleNamespace
+
+    from tideserve.llm_backends.metrics import _BULK_OBSERVE
+    from tideserve.workers.engines import EngineClients, _Client
+
+    sent = []
+
+    async def run():
+        clients = EngineClients(SimpleNamespace(link=SimpleNamespace(send=sent.append)), 1)
+        client = clients.clients[7] = _Client(clients, SimpleNamespace(uid=7, name="llm", version=1), b"")
+        clients.stats[7] = client.stats
+        client.metrics = LLMMetrics(CollectorRegistry())
+        client.inflight = 1
+        stream = _stream(client)
+        tracker = client.metrics.tracker("llm", "1")
+        tracker.tokens(2)
+        tracker.finish(3)  # (the Generator counts a streamed request before it sends the last delta)
+        tracker.finish(3)  # (and once only)
+        stream.send_delta(GenerationDelta(["ab"], ["length"]), final=True)
+        async for _ in stream:
+            assert not sent  # the reader has the last delta, not yet the end
+        return list(sent)  # what went when the iteration ended, before the loop's next turn
+
+    got = asyncio.run(run())
+    assert [type(message) for message in got] == [WorkerGenerations] and got[0].finished == 1
+    runtime = _Runtime()
+    runtime.model = SimpleNamespace(metrics=LLMMetrics(registry := CollectorRegistry()), vllm_registry=None,
+                                    engine_state=None)
+    CoreCounts(_Repository(runtime)).received(0, got[0])
+    view = runtime.stats.view()
+    assert view.success.count == 1 and view.execution_count == 1 and view.inference_count == 1
+    if _BULK_OBSERVE:  # (the LLM metrics travel where prometheus_client's members are as the worker reads them)
+        labels = {"model_name": "llm", "version": "1"}
+        assert registry.get_sample_value("tideserve:request_success_total", labels) == 1
+        assert registry.get_sample_value("tideserve:generation_tokens_total", labels) == 2
