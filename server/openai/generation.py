@@ -233,6 +233,30 @@ class Chunks:
             self._head, index, orjson.dumps(text))
 
 
+def text_writer(write, render, usage: Usage, run: Run):
+    """A stream's taker of a delta of plain text of its one choice (``DeltaStream.write_through``): the chunk
+    ``render(text)`` written to the connection at once (the bytes the stream's events would yield for it), its tokens
+    counted, its prompt tokens kept on the run, as the events and :meth:`Run.step` read them; False for the last
+    delta, one with the prompt's log probabilities or cached tokens, and where the connection cannot take it now.
+    It runs in the engine's output handler: it must not raise."""
+
+    def take(delta) -> bool:
+        if delta.finish[0] is not None or delta.cached_tokens is not None or delta.prompt_logprobs is not None:
+            return False
+        text = delta.texts[0]
+        try:
+            if text and not write(render(text)):
+                return False
+        except Exception:  # noqa: BLE001 - the reader meets it again
+            return False
+        usage.add_step(delta)
+        if delta.prompt_tokens is not None:  # (what Run._keep reads of such a delta)
+            run.prompt_tokens = delta.prompt_tokens
+        return True
+
+    return take
+
+
 def chunk_event(header: dict, choice: dict, usage: Usage | None = None) -> bytes:
     """The SSE event of one streamed chunk holding ``choice``; ``usage`` (continuous usage stats) adds the
     counts so far."""

@@ -12,6 +12,7 @@ and size limits.
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 
@@ -21,7 +22,7 @@ from ...errors import ServerError
 from ...tool_parsers import tool_parser
 from ..chat_template import ChatTemplate, RenderBudget, TemplateError, special_tokens
 from ..errors import BadRequest, from_server_error
-from ..generation import Chunks, Run, Usage, close_all, collect
+from ..generation import Chunks, Run, Usage, close_all, collect, text_writer
 from ..http import DONE, EventStream, event, request_received_ns, request_timeout_us
 from ..limits import OpenAILimits
 from ..llm import LLMModel
@@ -163,7 +164,7 @@ async def _events(request: ChatCompletionRequest, header: dict, llm: LLMModel, r
     through = (plain_text and n == 1 and reply is not None and reply.write is not None
                and hasattr(run.stream, "write_through"))
     if through:  # a text delta's chunk written where the delta comes while this waits for the next
-        run.stream.write_through(_text_writer(reply.write, chunks, usage, run))
+        run.stream.write_through(text_writer(reply.write, functools.partial(chunks.text, 0), usage, run))
     try:
         while (step := await run.step()) is not None:
             usage.add_step(step)
@@ -208,26 +209,3 @@ async def _events(request: ChatCompletionRequest, header: dict, llm: LLMModel, r
     if include_usage:
         yield event({**header, "choices": [], "usage": usage.doc()})
     yield DONE
-
-
-def _text_writer(write, chunks: Chunks, usage: Usage, run: Run):
-    """The stream's taker of a delta of plain text of one choice (``DeltaStream.write_through``): its chunk written
-    to the connection at once (the bytes :func:`_events` yields for it), its tokens counted, its prompt tokens kept
-    on the run, as :func:`_events` and :meth:`Run.step` read it; False for the last delta, one with the prompt's log
-    probabilities or cached tokens, and where the connection cannot take it now."""
-
-    def take(delta) -> bool:
-        if delta.finish[0] is not None or delta.cached_tokens is not None or delta.prompt_logprobs is not None:
-            return False
-        text = delta.texts[0]
-        try:
-            if text and not write(chunks.text(0, text)):
-                return False
-        except Exception:  # noqa: BLE001 - the engine's output handler calls this: the reader meets it again
-            return False
-        usage.add_step(delta)
-        if delta.prompt_tokens is not None:  # (what Run._keep reads of such a delta)
-            run.prompt_tokens = delta.prompt_tokens
-        return True
-
-    return take

@@ -19,7 +19,7 @@ import orjson
 
 from ...errors import ServerError
 from ..errors import BadRequest, from_server_error
-from ..generation import Choice, Run, Usage, chunk_event, close_all, collect, merged, peek_all
+from ..generation import Choice, Chunks, Run, Usage, chunk_event, close_all, collect, merged, peek_all, text_writer
 from ..http import DONE, EventStream, event, request_received_ns, request_timeout_us
 from ..logprobs import CompletionLogprobs, prompt_logprobs
 from ..protocol import parse
@@ -79,7 +79,9 @@ async def create_completion(server, doc, scope) -> bytes | EventStream:
         raise
     header = {"id": request_id, "object": OBJECT, "created": int(time.time()), "model": llm.name}
     if stream:
-        return EventStream(_events(request, header, llm, runs, prompts, echoes), lambda: close_all(runs))
+        reply = EventStream(None, lambda: close_all(runs))
+        reply.events = _events(request, header, llm, runs, prompts, echoes, reply)
+        return reply
     await close_all(runs)
     return _response(request, header, llm, runs, prompts, echoes, results)
 
@@ -114,7 +116,8 @@ def _response(request: CompletionRequest, header: dict, llm, runs, prompts, echo
     return orjson.dumps({**header, "choices": choices, "usage": usage.doc()})
 
 
-async def _events(request: CompletionRequest, header: dict, llm, runs, prompts, echoes):
+async def _events(request: CompletionRequest, header: dict, llm, runs, prompts, echoes,
+                  reply: EventStream | None = None):
     n = request.n
     options = request.stream_options
     include_usage = bool(options and options.include_usage)
@@ -130,6 +133,14 @@ async def _events(request: CompletionRequest, header: dict, llm, runs, prompts, 
     logprobs = ([CompletionLogprobs(request.logprobs, offset(j)) for j in range(total)]
                 if request.logprobs is not None else None)
     echo_only = request.echo_only
+    # one prompt, one choice, plain text (no echo, log probabilities or live usage): a text delta's chunk is written
+    # where the delta comes while this waits for the next, as the chat stream does (DeltaStream.write_through)
+    through = (len(runs) == 1 and n == 1 and not request.echo and logprobs is None and live_usage is None
+               and reply is not None and reply.write is not None and hasattr(runs[0].stream, "write_through"))
+    if through:
+        head = Chunks(header)
+        runs[0].stream.write_through(text_writer(reply.write, lambda text: head.choice(
+            {"index": 0, "text": text, "logprobs": None, "finish_reason": None, "stop_reason": None}), usage, runs[0]))
     try:
         async for run, step in merged(runs):
             usage.add_step(step)
@@ -156,6 +167,9 @@ async def _events(request: CompletionRequest, header: dict, llm, runs, prompts, 
                     finished[index] = True
     except ServerError as exc:
         raise from_server_error(exc, FIELDS) from None
+    finally:
+        if through:
+            runs[0].stream.write_through(None)
     for index in range(total):  # a model that reports no finish reason ends its choices here
         if not finished[index]:
             last = {"index": index, "text": "", "logprobs": None, "finish_reason": "stop", "stop_reason": None}
