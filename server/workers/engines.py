@@ -542,8 +542,7 @@ class EngineClients:
         if stats is None:
             stats = self.stats[runtime.uid] = ModelStats(runtime.name, str(runtime.version))
         stats.record_runs(count, elapsed_ns)
-        self.note(runtime.uid)
-        self._flush()
+        self.note(runtime.uid, now=True)
 
     def start_building(self) -> None:
         """Build now the clients the core's current snapshot calls for (the versions loaded before this worker
